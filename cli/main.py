@@ -1,0 +1,53 @@
+"""``switchyard`` command dispatcher.
+
+Each subcommand lives with the part it belongs to, in a module that exposes
+``add_arguments(parser)`` and ``run(args) -> int``. Those modules keep heavy imports (JAX,
+gRPC, kopf) inside ``run`` so that ``switchyard --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("switchyard.service.demo", "generate text with the embedded tiny model, printing per-token timings"),
+    "make-checkpoint": ("switchyard.service.make_checkpoint",
+                        "write a random-weight Hugging Face checkpoint (with a tokenizer)"),
+    "serve": ("switchyard.service.serve_cli", "run the gRPC decode service"),
+    "generate": ("switchyard.service.client_cli", "stream a generation from a running service"),
+    "trace": ("switchyard.service.trace_cli", "inspect per-token traces"),
+    "plan": ("switchyard.operator.plan_cli", "choose a parallel layout for a model on a set of nodes"),
+    "operator": ("switchyard.operator.main", "run the Kubernetes operator"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="switchyard", description="LLM decode service for HGX GPU nodes")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            continue  # a part not installed in this image (the operator image has no JAX engine)
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

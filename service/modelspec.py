@@ -1,0 +1,325 @@
+"""Model shape of a Llama-family decoder, read from a Hugging Face ``config.json``.
+
+Pure Python (no JAX, no NumPy): the operator's planner imports this module too.
+Also holds :class:`ServingLayout`, the layout file the operator hands to each pod and
+``switchyard serve`` reads, so both sides share one definition of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelSpecError(ValueError):
+    """A config.json that does not describe a model this engine can run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def to_hf(self) -> dict[str, Any] | None:
+        if self.rope_type == "default":
+            return None
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        return {
+            "rope_type": "llama3",
+            "factor": self.factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelSpecError(f"{field} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelSpecError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelSpecError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ModelSpecError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelSpecError(
+                f"rope_scaling type {self.rope_scaling.rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if not self.rms_norm_eps > 0:
+            raise ModelSpecError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        norms = 2 * self.hidden_size
+        return attn + mlp + norms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def param_count(self) -> int:
+        head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.embedding_params + head + self.num_layers * self.layer_params + self.hidden_size
+
+    @property
+    def param_bytes(self) -> int:
+        return self.param_count * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V cache one token occupies across all layers."""
+        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+
+    def decode_bytes_per_step(self, batch: int, context: int) -> int:
+        """Bytes one decode step must read from HBM at the least: every weight a step uses once
+        (the embedding table is gathered, so only ``batch`` rows of it) plus each sequence's KV."""
+        weights = self.param_bytes - self.embedding_params * self.dtype_bytes
+        if self.tie_word_embeddings:
+            weights += self.embedding_params * self.dtype_bytes  # the table doubles as the LM head
+        embed_rows = batch * self.hidden_size * self.dtype_bytes
+        return weights + embed_rows + batch * context * self.kv_bytes_per_token
+
+    def allreduce_bytes(self, batch: int) -> int:
+        """Message size of one tensor-parallel all-reduce (the hidden state of the batch)."""
+        return batch * self.hidden_size * self.dtype_bytes
+
+    def valid_tp(self, tp: int) -> bool:
+        return tp > 0 and self.num_heads % tp == 0 and self.num_kv_heads % tp == 0
+
+    # ---- config.json -------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
+        if not isinstance(config, Mapping):
+            raise ModelSpecError("config must be a JSON object")
+        model_type = config.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelSpecError(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ModelSpecError(f"hidden_act {config['hidden_act']!r} is not supported (Llama uses silu)")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise ModelSpecError("attention_bias / mlp_bias are not supported")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in config]
+        if missing:
+            raise ModelSpecError(f"config.json lacks required fields: {', '.join(missing)}")
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else 0)
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+        return cls(
+            name=name or config.get("_name_or_path") or config.get("name") or "llama",
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            max_position_embeddings=config.get("max_position_embeddings", 8192),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling_from_config(config.get("rope_scaling")),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            dtype=str(dtype),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelSpec:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except FileNotFoundError as err:
+            raise ModelSpecError(f"no config.json at {path}") from err
+        except json.JSONDecodeError as err:
+            raise ModelSpecError(f"{path} is not valid JSON: {err}") from err
+        return cls.from_config(config, name=path.parent.name if path.name == "config.json" else None)
+
+    def to_config(self) -> dict[str, Any]:
+        """A Hugging Face ``LlamaConfig``-compatible dict."""
+        eos: int | list[int] | None
+        eos = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling.to_hf(),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": self.dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos if self.eos_token_ids else None,
+        }
+
+
+def _rope_scaling_from_config(raw: Any) -> RopeScaling:
+    if raw is None:
+        return RopeScaling()
+    if not isinstance(raw, Mapping):
+        raise ModelSpecError(f"rope_scaling must be an object or null, got {raw!r}")
+    rope_type = raw.get("rope_type") or raw.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelSpecError(
+            f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    factor = float(raw.get("factor", 1.0))
+    if not factor > 0 or math.isinf(factor):
+        raise ModelSpecError(f"rope_scaling.factor must be positive, got {factor}")
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=factor,
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )
+
+
+_LLAMA3_ROPE = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+
+PRESETS: dict[str, ModelSpec] = {
+    # Small enough for CPU tests and the README demo; GQA 2:1 like the real family.
+    "tiny": ModelSpec(name="tiny-llama", vocab_size=512, hidden_size=128, intermediate_size=352,
+                      num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16,
+                      max_position_embeddings=2048, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+                      dtype="float32", bos_token_id=1, eos_token_ids=(2,)),
+    "llama3-8b": ModelSpec(name="llama3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                           num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                           max_position_embeddings=8192, rope_theta=500000.0,
+                           bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    "llama3-70b": ModelSpec(name="llama3-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                            num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                            max_position_embeddings=8192, rope_theta=500000.0,
+                            bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    "llama3.1-405b": ModelSpec(name="llama3.1-405b", vocab_size=128256, hidden_size=16384,
+                               intermediate_size=53248, num_layers=126, num_heads=128, num_kv_heads=8,
+                               head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
+                               rope_scaling=_LLAMA3_ROPE, bos_token_id=128000,
+                               eos_token_ids=(128001, 128008, 128009)),
+}
+
+
+def preset(name: str) -> ModelSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ModelSpecError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})") from None
+
+
+# ---- the layout file the operator writes and `switchyard serve` reads ----------------------------
+STRATEGIES = ("auto", "xla", "oneshot", "twoshot")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingLayout:
+    """How one pod serves: its tensor-parallel size, collective strategy and KV budget.
+
+    Written by the operator as JSON into a ConfigMap; read by ``switchyard serve --layout``.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    strategy: str = "auto"
+    batch_slots: int = 8
+    max_seq_len: int = 2048
+    model_name: str = ""
+    model_path: str = ""
+    pipeline_stage: int = 0
+    coordinator: str = ""
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for field in ("tp", "pp", "dp", "batch_slots", "max_seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelSpecError(f"layout.{field} must be a positive integer, got {value!r}")
+        if self.strategy not in STRATEGIES:
+            raise ModelSpecError(f"layout.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if not 0 <= self.pipeline_stage < self.pp:
+            raise ModelSpecError(f"layout.pipeline_stage must be in [0, {self.pp}), got {self.pipeline_stage}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServingLayout:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ModelSpecError(f"layout file is not valid JSON: {err}") from err
+        if not isinstance(raw, dict):
+            raise ModelSpecError("layout file must hold a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ModelSpecError(f"layout file has unknown fields: {', '.join(unknown)}")
+        return cls(**raw)

@@ -1,0 +1,34 @@
+"""Test set-up: four simulated CPU devices for tensor-parallel tests, and the ``gpu`` marker."""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before JAX initialises its backends.
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import pytest  # noqa: E402
+
+
+def _gpu_count() -> int:
+    try:
+        import jax
+
+        return len(jax.devices("gpu"))
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    if _gpu_count() == 0:
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU visible to JAX; none found")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
