@@ -162,6 +162,15 @@ class ModelSpec:
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+        # transformers >= 5 writes rope settings as one `rope_parameters` object; older files use
+        # top-level `rope_theta` plus `rope_scaling`.
+        rope_params = config.get("rope_parameters")
+        if isinstance(rope_params, Mapping):
+            rope_theta = rope_params.get("rope_theta", config.get("rope_theta", 10000.0))
+            scaling = rope_params if rope_params.get("rope_type", "default") != "default" else None
+        else:
+            rope_theta = config.get("rope_theta", 10000.0)
+            scaling = config.get("rope_scaling")
         return cls(
             name=name or config.get("_name_or_path") or config.get("name") or "llama",
             vocab_size=config["vocab_size"],
@@ -173,8 +182,8 @@ class ModelSpec:
             head_dim=head_dim,
             max_position_embeddings=config.get("max_position_embeddings", 8192),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling_from_config(config.get("rope_scaling")),
+            rope_theta=float(rope_theta),
+            rope_scaling=_rope_scaling_from_config(scaling),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             dtype=str(dtype),
             bos_token_id=config.get("bos_token_id"),
@@ -244,12 +253,13 @@ def _rope_scaling_from_config(raw: Any) -> RopeScaling:
 
 
 _LLAMA3_ROPE = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+_TINY_ROPE = RopeScaling("llama3", 4.0, 1.0, 4.0, 256)
 
 PRESETS: dict[str, ModelSpec] = {
     # Small enough for CPU tests and the README demo; GQA 2:1 like the real family.
     "tiny": ModelSpec(name="tiny-llama", vocab_size=512, hidden_size=128, intermediate_size=352,
                       num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16,
-                      max_position_embeddings=2048, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+                      max_position_embeddings=2048, rope_theta=10000.0, rope_scaling=_TINY_ROPE,
                       dtype="float32", bos_token_id=1, eos_token_ids=(2,)),
     "llama3-8b": ModelSpec(name="llama3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,

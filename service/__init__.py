@@ -1,0 +1,1 @@
+"""Decode service: model spec, checkpoints, JAX engine, scheduler, gRPC server, tracing."""

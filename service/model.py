@@ -1,0 +1,248 @@
+"""Llama forward passes, written for one tensor-parallel shard (they run inside ``jax.shard_map``).
+
+Megatron layout: QKV and gate/up are column-parallel (each shard owns whole heads / a slice of the
+intermediate dimension), the attention output and down projections are row-parallel and followed
+by one all-reduce each, which the collective layer fuses with the residual add and the next RMSNorm.
+Weights are stored one array per layer and per matrix ([in, out] layout): a step reads each once,
+with no dynamic slicing of stacked weights (which would make XLA copy them).
+
+Parameter tree (global shapes; ``tp`` shards, ``c = (q_local + 2 kv_local) * head_dim``)::
+
+    embed [vocab, hidden]                      replicated (rows are gathered)
+    layers[i].attn_norm [hidden]               replicated
+    layers[i].wqkv [hidden, tp * c]            columns: shard r holds [q_r | k_r | v_r]
+    layers[i].wo [heads * head_dim, hidden]    rows by head
+    layers[i].mlp_norm [hidden]                replicated
+    layers[i].wgu [hidden, tp * 2 * inter/tp]  columns: shard r holds [gate_r | up_r]
+    layers[i].wdown [inter, hidden]            rows
+    final_norm [hidden]                        replicated
+    lm_head [hidden, padded_vocab]             columns (vocabulary-parallel logits)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from switchyard.kernels import all_reduce_residual_rmsnorm, rmsnorm
+from switchyard.service.modelspec import ModelSpec
+
+AXIS = "tp"
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardShape:
+    """Per-shard sizes for a model at a tensor-parallel degree."""
+
+    spec: ModelSpec
+    tp: int
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        if not s.valid_tp(self.tp):
+            raise ValueError(
+                f"tensor-parallel size {self.tp} must divide both the attention heads ({s.num_heads}) and "
+                f"the KV heads ({s.num_kv_heads}) of {s.name}")
+        if s.intermediate_size % self.tp:
+            raise ValueError(f"tensor-parallel size {self.tp} must divide intermediate_size {s.intermediate_size}")
+
+    @property
+    def q_heads(self) -> int:
+        return self.spec.num_heads // self.tp
+
+    @property
+    def kv_heads(self) -> int:
+        return self.spec.num_kv_heads // self.tp
+
+    @property
+    def qkv_cols(self) -> int:
+        return (self.q_heads + 2 * self.kv_heads) * self.spec.head_dim
+
+    @property
+    def inter(self) -> int:
+        return self.spec.intermediate_size // self.tp
+
+    @property
+    def padded_vocab(self) -> int:
+        return math.ceil(self.spec.vocab_size / self.tp) * self.tp
+
+
+def param_specs(spec: ModelSpec) -> Params:
+    layer = {"attn_norm": P(), "wqkv": P(None, AXIS), "wo": P(AXIS, None), "mlp_norm": P(),
+             "wgu": P(None, AXIS), "wdown": P(AXIS, None)}
+    return {"embed": P(), "layers": [dict(layer) for _ in range(spec.num_layers)], "final_norm": P(),
+            "lm_head": P(None, AXIS)}
+
+
+def param_shapes(shape: ShardShape) -> Params:
+    s, tp = shape.spec, shape.tp
+    layer = {"attn_norm": (s.hidden_size,), "wqkv": (s.hidden_size, tp * shape.qkv_cols),
+             "wo": (s.q_size, s.hidden_size), "mlp_norm": (s.hidden_size,),
+             "wgu": (s.hidden_size, 2 * s.intermediate_size), "wdown": (s.intermediate_size, s.hidden_size)}
+    return {"embed": (s.vocab_size, s.hidden_size), "layers": [dict(layer) for _ in range(s.num_layers)],
+            "final_norm": (s.hidden_size,), "lm_head": (s.hidden_size, shape.padded_vocab)}
+
+
+# ---- rotary embeddings ---------------------------------------------------------------------------
+def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
+    """Inverse frequencies with the model's rope scaling (as Hugging Face computes them)."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    rs = spec.rope_scaling
+    if rs.rope_type == "linear":
+        inv_freq = inv_freq / rs.factor
+    elif rs.rope_type == "llama3":
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [..., tokens, heads, head_dim] with positions [..., tokens] (rotate-half convention)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., tokens, dim/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[..., None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[..., None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+# ---- forward passes (per shard) ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    shape: ShardShape
+    strategy: str
+    inv_freq: tuple[float, ...]
+
+    @classmethod
+    def make(cls, spec: ModelSpec, tp: int, strategy: str) -> ForwardConfig:
+        return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)))
+
+
+def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
+    hd = shape.spec.head_dim
+    q_end = shape.q_heads * hd
+    k_end = q_end + shape.kv_heads * hd
+    lead = qkv.shape[:-1]
+    q = qkv[..., :q_end].reshape(*lead, shape.q_heads, hd)
+    k = qkv[..., q_end:k_end].reshape(*lead, shape.kv_heads, hd)
+    v = qkv[..., k_end:].reshape(*lead, shape.kv_heads, hd)
+    return q, k, v
+
+
+def _mlp(h: jax.Array, layer: Params, shape: ShardShape) -> jax.Array:
+    gu = h @ layer["wgu"]
+    gate, up = gu[..., : shape.inter], gu[..., shape.inter :]
+    act = (jax.nn.silu(gate.astype(jnp.float32)).astype(h.dtype)) * up
+    return act @ layer["wdown"]
+
+
+def _layer_loop(x: jax.Array, params: Params, cfg: ForwardConfig, attention) -> jax.Array:
+    """Runs all layers; ``attention(i, h)`` returns the shard's partial attention output."""
+    spec = cfg.shape.spec
+    layers = params["layers"]
+    eps = spec.rms_norm_eps
+    residual = x
+    h = rmsnorm(x, layers[0]["attn_norm"], eps)
+    for i, layer in enumerate(layers):
+        partial = attention(i, h) @ layer["wo"]
+        residual, h = all_reduce_residual_rmsnorm(partial, residual, layer["mlp_norm"], eps, AXIS, cfg.strategy)
+        next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["final_norm"]
+        residual, h = all_reduce_residual_rmsnorm(
+            _mlp(h, layer, cfg.shape), residual, next_norm, eps, AXIS, cfg.strategy)
+    return h
+
+
+def decode_forward(
+    params: Params,
+    k_cache: list[jax.Array],
+    v_cache: list[jax.Array],
+    tokens: jax.Array,
+    positions: jax.Array,
+    cfg: ForwardConfig,
+) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+    """One decode step for rows ``[0, batch)`` of the cache.
+
+    tokens, positions: [batch]; caches: per layer [slots, kv_heads_local, max_seq, head_dim].
+    Returns local logits [batch, padded_vocab / tp] (float32) and the updated caches.
+    """
+    shape = cfg.shape
+    batch = tokens.shape[0]
+    max_seq = k_cache[0].shape[2]
+    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
+    rows = jnp.arange(batch)
+    visible = jnp.arange(max_seq)[None, :] <= positions[:, None]  # [batch, max_seq]
+    scale = 1.0 / math.sqrt(shape.spec.head_dim)
+    new_k, new_v = list(k_cache), list(v_cache)
+
+    def attention(i: int, h: jax.Array) -> jax.Array:
+        q, k, v = _split_qkv(h @ params["layers"][i]["wqkv"], shape)  # [batch, heads, hd]
+        q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
+        k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0]
+        new_k[i] = new_k[i].at[rows, :, positions, :].set(k.astype(new_k[i].dtype))
+        new_v[i] = new_v[i].at[rows, :, positions, :].set(v.astype(new_v[i].dtype))
+        kc, vc = new_k[i][:batch], new_v[i][:batch]
+        group = shape.q_heads // shape.kv_heads
+        qg = q.reshape(batch, shape.kv_heads, group, shape.spec.head_dim)
+        scores = jnp.einsum("bkgd,bksd->bkgs", qg, kc, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
+        out = jnp.einsum("bkgs,bksd->bkgd", probs, vc)
+        return out.reshape(batch, shape.q_heads * shape.spec.head_dim).astype(h.dtype)
+
+    x = params["embed"][tokens]
+    h = _layer_loop(x, params, cfg, attention)
+    logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits, new_k, new_v
+
+
+def prefill_forward(
+    params: Params, tokens: jax.Array, length: jax.Array, cfg: ForwardConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal forward over one prompt padded to a bucket: tokens [T], true length scalar.
+
+    Returns the local logits at position ``length - 1`` [padded_vocab / tp] and the prompt's K and V
+    stacked over layers [layers, kv_heads_local, T, head_dim] (positions >= length hold padding).
+    """
+    shape = cfg.shape
+    T = tokens.shape[0]
+    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
+    positions = jnp.arange(T)
+    causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [q, k]
+    scale = 1.0 / math.sqrt(shape.spec.head_dim)
+    ks: list[jax.Array] = []
+    vs: list[jax.Array] = []
+
+    def attention(i: int, h: jax.Array) -> jax.Array:
+        q, k, v = _split_qkv(h @ params["layers"][i]["wqkv"], shape)  # [T, heads, hd]
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        ks.append(jnp.swapaxes(k, 0, 1))
+        vs.append(jnp.swapaxes(v, 0, 1))
+        group = shape.q_heads // shape.kv_heads
+        qg = q.reshape(T, shape.kv_heads, group, shape.spec.head_dim)
+        scores = jnp.einsum("qkgd,skd->kgqs", qg, k, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(causal[None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("kgqs,skd->qkgd", probs, v)
+        return out.reshape(T, shape.q_heads * shape.spec.head_dim).astype(h.dtype)
+
+    x = params["embed"][tokens]
+    h = _layer_loop(x, params, cfg, attention)
+    last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
+    logits = jnp.dot(last, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits, jnp.stack(ks), jnp.stack(vs)
