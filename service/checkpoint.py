@@ -49,7 +49,8 @@ class TensorSource:
                 raise CheckpointError(f"{INDEX_FILE} names {name}, which is not in {folder}")
             self._handles[name] = safe_open(str(path), framework="numpy")
         if not weight_map:
-            weight_map = {key: name for name, h in self._handles.items() for key in h.keys()}
+            # safe_open handles are not mappings: keys() is their only listing.
+            weight_map = {key: name for name, h in self._handles.items() for key in h.keys()}  # noqa: SIM118
         self._weight_map = weight_map
 
     def __contains__(self, name: str) -> bool:

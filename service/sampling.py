@@ -65,7 +65,7 @@ def sample_sharded(
 
     Must run inside ``shard_map``; returns int32 [rows], identical on every shard.
     """
-    rows, local_vocab = logits.shape
+    local_vocab = logits.shape[1]
     shard = jax.lax.axis_index(axis)
     offset = shard * local_vocab
     column = offset + jnp.arange(local_vocab)
