@@ -63,15 +63,23 @@ def generate(out_dir: Path) -> list[Path]:
         build.mkdir()
         for name in ("decode.proto", "grpc_service.proto"):
             shutil.copyfile(HERE / name, root / PROTO_PACKAGE_DIR / name)
-        _protoc([
-            f"-I{root}",
-            f"--python_out={build}",
-            f"--pyi_out={build}",
-            f"--grpc_python_out={build}",
-            str(PROTO_PACKAGE_DIR / "decode.proto"),
-        ])
+        _protoc(
+            [
+                f"-I{root}",
+                f"--python_out={build}",
+                f"--pyi_out={build}",
+                f"--grpc_python_out={build}",
+                str(PROTO_PACKAGE_DIR / "decode.proto"),
+            ]
+        )
         descriptor_set = Path(tmp) / "kserve.binpb"
-        _protoc([f"-I{root}", f"--descriptor_set_out={descriptor_set}", str(PROTO_PACKAGE_DIR / "grpc_service.proto")])
+        _protoc(
+            [
+                f"-I{root}",
+                f"--descriptor_set_out={descriptor_set}",
+                str(PROTO_PACKAGE_DIR / "grpc_service.proto"),
+            ]
+        )
         files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes())
         (kserve_file,) = files.file
         written = []
@@ -80,7 +88,9 @@ def generate(out_dir: Path) -> list[Path]:
             shutil.copyfile(build / PROTO_PACKAGE_DIR / name, target)
             written.append(target)
         target = out_dir / KSERVE_MODULE
-        target.write_text(_bytes_module(kserve_file.SerializeToString(deterministic=True), "grpc_service.proto"))
+        target.write_text(
+            _bytes_module(kserve_file.SerializeToString(deterministic=True), "grpc_service.proto")
+        )
         written.append(target)
     return written
 
