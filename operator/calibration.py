@@ -1,0 +1,251 @@
+"""Calibration data for the planner: HBM bandwidth per device, decode efficiency, all-reduce tables.
+
+The numbers live in ``calibration.json`` next to this file, each with its provenance ("measured" on
+which device by which benchmark, or "stated model"). :func:`from_results` rebuilds that file from the
+benchmark JSON files under ``benchmarks/results/`` once they land:
+
+    {"command": ..., "device": "NVIDIA H200", "date": ..., "rows": [...]}
+
+with decode rows ``model,tp,batch,context,strategy,ms_per_token,tokens_per_s,roofline_ms,
+fraction_of_roofline`` and all-reduce rows ``impl,gpus,bytes,dtype,us``. Pure except for the file
+loaders at the edges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import copy
+import dataclasses
+import functools
+import json
+import math
+import statistics
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+CALIBRATION_FILE = Path(__file__).resolve().parent / "calibration.json"
+IMPLS = ("xla", "oneshot", "twoshot")
+# Names benchmark scripts use for the same implementations.
+IMPL_ALIASES = {"xla": "xla", "nccl": "xla", "psum": "xla", "oneshot": "oneshot", "one_shot": "oneshot",
+                "symm_mem_oneshot": "oneshot", "twoshot": "twoshot", "two_shot": "twoshot",
+                "symm_mem_twoshot": "twoshot"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    hbm_bytes_per_s: float
+    kind: str  # "measured" or "stated model"
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    raw: Mapping[str, Any]
+
+    # ---- devices ------------------------------------------------------------------------------
+    def device(self, product: str) -> Device:
+        """The calibrated device whose ``match`` strings occur in a GFD product label."""
+        devices = self.raw["devices"]
+        upper = product.upper()
+        # Longest match first, so "H100 NVL" style names could get their own entry later.
+        candidates = sorted(((m, name) for name, d in devices.items() for m in d.get("match", [])),
+                            key=lambda pair: -len(pair[0]))
+        for match, name in candidates:
+            if match.upper() in upper:
+                return self._device(name)
+        return self._device("default")
+
+    def _device(self, name: str) -> Device:
+        d = self.raw["devices"][name]
+        return Device(name, float(d["hbm_bytes_per_s"]), d["kind"], d["source"])
+
+    @functools.cached_property
+    def _efficiencies(self) -> dict[int, float]:
+        """Decode efficiency per TP size, derived from the measured decode checks: the HBM roofline
+        per GPU over the measured step time less the all-reduce time this table predicts."""
+        from switchyard.service.modelspec import PRESETS  # the only service module we may use
+
+        by_tp: dict[int, list[float]] = {}
+        for check in self.raw["decode"]["checks"]:
+            spec = PRESETS.get(check["model"])
+            if spec is None:
+                continue  # a model without a built-in shape cannot give a roofline
+            tp, batch = int(check["tp"]), int(check["batch"])
+            device = self.device(check["device"])
+            roofline_ms = spec.decode_bytes_per_step(batch, int(check["context"])) / tp / device.hbm_bytes_per_s * 1e3
+            ar = self.best_allreduce(spec.allreduce_bytes(batch), tp, nvswitch=True,
+                                     strategy=check.get("strategy", "xla"))
+            ar_ms = 2 * spec.num_layers * (ar[1] if ar else 0.0) / 1e3
+            by_tp.setdefault(tp, []).append(roofline_ms / (float(check["ms_per_token"]) - ar_ms))
+        if not by_tp:
+            raise ValueError("the calibration has no usable decode check")
+        return {tp: statistics.median(v) for tp, v in sorted(by_tp.items())}
+
+    def decode_efficiency(self, tp: int) -> tuple[float, str]:
+        """(efficiency, provenance) for a TP size: measured where a check exists, else the stated
+        per-doubling extrapolation."""
+        eff = self._efficiencies
+        if tp in eff:
+            return eff[tp], f"measured at TP={tp}"
+        measured = sorted(eff)
+        ratio = 1.0
+        if len(measured) >= 2:
+            t1, t2 = measured[0], measured[1]
+            ratio = (eff[t2] / eff[t1]) ** (1.0 / math.log2(t2 / t1))
+        base = max((t for t in measured if t <= tp), default=measured[0])
+        value = eff[base] * ratio ** math.log2(tp / base)
+        return value, f"TP={tp} extrapolated from TP={base} by x{ratio:.3f} per doubling (stated model)"
+
+    @property
+    def models(self) -> Mapping[str, Any]:
+        return self.raw["models"]
+
+    def prefill_flops(self, device: Device) -> float:
+        table = self.models["prefill_flops_per_s"]
+        return float(table.get(device.name, table["default"]))
+
+    # ---- all-reduce ---------------------------------------------------------------------------
+    def allreduce_us(self, impl: str, nbytes: int, gpus: int) -> float | None:
+        """Estimated latency of one all-reduce of ``nbytes`` over ``gpus`` GPUs of one NVSwitch
+        domain, or None where the table offers no figure (oneshot beyond its largest size)."""
+        if gpus <= 1:
+            return 0.0
+        table = self.raw["allreduce"]["us"].get(impl)
+        if not table:
+            return None
+        sizes = [float(s) for s, _ in table]
+        times = [float(t) for _, t in table]
+        if impl == "oneshot" and nbytes > sizes[-1]:
+            return None
+        measured_gpus = int(self.raw["allreduce"]["gpus"])
+        t_at = _interpolate(sizes, times, max(nbytes, 1))
+        latency = times[0]
+        bandwidth_part = max(t_at - latency, 0.0)
+        doublings = max(math.log2(gpus / measured_gpus), 0.0)
+        growth = float(self.models["latency_growth_per_doubling"][impl])
+        latency *= 1.0 + growth * doublings
+        bandwidth_part *= _bytes_factor(impl, gpus) / _bytes_factor(impl, measured_gpus)
+        return latency + bandwidth_part
+
+    def best_allreduce(self, nbytes: int, gpus: int, nvswitch: bool,
+                       strategy: str = "auto") -> tuple[str, float] | None:
+        """(implementation, µs) for a strategy setting. ``auto`` takes the fastest one the topology
+        allows, which is what the kernels' auto mode picks by message size."""
+        if gpus <= 1:
+            return ("xla", 0.0)
+        allowed = IMPLS if nvswitch else ("xla",)
+        wanted = allowed if strategy == "auto" else (strategy,)
+        best: tuple[str, float] | None = None
+        for impl in wanted:
+            if impl not in allowed:
+                continue
+            us = self.allreduce_us(impl, nbytes, gpus)
+            if us is None:
+                continue
+            if not nvswitch:
+                us *= float(self.models["pcie_allreduce_factor"])
+            if best is None or us < best[1]:
+                best = (impl, us)
+        return best
+
+
+def _bytes_factor(impl: str, gpus: int) -> float:
+    if impl == "oneshot":
+        return float(gpus - 1)
+    return 2.0 * (gpus - 1) / gpus
+
+
+def _interpolate(sizes: list[float], times: list[float], nbytes: float) -> float:
+    """Log-log interpolation inside the table; flat below it; linear in bytes above it."""
+    if nbytes <= sizes[0]:
+        return times[0]
+    if nbytes >= sizes[-1]:
+        if len(sizes) == 1:
+            return times[-1]
+        slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+        return times[-1] + slope * (nbytes - sizes[-1])
+    i = bisect.bisect_right(sizes, nbytes)
+    x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
+    f = (math.log(nbytes) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+
+
+@functools.cache
+def _load_default() -> Calibration:
+    return Calibration(json.loads(CALIBRATION_FILE.read_text()))
+
+
+def load(path: str | Path | None = None) -> Calibration:
+    if path is None:
+        return _load_default()
+    return Calibration(json.loads(Path(path).read_text()))
+
+
+# ---- regeneration from benchmarks/results/*.json ---------------------------------------------------
+def device_name(device: str, devices: Mapping[str, Any]) -> str | None:
+    for name, d in devices.items():
+        if any(m.upper() in device.upper() for m in d.get("match", [])):
+            return name
+    return None
+
+
+def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any]) -> dict[str, Any]:
+    """A new calibration: ``base`` with its measured entries replaced by what the result files hold.
+
+    All-reduce rows replace the table of their implementation (median per size, bf16, one GPU
+    count); decode rows replace the decode checks the planner derives its efficiency from. Anything
+    the result files do not cover stays as it was, with its provenance.
+    """
+    out = copy.deepcopy(dict(base))
+    ar: dict[str, dict[int, list[float]]] = {}
+    ar_sources: dict[str, str] = {}
+    ar_gpus: set[int] = set()
+    checks: list[dict[str, Any]] = []
+    for result in results:
+        where = f"{result.get('device', '?')} {result.get('date', '?')}: {result.get('command', '?')}"
+        for row in result.get("rows", []):
+            if "impl" in row and "us" in row:
+                impl = IMPL_ALIASES.get(str(row["impl"]).lower())
+                if impl is None or str(row.get("dtype", "bfloat16")) not in ("bfloat16", "bf16"):
+                    continue
+                ar_gpus.add(int(row["gpus"]))
+                ar.setdefault(impl, {}).setdefault(int(row["bytes"]), []).append(float(row["us"]))
+                ar_sources[impl] = where
+            elif "ms_per_token" in row:
+                check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
+                         if k in row}
+                check["device"] = result.get("device", "")
+                check["source"] = where
+                checks.append(check)
+    if len(ar_gpus) > 1:
+        raise ValueError(f"all-reduce rows for several GPU counts {sorted(ar_gpus)}: give one count per calibration")
+    for impl, by_size in ar.items():
+        out["allreduce"]["us"][impl] = [[size, round(statistics.median(v), 3)] for size, v in sorted(by_size.items())]
+        out["allreduce"]["gpus"] = next(iter(ar_gpus))
+        out["allreduce"]["kind"] = "measured"
+        out["allreduce"]["source"] = "; ".join(sorted(set(ar_sources.values())))
+    if checks:
+        out["decode"]["checks"] = checks
+        out["decode"]["kind"] = "measured"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="rebuild the planner calibration from benchmark results")
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=CALIBRATION_FILE)
+    args = parser.parse_args(argv)
+    files = sorted(args.results.glob("*.json"))
+    results = [json.loads(f.read_text()) for f in files]
+    new = from_results(results, json.loads(CALIBRATION_FILE.read_text()))
+    args.out.write_text(json.dumps(new, indent=2) + "\n")
+    print(f"{args.out}: from {len(files)} result file(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

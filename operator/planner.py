@@ -1,0 +1,481 @@
+"""Choose a parallel layout (tp, pp, dp, all-reduce strategy, batch, KV budget, placement) for a model
+on the GPU nodes at hand, and say why. Pure and deterministic: same inputs, same plan.
+
+The model of one decode step (every term is a measurement from ``calibration.json`` or a stated model
+whose statement is printed in the reasons):
+
+* a pipeline stage reads its share of the weights and of the KV cache of its micro-batch from HBM:
+  ``bytes / (tp * pp) / (HBM bandwidth * decode efficiency(tp))``, or computes
+  ``2 * parameters * batch / (tp * pp * flops)``, whichever is longer;
+* plus ``2 * layers / pp`` tensor-parallel all-reduces of the batch's hidden state (the calibrated
+  table of the chosen strategy, scaled from 2 GPUs to ``tp``);
+* plus a hop to the next stage when ``pp > 1``. With ``pp`` micro-batches in flight one token of every
+  sequence takes ``pp`` stage times, and a group emits ``batch`` tokens in that time.
+
+Tensor parallelism stays inside one NVSwitch domain (one HGX node); pipeline stages are separate pods
+and may sit on other nodes. A pipeline group is placed whole or not at all (gang safety).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from switchyard.service.modelspec import ModelSpec
+
+from . import calibration as calibration_mod
+from .inventory import GpuNode, Inventory
+
+OBJECTIVES = ("latency", "throughput", "balanced")
+TP_SIZES = (1, 2, 4, 8)
+MAX_PP = 64
+MAX_REPLICAS = 1024
+# Balanced: the most tokens/s per GPU among layouts within this factor of the fastest ms/token.
+BALANCED_LATENCY_FACTOR = 2.0
+GiB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the DecodeService asks for (spec fields, defaults applied)."""
+
+    objective: str = "balanced"
+    input_tokens: int = 1024
+    output_tokens: int = 256
+    concurrency: int = 8
+    max_tpot_ms: float | None = None
+    max_ttft_ms: float | None = None
+    target_tokens_per_s: float | None = None
+    replicas: int | None = None  # pinned data-parallel replicas; None = auto
+    tp: int | None = None
+    pp: int | None = None
+    strategy: str = "auto"
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int  # replicas placed now
+    product: str
+    memory_bytes: int
+    nvswitch: bool
+    strategy: str  # what the pods are told: auto/xla/oneshot/twoshot
+    allreduce_impl: str  # what the estimate assumed
+    batch_slots: int  # decode slots per replica
+    active_batch: int  # sequences per replica the estimate is for
+    max_seq_len: int
+    kv_budget_tokens: int  # KV tokens one replica holds
+    kv_bytes_per_gpu: int
+    weight_bytes_per_gpu: int
+    ms_per_token: float
+    tokens_per_s: float  # all replicas
+    ttft_ms: float
+    placement: tuple[tuple[str, ...], ...]  # per replica, the node of each stage
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def memory_per_gpu_bytes(self) -> int:
+        return self.weight_bytes_per_gpu + self.kv_bytes_per_gpu
+
+    @property
+    def summary(self) -> str:
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp} {self.product}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    layout: str
+    ms_per_token: float | None
+    tokens_per_s: float | None
+    rejected: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    layout: Layout | None
+    status: str  # Planned | InsufficientCapacity | DoesNotFit | NoGPUNodes
+    message: str
+    reasons: tuple[str, ...]
+    alternatives: tuple[Alternative, ...]
+    replicas_wanted: int = 0
+    slo_met: bool = True
+
+    @property
+    def placed_whole(self) -> bool:
+        return self.layout is not None and self.layout.dp >= self.replicas_wanted
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pool:
+    product: str
+    memory_bytes: int
+    nvswitch: bool
+    nodes: tuple[GpuNode, ...]
+
+    @property
+    def label(self) -> str:
+        link = "NVSwitch" if self.nvswitch else "PCIe/unknown topology: xla all-reduce only"
+        return f"{self.product} ({self.memory_bytes / GiB:.0f} GiB, {link})"
+
+
+@dataclasses.dataclass
+class _Candidate:
+    layout: Layout
+    slo_ok: bool
+    slo_note: str
+    groups_free: int
+    replicas_wanted: int
+    efficiency_note: str
+    ar_us: float
+    ar_bytes: int
+    usable_bytes: int
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.gpus_per_replica * max(self.layout.dp, 1)
+
+
+def plan(model: ModelSpec, inventory: Inventory, request: Request,
+         cal: calibration_mod.Calibration | None = None) -> Plan:
+    cal = cal or calibration_mod.load()
+    m = cal.models
+    max_seq = min(request.input_tokens + request.output_tokens, model.max_position_embeddings)
+    ctx_avg = min(request.input_tokens + request.output_tokens // 2, max_seq)
+    reasons = [
+        f"model {model.name}: {model.param_bytes / GiB:.1f} GiB weights, "
+        f"{model.kv_bytes_per_token / 1024:.0f} KiB KV per token; sequences up to {max_seq} tokens "
+        f"({request.input_tokens} in + {request.output_tokens} out), {request.concurrency} concurrent"
+    ]
+    eligible, left_out = inventory.eligible(request.node_selector, request.tolerations)
+    if left_out:
+        reasons.append(f"{len(left_out)} GPU node(s) left out: " + "; ".join(left_out[:5])
+                       + (" ..." if len(left_out) > 5 else ""))
+    if not eligible:
+        msg = "no Ready, schedulable GPU node matches the nodeSelector and tolerations"
+        return Plan(None, "NoGPUNodes", msg, (*reasons, msg), ())
+
+    pools = _pools(eligible)
+    for pool in pools:
+        reasons.append(f"{len(pool.nodes)} node(s) of {pool.label}: "
+                       f"{sum(n.free for n in pool.nodes)} of {sum(n.gpus for n in pool.nodes)} GPUs free")
+
+    candidates: list[_Candidate] = []
+    rejected: list[Alternative] = []
+    for pool in pools:
+        device = cal.device(pool.product)
+        usable = int(pool.memory_bytes * (1 - float(m["memory_headroom_fraction"])) - int(m["runtime_reserve_bytes"]))
+        max_node_gpus = max(n.gpus for n in pool.nodes)
+        for tp in TP_SIZES:
+            if request.tp is not None and tp != request.tp:
+                continue
+            name = f"TP{tp} {pool.product}"
+            if not model.valid_tp(tp):
+                rejected.append(Alternative(name, None, None,
+                                            f"{model.num_heads} heads / {model.num_kv_heads} KV heads "
+                                            f"do not split {tp} ways"))
+                continue
+            if tp > max_node_gpus:
+                rejected.append(Alternative(name, None, None,
+                                            f"TP{tp} needs {tp} GPUs in one NVSwitch domain; nodes have "
+                                            f"{max_node_gpus}"))
+                continue
+            if request.strategy in ("oneshot", "twoshot") and tp > 1 and not pool.nvswitch:
+                rejected.append(Alternative(name, None, None,
+                                            f"all-reduce {request.strategy} needs an NVSwitch domain"))
+                continue
+            fitting_pp = 0
+            for pp in _divisors(model.num_layers):
+                if pp > MAX_PP or (request.pp is not None and pp != request.pp):
+                    continue
+                if fitting_pp and pp > fitting_pp * 8:
+                    break  # beyond this, pipeline stages only add hops
+                cand, why = _evaluate(model, pool, device, cal, request, tp, pp, usable, max_seq, ctx_avg)
+                label = f"TP{tp}xPP{pp} {pool.product}"
+                if cand is None:
+                    rejected.append(Alternative(label, None, None, why))
+                    continue
+                fitting_pp = fitting_pp or pp
+                candidates.append(cand)
+
+    if not candidates:
+        best_fit = _closest_misses(rejected)
+        msg = (f"{model.name} does not fit the eligible GPUs with any layout "
+               f"(TP up to {max(n.gpus for n in eligible)} per node, pipeline stages across nodes)")
+        return Plan(None, "DoesNotFit", msg, (*reasons, msg), tuple(best_fit))
+
+    placeable = [c for c in candidates if c.groups_free > 0 or c.replicas_wanted == 0]
+    pool_for_choice = placeable or candidates
+    chosen = _choose(pool_for_choice, request.objective)
+    lay = chosen.layout
+    status, message = "Planned", f"{lay.summary}: {lay.ms_per_token:.2f} ms/token, {lay.tokens_per_s:.0f} tokens/s"
+    if not placeable:
+        status = "InsufficientCapacity"
+        message = (f"{lay.summary.replace(f'DP{lay.dp}', 'DP0')} fits, but no free GPUs can take a whole "
+                   f"pipeline group of {lay.pp} pod(s) x {lay.tp} GPU(s) now")
+    elif lay.dp < chosen.replicas_wanted:
+        status = "InsufficientCapacity"
+        message = (f"placed {lay.dp} of {chosen.replicas_wanted} replicas of {lay.summary}; "
+                   f"no partial pipeline groups are created")
+
+    eff = cal.decode_efficiency(lay.tp)[0]
+    device = cal.device(lay.product)
+    reasons += [
+        f"objective {request.objective}: chose {lay.summary} with {lay.dp} replica(s) of {lay.tp}x{lay.pp} GPUs: "
+        f"{lay.ms_per_token:.2f} ms/token, {lay.tokens_per_s:.0f} tokens/s at {lay.active_batch} sequence(s) per "
+        f"replica ({_why(chosen, request.objective)})",
+        f"memory per GPU: {lay.weight_bytes_per_gpu / GiB:.1f} GiB weights + {lay.kv_bytes_per_gpu / GiB:.1f} GiB KV "
+        f"({lay.batch_slots} slots x {lay.max_seq_len} tokens) of {chosen.usable_bytes / GiB:.1f} GiB usable "
+        f"({1 - float(m['memory_headroom_fraction']):.0%} of {lay.memory_bytes / GiB:.0f} GiB less "
+        f"{int(m['runtime_reserve_bytes']) / GiB:.0f} GiB reserve, stated model)",
+        f"HBM {device.hbm_bytes_per_s / 1e12:.1f} TB/s ({device.kind}: {device.source}); decode efficiency "
+        f"{eff:.3f} ({chosen.efficiency_note})",
+    ]
+    if lay.tp > 1:
+        reasons.append(
+            f"all-reduce {lay.strategy} (estimate: {lay.allreduce_impl}, {chosen.ar_us:.1f} us per call at "
+            f"{chosen.ar_bytes / 1024:.0f} KiB over {lay.tp} GPUs, {2 * model.num_layers // lay.pp} calls per "
+            f"stage step; {cal.raw['allreduce']['kind']} at {cal.raw['allreduce']['gpus']} GPUs"
+            + (", scaled to more GPUs by the stated model)" if lay.tp > int(cal.raw['allreduce']['gpus']) else ")"))
+    if lay.pp > 1:
+        reasons.append(f"{lay.pp} pipeline stages of {model.num_layers // lay.pp} layers, "
+                       f"{lay.pp} micro-batches in flight; hop {float(m['pipeline_hop_us']):.0f} us + activations "
+                       f"at {float(m['pipeline_hop_bytes_per_s']) / 1e9:.0f} GB/s (stated model)")
+    if chosen.slo_note:
+        reasons.append(chosen.slo_note)
+    if status != "Planned":
+        reasons.append(message)
+    alternatives = _alternatives(chosen, pool_for_choice, rejected, request.objective)
+    return Plan(lay, status, message, tuple(reasons), tuple(alternatives),
+                replicas_wanted=chosen.replicas_wanted, slo_met=chosen.slo_ok)
+
+
+# ---- candidates --------------------------------------------------------------------------------------
+def _pools(nodes: Sequence[GpuNode]) -> list[_Pool]:
+    groups: dict[tuple[str, int, bool], list[GpuNode]] = {}
+    for node in nodes:
+        groups.setdefault((node.product, node.memory_bytes, node.nvswitch), []).append(node)
+    return [_Pool(p, mem, nv, tuple(sorted(ns, key=lambda n: n.name)))
+            for (p, mem, nv), ns in sorted(groups.items())]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def place(nodes: Sequence[GpuNode], tp: int, pp: int, groups: int, use_free: bool = True) -> list[tuple[str, ...]]:
+    """Place up to ``groups`` pipeline groups of ``pp`` pods x ``tp`` GPUs, first fit in node order,
+    stages of a group packed onto the same node while it has room. A group that cannot be placed
+    whole is not placed at all. O(nodes + groups * pp): a node skipped once never fits again."""
+    free = [n.free if use_free else n.gpus for n in nodes]
+    out: list[tuple[str, ...]] = []
+    cursor = 0
+    while len(out) < groups:
+        taken: list[int] = []
+        probe = cursor
+        for _ in range(pp):
+            while probe < len(nodes) and free[probe] < tp:
+                probe += 1
+            if probe == len(nodes):
+                break
+            free[probe] -= tp
+            taken.append(probe)
+        if len(taken) < pp:
+            for i in taken:
+                free[i] += tp
+            break
+        out.append(tuple(nodes[i].name for i in taken))
+        while cursor < len(nodes) and free[cursor] < tp:
+            cursor += 1
+    return out
+
+
+def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal: calibration_mod.Calibration,
+              request: Request, tp: int, pp: int, usable: int, max_seq: int,
+              ctx_avg: int) -> tuple[_Candidate | None, str]:
+    m = cal.models
+    gpus = tp * pp
+    weights = math.ceil(model.param_bytes / gpus)
+    if weights >= usable:
+        return None, (f"weights {weights / GiB:.1f} GiB per GPU exceed the {usable / GiB:.1f} GiB usable "
+                      f"on {pool.product}")
+    kv_token_gpu = model.kv_bytes_per_token / gpus
+    mem_slots = int((usable - weights) // (kv_token_gpu * max_seq))
+    if mem_slots < 1:
+        return None, f"no room for the KV cache of one {max_seq}-token sequence after the weights"
+    if len(pool.nodes) * max(n.gpus for n in pool.nodes) < gpus or not place(pool.nodes, tp, pp, 1, use_free=False):
+        return None, f"a group of {pp} pod(s) x {tp} GPUs does not fit these nodes even when empty"
+    max_slots = min(mem_slots, int(m["max_batch_slots"]))
+
+    eff, eff_note = cal.decode_efficiency(tp)
+    bw = device.hbm_bytes_per_s * eff
+    flops = cal.prefill_flops(device)
+    hop_us, hop_bw = float(m["pipeline_hop_us"]), float(m["pipeline_hop_bytes_per_s"])
+
+    def step(batch: int) -> tuple[float, str, float, int] | None:
+        """(ms per token, all-reduce impl, µs per all-reduce, all-reduce bytes) at ``batch`` per replica."""
+        mb = max(math.ceil(batch / pp), 1)
+        mem_ms = model.decode_bytes_per_step(mb, ctx_avg) / gpus / bw * 1e3
+        comp_ms = 2 * model.param_count * mb / gpus / flops * 1e3
+        nbytes = model.allreduce_bytes(mb)
+        ar = cal.best_allreduce(nbytes, tp, pool.nvswitch, request.strategy)
+        if ar is None:
+            return None
+        ar_ms = 2 * (model.num_layers / pp) * ar[1] / 1e3
+        hop_ms = 0.0 if pp == 1 else (hop_us + nbytes / hop_bw * 1e6) / 1e3
+        return pp * (max(mem_ms, comp_ms) + ar_ms + hop_ms), ar[0], ar[1], nbytes
+
+    groups_free = len(place(pool.nodes, tp, pp, MAX_REPLICAS))
+    first = step(1)
+    if first is None:
+        return None, f"all-reduce {request.strategy} has no calibrated figure for this message size"
+
+    # Replicas and batch per replica, by objective (stated in the module docstring of the reasons).
+    pinned = request.replicas
+    if request.objective == "throughput":
+        batch = max_slots
+        dp = pinned if pinned is not None else max(groups_free, 1)
+    elif request.objective == "latency":
+        dp = pinned if pinned is not None else max(min(groups_free, request.concurrency), 1)
+        batch = min(max_slots, math.ceil(request.concurrency / max(dp, 1)))
+    else:
+        dp = pinned if pinned is not None else max(min(groups_free, math.ceil(request.concurrency / max_slots)), 1)
+        batch = min(max_slots, math.ceil(request.concurrency / max(dp, 1)))
+
+    slo_ok, slo_note = True, ""
+    if request.max_tpot_ms is not None:
+        res = step(batch)
+        if res is None or res[0] > request.max_tpot_ms:
+            lo, hi = 0, batch  # largest batch meeting the SLO: step time grows with the batch
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                r = step(mid)
+                if r is not None and r[0] <= request.max_tpot_ms:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo == 0:
+                slo_ok = False
+                slo_note = (f"SLO not met: even one sequence per replica takes {first[0]:.2f} ms/token "
+                            f"> {request.max_tpot_ms:g} ms")
+            else:
+                slo_note = (f"batch per replica held to {lo} (from {batch}) to keep time per output token "
+                            f"under {request.max_tpot_ms:g} ms")
+                batch = lo
+                if pinned is None and request.objective != "throughput":
+                    dp = max(min(groups_free, math.ceil(request.concurrency / batch)), 1)
+    res = step(batch)
+    assert res is not None  # batch <= a size that already had a figure
+    ms, impl, ar_us, ar_bytes = res
+    group_tps = batch / ms * 1e3
+    if request.target_tokens_per_s is not None and pinned is None:
+        needed = math.ceil(request.target_tokens_per_s / group_tps)
+        if needed > dp:
+            dp = min(needed, max(groups_free, 1))
+        if needed > groups_free:
+            slo_ok = False
+            slo_note = (f"target {request.target_tokens_per_s:g} tokens/s needs {needed} replicas; "
+                        f"{groups_free} can be placed ({groups_free * group_tps:.0f} tokens/s)")
+    ttft = 2 * model.param_count * request.input_tokens / (tp * flops) * 1e3 + first[0]
+    if request.max_ttft_ms is not None and ttft > request.max_ttft_ms:
+        slo_ok = False
+        slo_note = (slo_note + "; " if slo_note else "") + (
+            f"SLO not met: time to first token {ttft:.0f} ms > {request.max_ttft_ms:g} ms "
+            f"(prefill at {flops / 1e12:.0f} TFLOP/s, stated model)")
+    dp = min(dp, MAX_REPLICAS)
+    placed = place(pool.nodes, tp, pp, dp)
+    strategy = request.strategy
+    if tp == 1:
+        strategy = "xla"  # nothing to reduce
+    elif not pool.nvswitch:
+        strategy = "xla"
+    layout = Layout(
+        tp=tp, pp=pp, dp=len(placed), product=pool.product, memory_bytes=pool.memory_bytes,
+        nvswitch=pool.nvswitch, strategy=strategy, allreduce_impl=impl if tp > 1 else "none",
+        batch_slots=batch, active_batch=batch, max_seq_len=max_seq,
+        kv_budget_tokens=batch * max_seq,
+        kv_bytes_per_gpu=math.ceil(batch * max_seq * kv_token_gpu), weight_bytes_per_gpu=weights,
+        ms_per_token=round(ms, 3), tokens_per_s=round(group_tps * len(placed), 1),
+        ttft_ms=round(ttft, 1), placement=tuple(placed),
+    )
+    return _Candidate(layout, slo_ok, slo_note, groups_free, dp, eff_note, ar_us, ar_bytes, usable), ""
+
+
+# ---- choice --------------------------------------------------------------------------------------------
+def _per_group_tps(c: _Candidate) -> float:
+    return c.layout.active_batch / c.layout.ms_per_token * 1e3
+
+
+def _key(c: _Candidate, objective: str) -> tuple[Any, ...]:
+    lay = c.layout
+    tps = _per_group_tps(c) * max(c.replicas_wanted, 1)
+    if objective == "latency":
+        return (not c.slo_ok, lay.ms_per_token, c.gpus, -tps, lay.tp, lay.pp, lay.product)
+    if objective == "throughput":
+        return (not c.slo_ok, -round(tps, 1), c.gpus, lay.ms_per_token, lay.tp, lay.pp, lay.product)
+    per_gpu = tps / (lay.gpus_per_replica * max(c.replicas_wanted, 1))
+    return (not c.slo_ok, -round(per_gpu, 2), lay.ms_per_token, lay.tp, lay.pp, lay.product)
+
+
+def _choose(cands: list[_Candidate], objective: str) -> _Candidate:
+    if objective == "balanced":
+        fastest = min(c.layout.ms_per_token for c in cands if c.slo_ok) if any(c.slo_ok for c in cands) else None
+        if fastest is not None:
+            near = [c for c in cands if c.slo_ok and c.layout.ms_per_token <= BALANCED_LATENCY_FACTOR * fastest]
+            return min(near, key=lambda c: _key(c, objective))
+    return min(cands, key=lambda c: _key(c, objective))
+
+
+def _why(c: _Candidate, objective: str) -> str:
+    if objective == "latency":
+        return "lowest time per output token"
+    if objective == "throughput":
+        return "most tokens/s from the free GPUs"
+    return (f"most tokens/s per GPU within {BALANCED_LATENCY_FACTOR:g}x of the fastest time per output token")
+
+
+def _alternatives(chosen: _Candidate, cands: list[_Candidate], rejected: list[Alternative],
+                  objective: str) -> list[Alternative]:
+    out: list[Alternative] = []
+    lay = chosen.layout
+    others = sorted((c for c in cands if c is not chosen), key=lambda c: _key(c, objective))
+    for c in others[:3]:
+        o = c.layout
+        if not c.slo_ok and chosen.slo_ok:
+            why = c.slo_note
+        elif objective == "latency":
+            why = f"slower: {o.ms_per_token:.2f} vs {lay.ms_per_token:.2f} ms/token"
+        elif objective == "throughput":
+            why = (f"fewer tokens/s: {_per_group_tps(c) * max(c.replicas_wanted, 1):.0f} vs "
+                   f"{_per_group_tps(chosen) * max(chosen.replicas_wanted, 1):.0f}")
+        else:
+            why = (f"{o.ms_per_token:.2f} ms/token, "
+                   f"{_per_group_tps(c) / o.gpus_per_replica:.0f} tokens/s per GPU vs "
+                   f"{_per_group_tps(chosen) / lay.gpus_per_replica:.0f}")
+        out.append(Alternative(o.summary, o.ms_per_token, o.tokens_per_s, why))
+    out += _closest_misses(rejected)[:3]
+    return out
+
+
+def _closest_misses(rejected: list[Alternative]) -> list[Alternative]:
+    """The rejected layouts worth showing: per TP size and product, the smallest pipeline depth."""
+    seen: set[str] = set()
+    out = []
+    for alt in rejected:
+        key = alt.layout.split("xPP")[0] + " " + alt.layout.rsplit(" ", 1)[-1]
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(alt)
+    return out

@@ -1,0 +1,99 @@
+"""DecodeService spec → the planner's inputs. Pure: the handlers fetch, this module interprets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from switchyard.service.modelspec import ModelSpec, ModelSpecError, preset
+
+from .crd import spec_defaults
+from .planner import Request
+
+MODEL_ROOT = "/models"
+
+
+class SpecError(ValueError):
+    """A DecodeService the schema let through but the operator cannot serve (e.g. a bad config.json)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    kind: str  # pvc | hostPath | image
+    path: str  # where the pod sees the checkpoint
+    claim_name: str = ""
+    sub_path: str = ""
+    host_path: str = ""
+
+
+def normalized(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec with the schema defaults the API server would have applied."""
+    return spec_defaults(dict(spec))
+
+
+def model_source(spec: Mapping[str, Any]) -> ModelSource:
+    model = spec["model"]
+    src = model["source"]
+    mount = f"{MODEL_ROOT}/{model['name']}"
+    if "pvc" in src:
+        return ModelSource("pvc", mount, claim_name=src["pvc"]["claimName"], sub_path=src["pvc"].get("subPath", ""))
+    if "hostPath" in src:
+        return ModelSource("hostPath", mount, host_path=src["hostPath"]["path"])
+    if "image" in src:
+        return ModelSource("image", src["image"]["path"])
+    raise SpecError("spec.model.source needs one of pvc, hostPath, image")
+
+
+def config_map_ref(spec: Mapping[str, Any]) -> tuple[str, str] | None:
+    ref = spec["model"].get("configMapRef")
+    return (ref["name"], ref.get("key", "config.json")) if ref else None
+
+
+def model_spec(spec: Mapping[str, Any], config_map_data: Mapping[str, str] | None = None) -> ModelSpec:
+    """The model's shape from a preset, the inline config or the referenced ConfigMap's data."""
+    model = spec["model"]
+    try:
+        if "preset" in model:
+            return dataclasses.replace(preset(model["preset"]), name=model["name"])
+        if "config" in model:
+            return ModelSpec.from_config(model["config"], name=model["name"])
+        ref = config_map_ref(spec)
+        if ref is None:
+            raise SpecError("spec.model needs one of preset, config, configMapRef")
+        if config_map_data is None or ref[1] not in config_map_data:
+            raise SpecError(f"ConfigMap {ref[0]} has no key {ref[1]!r}")
+        try:
+            raw = json.loads(config_map_data[ref[1]])
+        except json.JSONDecodeError as err:
+            raise SpecError(f"ConfigMap {ref[0]} key {ref[1]} is not JSON: {err}") from err
+        return ModelSpec.from_config(raw, name=model["name"])
+    except ModelSpecError as err:
+        raise SpecError(str(err)) from err
+
+
+def request(spec: Mapping[str, Any]) -> Request:
+    spec = normalized(spec)
+    slo = spec.get("slo", {})
+    work = spec.get("workload", {})
+    par = spec.get("parallelism", {})
+    pp = par.get("pp")
+    if spec.get("engine") == "tensorrt-llm" and pp is None:
+        # trtllm-serve spreads pipeline stages with MPI, which the operator does not launch across pods.
+        pp = 1
+    return Request(
+        objective=spec.get("objective", "balanced"),
+        input_tokens=int(work.get("inputTokens", 1024)),
+        output_tokens=int(work.get("outputTokens", 256)),
+        concurrency=int(work.get("concurrency", 8)),
+        max_tpot_ms=slo.get("maxTimePerOutputTokenMs"),
+        max_ttft_ms=slo.get("maxTimeToFirstTokenMs"),
+        target_tokens_per_s=slo.get("targetTokensPerSecond"),
+        replicas=spec.get("replicas"),
+        tp=par.get("tp"),
+        pp=pp,
+        strategy=spec.get("allReduce", "auto"),
+        node_selector=dict(spec.get("nodeSelector", {})),
+        tolerations=tuple(spec.get("tolerations", [])),
+    )
