@@ -32,3 +32,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A random-weight tiny Llama checkpoint written by ``switchyard make-checkpoint``'s code path."""
+    from engine_fixtures import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))
