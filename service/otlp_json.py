@@ -81,7 +81,9 @@ def export_request_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
         resource_key = id(span.resource)
         _, scopes = by_resource.setdefault(resource_key, (span.resource, {}))
         scope = span.instrumentation_scope
-        scopes.setdefault((scope.name if scope else "", (scope.version or "") if scope else ""), []).append(span)
+        scopes.setdefault((scope.name if scope else "", (scope.version or "") if scope else ""), []).append(
+            span
+        )
     return {
         "resourceSpans": [
             {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,10 @@ class RequestTrace:
         ``time.monotonic_ns()`` to ``time.time_ns()``."""
         t0 = float(record.t_submit)
         n = len(record.token_ids)
-        first = float(record.t_first_token) if n else float(record.t_end)
-        admit = float(record.t_admit) if record.t_admit is not None else first
+        end = float(record.t_end)
+        # NaN marks what never happened (a request cancelled while queued was never admitted).
+        first = float(record.t_first_token) if n and math.isfinite(record.t_first_token) else end
+        admit = float(record.t_admit) if math.isfinite(record.t_admit) else first
         return cls(
             request_id=record.request_id,
             model=record.model,
@@ -174,7 +177,10 @@ def traces_from_otlp_json(lines: Iterable[str]) -> list[RequestTrace]:
                 continue
             found.append(
                 RequestTrace.from_span_attributes(
-                    attrs, int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]), span.get("traceId", "")
+                    attrs,
+                    int(span["startTimeUnixNano"]),
+                    int(span["endTimeUnixNano"]),
+                    span.get("traceId", ""),
                 )
             )
     return found
@@ -280,7 +286,9 @@ def format_report(traces: Sequence[RequestTrace], *, table_rows: int = 40, top: 
         )
         out.append(token_table(t, table_rows))
     else:
-        out.append(f"{'request':<34} {'in':>5} {'out':>5} {'queue ms':>9} {'ttft ms':>9} {'ms/tok':>8} finish")
+        out.append(
+            f"{'request':<34} {'in':>5} {'out':>5} {'queue ms':>9} {'ttft ms':>9} {'ms/tok':>8} finish"
+        )
         for t in traces:
             ttft = f"{t.ttft_s * 1e3:9.3f}" if t.ttft_s is not None else f"{'-':>9}"
             tpot = f"{np.mean(t.inter_token_s) * 1e3:8.3f}" if t.output_tokens > 1 else f"{'-':>8}"
@@ -325,7 +333,9 @@ def plot_timeline(traces: Sequence[RequestTrace], path: str | Path) -> Path:
         if t.output_tokens:
             first = base + t.token_s[0] * 1e3
             ax_req.barh(y, t.duration_s * 1e3 - t.token_s[0] * 1e3, left=first, color="#56b4e9", height=0.6)
-            ax_req.plot(base + t.token_s * 1e3, np.full(t.output_tokens, y), "|", color="#0b3d91", markersize=6)
+            ax_req.plot(
+                base + t.token_s * 1e3, np.full(t.output_tokens, y), "|", color="#0b3d91", markersize=6
+            )
     ax_req.set_yticks(range(len(rows)), [t.request_id[:24] for t in rows], fontsize=7)
     ax_req.set_xlabel("ms since the first request arrived")
     ax_req.set_title("requests: queue (grey), prefill (orange), decode (blue), one tick per token")
@@ -338,10 +348,13 @@ def plot_timeline(traces: Sequence[RequestTrace], path: str | Path) -> Path:
             gaps.append(t.inter_token_s * 1e3)
             batch.append(t.batch_sizes[1:])
     if xs:
-        sc = ax_gap.scatter(np.concatenate(xs), np.concatenate(gaps), c=np.concatenate(batch), s=6, cmap="viridis")
+        sc = ax_gap.scatter(
+            np.concatenate(xs), np.concatenate(gaps), c=np.concatenate(batch), s=6, cmap="viridis"
+        )
         fig.colorbar(sc, ax=ax_gap, label="batch size")
     ax_gap.set_xlabel("ms since the first request arrived")
-    ax_gap.set_ylabel("inter-token ms")
+    ax_gap.set_ylabel("inter-token ms (log)")
+    ax_gap.set_yscale("log")  # one slow step (a compile, a long prefill) must not flatten the rest
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -1,0 +1,99 @@
+"""Bridge between asyncio RPC handlers and the scheduler's thread.
+
+The scheduler runs its continuous-batching loop on one dedicated thread and calls each request's
+``on_event`` there. :meth:`EngineBridge.stream` turns those callbacks into an async iterator with
+``loop.call_soon_threadsafe``; leaving the iterator early (client cancel, gRPC deadline, server
+shutdown) cancels the request in the scheduler, which frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from switchyard.service.wire import AlreadyExists, RequestSpec, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class EngineBridge:
+    def __init__(self, scheduler: Any, *, on_submit: Any = None) -> None:
+        self.scheduler = scheduler
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._in_flight: set[str] = set()
+        self._on_submit = on_submit  # called with the request id before submit (trace context)
+        self.accepting = True
+
+    # ---- the scheduler thread --------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="switchyard-scheduler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.scheduler.run(self._stop)
+        except Exception:
+            log.exception("the scheduler loop failed")
+            raise
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def stream(self, spec: RequestSpec, *, timeout: float | None = None) -> AsyncIterator[Any]:
+        """Submit ``spec`` and yield its TokenEvents; the last one has ``finish_reason`` set.
+
+        Raises the scheduler's errors (InvalidRequestError, OutOfRangeError, QueueFullError) before
+        the first event, Unavailable when not accepting, AlreadyExists for a duplicate request id.
+        """
+        if not self.accepting or not self.alive:
+            raise Unavailable("the server is not accepting requests (starting up or draining)")
+        if spec.request_id in self._in_flight:
+            raise AlreadyExists(f"request id {spec.request_id!r} is already in flight")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Any] = asyncio.Queue()
+
+        def on_event(event: Any) -> None:  # scheduler thread
+            # RuntimeError: the event loop has closed, nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request = spec.to_generation_request(deadline=deadline, on_event=on_event)
+        if self._on_submit is not None:
+            self._on_submit(spec.request_id)
+        self.scheduler.submit(request)
+        self._in_flight.add(spec.request_id)
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                if event.finish_reason is not None:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # The caller went away (cancel, deadline, shutdown): free the slot at the next step.
+                self.scheduler.cancel(spec.request_id)
+            self._in_flight.discard(spec.request_id)
