@@ -107,9 +107,10 @@ def is_nvswitch(product: str, count: int, labels: Mapping[str, str]) -> bool:
 
 
 def build(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]] = (),
-          ignore_pod_labels: Mapping[str, str] | None = None) -> Inventory:
-    """Inventory of the GPU nodes. Pods whose labels include ``ignore_pod_labels`` do not count as
-    using GPUs (the DecodeService's own pods, so that a re-plan may reuse what it already holds)."""
+          ignore_pod_labels: Mapping[str, str] | None = None, ignore_namespace: str | None = None) -> Inventory:
+    """Inventory of the GPU nodes. Pods in ``ignore_namespace`` whose labels include
+    ``ignore_pod_labels`` do not count as using GPUs (the DecodeService's own pods, so that a re-plan
+    may reuse what it already holds)."""
     used: dict[str, int] = {}
     for pod in pods:
         meta = pod.get("metadata", {})
@@ -117,7 +118,8 @@ def build(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]] 
         if not node_name or pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
             continue
         labels = meta.get("labels") or {}
-        if ignore_pod_labels and all(labels.get(k) == v for k, v in ignore_pod_labels.items()):
+        if (ignore_pod_labels and meta.get("namespace") == ignore_namespace
+                and all(labels.get(k) == v for k, v in ignore_pod_labels.items())):
             continue
         used[node_name] = used.get(node_name, 0) + pod_gpus(pod)
 

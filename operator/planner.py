@@ -479,3 +479,19 @@ def _closest_misses(rejected: list[Alternative]) -> list[Alternative]:
         seen.add(key)
         out.append(alt)
     return out
+
+
+def layout_fits(layout: Mapping[str, Any], inv: Inventory, request: Request) -> tuple[bool, str]:
+    """Whether a layout from a DecodeService status (``tp``, ``pp``, ``dp``, ``gpuProduct``,
+    ``placement``) can still be placed whole on the eligible nodes."""
+    eligible, _ = inv.eligible(request.node_selector, request.tolerations)
+    names = {n.name for n in eligible}
+    gone = sorted({n for group in layout.get("placement") or [] for n in group} - names)
+    if gone:
+        return False, f"node(s) {', '.join(gone)} no longer Ready, schedulable and eligible"
+    tp, pp, dp = int(layout["tp"]), int(layout["pp"]), int(layout["dp"])
+    pool = [n for n in eligible if n.product == layout.get("gpuProduct")]
+    placed = len(place(pool, tp, pp, dp))
+    if placed < dp:
+        return False, f"only {placed} of {dp} groups of {pp} pod(s) x {tp} GPU(s) fit the nodes now"
+    return True, "fits"

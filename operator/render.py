@@ -382,3 +382,79 @@ def readiness(statefulsets: Sequence[Mapping[str, Any]], pp: int) -> int:
     if pp == 1:
         return sum(int(s.get("status", {}).get("readyReplicas", 0) or 0) for s in statefulsets)
     return sum(1 for s in statefulsets if int(s.get("status", {}).get("readyReplicas", 0) or 0) >= pp)
+
+
+def conditions_for(plan: Plan | None, ready: int, generation: int, previous: Sequence[Mapping[str, Any]],
+                   now: str, planning_error: tuple[str, str] | None = None,
+                   degraded: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """Planned, Scheduled, Ready and Degraded for a (re)plan. Pure."""
+    def cond(ctype: str, ok: bool | None, reason: str, message: str) -> dict[str, Any]:
+        return condition(ctype, ok, reason, message, generation, previous, now)
+
+    if plan is None:
+        reason, message = planning_error or ("Unknown", "not planned")
+        return merge_conditions(previous, [
+            cond("Planned", False, reason, message),
+            cond("Scheduled", False, reason, "nothing to schedule"),
+            cond("Ready", False, "NotPlanned", message),
+            cond("Degraded", False, "NotPlanned", "no replicas exist"),
+        ])
+    lay = plan.layout
+    planned_ok = lay is not None
+    out = [cond("Planned", planned_ok, plan.status if not planned_ok else "Planned", plan.message)]
+    dp = lay.dp if lay else 0
+    if not planned_ok:
+        out.append(cond("Scheduled", False, plan.status, "no pipeline group is created: " + plan.message))
+    elif plan.status == "InsufficientCapacity":
+        out.append(cond("Scheduled", False, "InsufficientCapacity", plan.message))
+    else:
+        out.append(cond("Scheduled", True, "AllGroupsPlaced",
+                        f"{dp} pipeline group(s) of {lay.pp} pod(s) x {lay.tp} GPU(s) placed whole"))
+    if dp == 0:
+        out.append(cond("Ready", False, "NoReplicas", "no replicas are planned"))
+    elif ready >= dp:
+        out.append(cond("Ready", True, "AllReplicasReady", f"{ready}/{dp} replicas ready"))
+    else:
+        out.append(cond("Ready", False, "ReplicasNotReady", f"{ready}/{dp} replicas ready"))
+    if degraded is not None:
+        out.append(cond("Degraded", True, *degraded))
+    elif planned_ok and plan.status == "InsufficientCapacity":
+        out.append(cond("Degraded", True, "InsufficientCapacity", plan.message))
+    elif planned_ok and not plan.slo_met:
+        out.append(cond("Degraded", True, "SLONotMet",
+                        next((r for r in plan.reasons if "SLO" in r or "target" in r), "SLO not met")))
+    else:
+        out.append(cond("Degraded", False, "AsPlanned", "running the planned layout"))
+    return merge_conditions(previous, out)
+
+
+def readiness_status(body: Mapping[str, Any], statefulsets: Sequence[Mapping[str, Any]],
+                     now: str) -> dict[str, Any]:
+    """Status fields that follow the owned StatefulSets (no re-plan): readyReplicas, ready, and the
+    Ready/Degraded conditions."""
+    status = body.get("status") or {}
+    layout = status.get("layout") or {}
+    replicas = int(status.get("replicas") or 0)
+    pp = int(layout.get("pp") or 1)
+    ready = readiness(statefulsets, pp)
+    generation = int(status.get("observedGeneration") or body["metadata"].get("generation", 1))
+    previous = status.get("conditions") or []
+    was_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in previous)
+    new = []
+    if replicas == 0:
+        new.append(condition("Ready", False, "NoReplicas", "no replicas are planned", generation, previous, now))
+    elif ready >= replicas:
+        new.append(condition("Ready", True, "AllReplicasReady", f"{ready}/{replicas} replicas ready",
+                             generation, previous, now))
+        old = next((c for c in previous if c.get("type") == "Degraded"), None)
+        if old and old.get("reason") in ("ReplicasUnavailable", "CapacityLost"):
+            new.append(condition("Degraded", False, "AsPlanned", "all replicas ready again", generation, previous, now))
+    else:
+        new.append(condition("Ready", False, "ReplicasNotReady", f"{ready}/{replicas} replicas ready",
+                             generation, previous, now))
+        if was_ready:
+            new.append(condition("Degraded", True, "ReplicasUnavailable",
+                                 f"{replicas - ready} of {replicas} replicas became unavailable", generation,
+                                 previous, now))
+    return {"readyReplicas": ready, "ready": f"{ready}/{replicas}",
+            "conditions": merge_conditions(previous, new)}

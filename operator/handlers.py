@@ -1,0 +1,109 @@
+"""Kopf handlers: thin. They hand the object to :mod:`reconcile` and post the Events it returns.
+
+* create / resume / spec update of a DecodeService → full reconcile (re-plan, apply, prune, status);
+* timer → if the planned layout no longer fits the nodes (a node went away, GPUs got taken) re-plan,
+  with ``Degraded=True CapacityLost``; if nothing was placed yet, try again (capacity may have come);
+* events of owned StatefulSets → readyReplicas and the Ready/Degraded conditions;
+* deletion needs no handler: every owned object carries an owner reference and the garbage
+  collector removes it.
+
+Kopf keeps its own bookkeeping in annotations (``switchyard.dev/...``), never in the status, whose
+schema is strict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import kopf
+
+from . import reconcile as rec
+from . import render
+from .crd import GROUP, PLURAL, VERSION
+from .kube import Kube
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorConfig:
+    render: render.RenderConfig = dataclasses.field(default_factory=render.RenderConfig)
+    replan_interval_s: float = 60.0
+    peering_name: str | None = "switchyard"  # None: standalone (one replica, no peering)
+
+
+def _post(body: Any, events: list[tuple[str, str, str]]) -> None:
+    for etype, reason, message in events:
+        if etype == "Warning":
+            kopf.warn(body, reason=reason, message=message)
+        else:
+            kopf.info(body, reason=reason, message=message)
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube) -> None:
+    """Register the handlers on ``registry``; ``kube`` is the client they write through."""
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Bookkeeping in annotations: the status schema has no room for kopf's fields.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="switchyard.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="switchyard.dev", key="last-handled-configuration")
+        settings.persistence.finalizer = "switchyard.dev/operator"
+        settings.posting.level = logging.INFO
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        if config.peering_name:
+            settings.peering.name = config.peering_name
+            settings.peering.mandatory = True
+            settings.peering.clusterwide = True
+        else:
+            settings.peering.standalone = True
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
+    def reconcile(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        try:
+            outcome = rec.reconcile(kube, body, config.render)
+        except Exception as err:  # API trouble: kopf retries with back-off
+            raise kopf.TemporaryError(f"reconcile failed: {err}", delay=5) from err
+        logger.info("%s", outcome.plan.message if outcome.plan else outcome.status.get("layoutSummary"))
+        _post(body, outcome.events)
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=config.replan_interval_s,
+                initial_delay=config.replan_interval_s, registry=registry)
+    def capacity(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        fits, why = rec.current_layout_fits(kube, body)
+        if fits:
+            return
+        placed_before = bool((body.get("status") or {}).get("layout"))
+        degraded = ("CapacityLost", f"re-planned: {why}") if placed_before else None
+        outcome = rec.reconcile(kube, body, config.render, degraded=degraded)
+        changed = [k for k, v in outcome.actions.items() if v != "unchanged"]
+        if placed_before or changed:
+            logger.info("capacity check: %s", why)
+            _post(body, [("Warning", "Replanned", why)] if placed_before else [])
+            _post(body, outcome.events)
+
+    @kopf.on.event("apps", "v1", "statefulsets", labels={"app.kubernetes.io/managed-by": render.MANAGED_BY},
+                   registry=registry)
+    def statefulset_changed(body: kopf.Body, **_: Any) -> None:
+        meta = body.get("metadata", {})
+        name = (meta.get("labels") or {}).get(render.SERVICE_LABEL)
+        namespace = meta.get("namespace")
+        if not name:
+            return
+        ds = kube.get("DecodeService", namespace, name)
+        if ds is None:
+            return  # being deleted; the garbage collector takes the rest
+        owner = render.owner_from_body(ds)
+        statefulsets = kube.list("StatefulSet", namespace, render.selector_string(owner))
+        status = render.readiness_status(ds, statefulsets, rec.now())
+        old = ds.get("status") or {}
+        if status["readyReplicas"] == old.get("readyReplicas") and status["conditions"] == old.get("conditions"):
+            return
+        kube.patch_status("DecodeService", namespace, name, status)
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        kopf.event(ds, type="Normal" if ready["status"] == "True" else "Warning", reason=ready["reason"],
+                   message=ready["message"])

@@ -1,0 +1,106 @@
+"""One reconcile of a DecodeService: fetch → inventory → plan → render → apply → prune → status.
+
+Everything that decides is pure (spec, inventory, planner, render); this module only sequences the
+fetches and writes through :class:`~switchyard.operator.kube.Kube`, and returns the Events to post.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+from . import inventory, planner, render
+from . import spec as specmod
+from .kube import Kube
+
+
+@dataclasses.dataclass
+class Outcome:
+    plan: planner.Plan | None
+    status: dict[str, Any]
+    actions: dict[str, str]  # "Kind/name" -> created/updated/unchanged/deleted
+    events: list[tuple[str, str, str]]  # (type Normal|Warning, reason, message)
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_inventory(kube: Kube, owner: render.Owner) -> inventory.Inventory:
+    return inventory.build(kube.list("Node"), kube.list("Pod"),
+                           ignore_pod_labels=render.selector(owner), ignore_namespace=owner.namespace)
+
+
+def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
+              degraded: tuple[str, str] | None = None) -> Outcome:
+    owner = render.owner_from_body(body)
+    spec = specmod.normalized(body["spec"])
+    previous = (body.get("status") or {}).get("conditions") or []
+    events: list[tuple[str, str, str]] = []
+    try:
+        source = specmod.model_source(spec)
+        ref = specmod.config_map_ref(spec)
+        data = None
+        if ref is not None:
+            cm = kube.get("ConfigMap", owner.namespace, ref[0])
+            data = (cm or {}).get("data")
+        model = specmod.model_spec(spec, data)
+    except specmod.SpecError as err:
+        status = {"observedGeneration": owner.generation, "replicas": 0, "layoutSummary": "InvalidModel",
+                  "conditions": render.conditions_for(None, 0, owner.generation, previous, now(),
+                                                      planning_error=("InvalidModel", str(err)))}
+        kube.patch_status("DecodeService", owner.namespace, owner.name, status)
+        return Outcome(None, status, {}, [("Warning", "InvalidModel", str(err))])
+
+    inv = build_inventory(kube, owner)
+    plan = planner.plan(model, inv, specmod.request(spec))
+    objs = render.render(body, spec, plan, source, config)
+    actions = {f"{o['kind']}/{o['metadata']['name']}": kube.apply(o) for o in objs}
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    # Prune what an earlier plan rendered and this one does not (groups beyond dp, a pp change).
+    for kind in ("StatefulSet", "ConfigMap"):
+        for live in kube.list(kind, owner.namespace, render.selector_string(owner)):
+            meta = live["metadata"]
+            owned = any(ref.get("uid") == owner.uid for ref in meta.get("ownerReferences", []))
+            if owned and (kind, meta["name"]) not in wanted:
+                kube.delete(kind, owner.namespace, meta["name"])
+                actions[f"{kind}/{meta['name']}"] = "deleted"
+
+    lay = plan.layout
+    statefulsets = []
+    if lay is not None and lay.dp > 0:
+        for name in render.group_names(owner, lay.pp, lay.dp):
+            live = kube.get("StatefulSet", owner.namespace, name)
+            if live is not None:
+                statefulsets.append(live)
+    ready = render.readiness(statefulsets, lay.pp if lay else 1)
+    status = render.plan_status(plan, owner, config)
+    dp = lay.dp if lay else 0
+    status.update({"readyReplicas": ready, "ready": f"{ready}/{dp}",
+                   "conditions": render.conditions_for(plan, ready, owner.generation, previous, now(),
+                                                       degraded=degraded)})
+    kube.patch_status("DecodeService", owner.namespace, owner.name, status)
+
+    if lay is None:
+        events.append(("Warning", plan.status, plan.message))
+    else:
+        events.append(("Normal" if plan.status == "Planned" else "Warning", plan.status, plan.message))
+        changed = sorted(k for k, v in actions.items() if v != "unchanged")
+        if changed:
+            events.append(("Normal", "Applied", ", ".join(f"{k} {actions[k]}" for k in changed)[:1000]))
+    return Outcome(plan, status, actions, events)
+
+
+def current_layout_fits(kube: Kube, body: Mapping[str, Any]) -> tuple[bool, str]:
+    """Does the layout in the status still fit the nodes (with this service's own pods not counted)?
+    A layout that still fits is kept: re-planning on every capacity wobble would roll pods for nothing."""
+    owner = render.owner_from_body(body)
+    status = body.get("status") or {}
+    layout = status.get("layout")
+    if not layout or not int(layout.get("dp") or 0):
+        return False, "no layout placed yet"
+    spec = specmod.normalized(body["spec"])
+    inv = build_inventory(kube, owner)
+    return planner.layout_fits(layout, inv, specmod.request(spec))
