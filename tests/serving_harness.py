@@ -69,6 +69,18 @@ class Served:
             f"{s.in_flight} in flight"
         )
 
+    def wait_recorded(self, request_ids: list[str], timeout: float = 10.0) -> list[Any]:
+        """Their traces, once the scheduler has handed over every record (it does so just after the
+        final event, so a client can see the end of its stream a moment before)."""
+        end = time.monotonic() + timeout
+        while True:
+            found = {t.request_id: t for t in self.recorder.recent()}
+            if all(r in found for r in request_ids):
+                return [found[r] for r in request_ids]
+            if time.monotonic() > end:
+                raise AssertionError(f"no record for {[r for r in request_ids if r not in found]}")
+            time.sleep(0.01)
+
     def assert_no_leaked_slots(self) -> None:
         self.wait_idle()
         engine = self.scheduler.engine
