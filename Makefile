@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m switchyard.kernels.build --optional
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,14 +1,30 @@
 """Collective layer of the engine: all-reduce and all-reduce fused with residual add + RMSNorm.
 
 Both functions are called inside ``jax.shard_map`` over a mesh axis. Strategies: ``xla`` (psum,
-NCCL on GPU), and the custom CUDA kernels added alongside (``oneshot``, ``twoshot``, ``auto``).
+NCCL on GPU), and the custom CUDA kernels of ``kernels/csrc`` (``oneshot``, ``twoshot``, and
+``auto``, which picks by message size and GPU count from our benchmark's table). ``init()`` sets
+up the GPUs (workspaces, peer access); the first custom all-reduce does it lazily otherwise.
 """
 
 from switchyard.kernels.collectives import (
     STRATEGIES,
     all_reduce,
     all_reduce_residual_rmsnorm,
+    plan,
     rmsnorm,
 )
+from switchyard.kernels.native import KernelError, check_errors, init, reset, set_timeout, status
 
-__all__ = ["STRATEGIES", "all_reduce", "all_reduce_residual_rmsnorm", "rmsnorm"]
+__all__ = [
+    "STRATEGIES",
+    "KernelError",
+    "all_reduce",
+    "all_reduce_residual_rmsnorm",
+    "check_errors",
+    "init",
+    "plan",
+    "reset",
+    "rmsnorm",
+    "set_timeout",
+    "status",
+]

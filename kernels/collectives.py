@@ -1,16 +1,23 @@
-"""Python API of the collectives, usable inside ``jax.shard_map``."""
+"""Python API of the collectives, usable inside ``jax.shard_map``.
+
+``all_reduce`` and ``all_reduce_residual_rmsnorm`` take a strategy: ``xla`` (psum; NCCL on GPU),
+``oneshot``, ``twoshot`` or ``auto`` (see ``selection.py``). The custom kernels are per-device XLA
+FFI custom calls placed inside the shard_map body; they are staged through
+``lax.platform_dependent``, so the same traced program lowers to the pure-JAX reference on CPU
+and to the kernels on CUDA. Where the kernels cannot run (no library, no peer access, an axis that
+is not the registered GPU group, unsupported dtype, too large a message, ``check_vma=True``),
+the reference path runs, with identical semantics.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from switchyard.kernels import native
+from switchyard.kernels.selection import STRATEGIES, check_strategy, choose, choose_fused
 
-STRATEGIES = ("xla", "oneshot", "twoshot", "auto")
-
-
-def _check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown all-reduce strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+__all__ = ["STRATEGIES", "all_reduce", "all_reduce_residual_rmsnorm", "plan", "rmsnorm"]
 
 
 def rmsnorm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -20,15 +27,89 @@ def rmsnorm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
+def _reference_residual_rmsnorm(
+    x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, axis: str
+) -> tuple[jax.Array, jax.Array]:
+    new_residual = residual + jax.lax.psum(x, axis).astype(residual.dtype)
+    return new_residual, rmsnorm(new_residual, weight, eps)
+
+
+def _vma_checked() -> bool:
+    """True inside ``shard_map(check_vma=True)``: the kernels' outputs carry no replication type
+    there, so the reference path (whose psum does) is used instead."""
+    try:
+        from jax._src import config as jax_config
+
+        return bool(jax_config._check_vma.value)
+    except (ImportError, AttributeError):
+        return True
+
+
+def plan(kind: str, strategy: str, x: jax.Array, axis: str) -> str:
+    """The implementation that ``all_reduce`` (kind ``allreduce``) or the fused op (``fused``)
+    will stage for ``x`` (the per-device shard) over ``axis``. Must run inside shard_map."""
+    check_strategy(strategy)
+    if strategy == "xla":
+        return "xla"
+    world = jax.lax.axis_size(axis)
+    nbytes = int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+    cap = native.capability()
+    if _vma_checked():
+        return "xla"
+    chooser = choose if kind == "allreduce" else choose_fused
+    return chooser(strategy, nbytes, world, jnp.dtype(x.dtype).name, cap)
+
+
+def _ffi_all_reduce(impl: str, x: jax.Array) -> jax.Array:
+    return jax.ffi.ffi_call(f"switchyard_{impl}", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
+def _ffi_fused(x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    out = jax.ShapeDtypeStruct(residual.shape, residual.dtype)
+    new_residual, normed = jax.ffi.ffi_call("switchyard_fused_rmsnorm", (out, out))(
+        x, residual, weight, eps=np.float32(eps)
+    )
+    return new_residual, normed
+
+
+def _staged_all_reduce(impl: str, x: jax.Array, axis: str) -> jax.Array:
+    if impl == "xla":
+        return jax.lax.psum(x, axis)
+    return jax.lax.platform_dependent(
+        x, default=lambda v: jax.lax.psum(v, axis), cuda=lambda v: _ffi_all_reduce(impl, v)
+    )
+
+
 def all_reduce(x: jax.Array, axis: str, strategy: str = "xla") -> jax.Array:
-    """Sum ``x`` over the mesh axis ``axis``."""
-    _check_strategy(strategy)
-    return jax.lax.psum(x, axis)
+    """Sum ``x`` over the mesh axis ``axis`` (inside ``jax.shard_map``)."""
+    return _staged_all_reduce(plan("allreduce", strategy, x, axis), x, axis)
 
 
 def all_reduce_residual_rmsnorm(
     x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, axis: str, strategy: str = "xla"
 ) -> tuple[jax.Array, jax.Array]:
-    """``residual + all_reduce(x)`` and its RMSNorm: returns ``(new_residual, normed)``."""
-    new_residual = residual + all_reduce(x, axis, strategy).astype(residual.dtype)
+    """``residual + all_reduce(x)`` and its RMSNorm: returns ``(new_residual, normed)``.
+
+    The fused kernel needs x, residual and weight of one dtype, ``residual.shape == x.shape`` and
+    ``weight.shape == x.shape[-1:]``; otherwise the all-reduce alone uses the custom kernel.
+    """
+    fusable = (
+        x.ndim >= 1
+        and residual.shape == x.shape
+        and weight.shape == x.shape[-1:]
+        and residual.dtype == x.dtype == weight.dtype
+    )
+    impl = plan("fused", strategy, x, axis) if fusable else plan("allreduce", strategy, x, axis)
+    if impl == "fused":
+
+        def reference(x, residual, weight):
+            return _reference_residual_rmsnorm(x, residual, weight, eps, axis)
+
+        def kernel(x, residual, weight):
+            return _ffi_fused(x, residual, weight, eps)
+
+        return jax.lax.platform_dependent(x, residual, weight, default=reference, cuda=kernel)
+    # Not fused: all-reduce (custom or psum), then residual add and RMSNorm in XLA.
+    reduced = _staged_all_reduce(impl, x, axis)
+    new_residual = residual + reduced.astype(residual.dtype)
     return new_residual, rmsnorm(new_residual, weight, eps)

@@ -1,0 +1,106 @@
+"""Build the CUDA all-reduce kernels into ``kernels/lib/libswitchyard_kernels.so``.
+
+Run ``python -m switchyard.kernels.build`` (installing the package runs it too, through
+``setup.py``, wherever ``nvcc`` is on PATH). The XLA FFI headers come from the installed JAX
+(``jax.ffi.include_dir()``), so the library matches the JAX it is loaded into: rebuild after
+upgrading JAX. Without ``nvcc`` nothing is built and every strategy runs the pure-JAX reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+LIB_DIR = Path(__file__).resolve().parent / "lib"
+LIB_NAME = "libswitchyard_kernels.so"
+SOURCES = ("switchyard_ffi.cu",)
+# sm_90a for H100/H200 machine code, plus sm_90 machine code and compute_90 PTX so a newer
+# Hopper-compatible driver can still load it.
+GENCODE = (
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-gencode=arch=compute_90,code=[sm_90,compute_90]",
+)
+
+
+class BuildError(RuntimeError):
+    """nvcc is missing or failed."""
+
+
+def find_nvcc() -> str | None:
+    """``nvcc`` from $CUDA_HOME/bin or PATH, or None."""
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def ffi_include_dir() -> str:
+    import jax.ffi
+
+    return jax.ffi.include_dir()
+
+
+def nvcc_command(nvcc: str, output: Path, gencode: tuple[str, ...] = GENCODE) -> list[str]:
+    return [
+        nvcc,
+        "-std=c++17",
+        "-O3",
+        "-shared",
+        "-Xcompiler=-fPIC,-fvisibility=hidden",
+        # The FFI headers trip harmless "missing return" diagnostics in nvcc's front end.
+        "-diag-suppress=940,2473",
+        "-isystem",
+        ffi_include_dir(),
+        "-I",
+        str(CSRC),
+        *gencode,
+        *(str(CSRC / s) for s in SOURCES),
+        "-o",
+        str(output),
+    ]
+
+
+def build(output: Path | None = None, gencode: tuple[str, ...] = GENCODE, verbose: bool = False) -> Path:
+    """Compile the kernels; returns the path of the shared library. Raises BuildError."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError(
+            "nvcc not found (PATH, $CUDA_HOME/bin): the CUDA all-reduce kernels were not built; "
+            "every strategy will use the pure-JAX reference path (XLA psum)"
+        )
+    output = output or LIB_DIR / LIB_NAME
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_suffix(f".tmp{os.getpid()}.so")
+    cmd = nvcc_command(nvcc, tmp, gencode)
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise BuildError(f"nvcc failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    os.replace(tmp, output)  # atomic: a process loading the old library never sees half a file
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--output", type=Path, default=None)
+    parser.add_argument("--optional", action="store_true", help="exit 0 with a message when nvcc is absent")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        path = build(args.output, verbose=args.verbose)
+    except BuildError as exc:
+        print(f"switchyard.kernels.build: {exc}", file=sys.stderr)
+        return 0 if args.optional and find_nvcc() is None else 1
+    print(f"switchyard.kernels.build: wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+// Shared pieces of the Switchyard all-reduce kernels: element packs, workspace layout, the
+// cross-GPU barrier and its bounded wait.
+//
+// Execution model. One process drives every GPU of the node. At init each GPU gets one
+// cudaMalloc'ed workspace (state words + data buffers) and peer access is enabled between all
+// pairs, so a kernel running on GPU r can load and store any peer's workspace through its plain
+// device pointer (UVA over NVLink). Each XLA FFI call on GPU r launches ONE kernel; the N kernels
+// (one per GPU, launched by XLA's per-device threads) meet at barriers made of flag words.
+//
+// Epochs. Every kernel launch is one "call". Each GPU keeps a call counter in its own device
+// memory (State::calls). A launch uses epoch = calls + 1 for all its flags; the last block of the
+// launch to finish stores calls = epoch. Nothing comes from the host per call, so the same kernel
+// node can be replayed from a CUDA graph forever. All GPUs run the same sequence of calls
+// (SPMD), so their counters stay equal. Comparisons are wrap-safe (int32 difference), and a peer
+// is at most one call ahead of us at a barrier, so the 32-bit counter may wrap freely.
+//
+// Bounded wait. A peer that never arrives would spin a kernel forever and wedge the GPU. Waits
+// give up after `timeout_ns` of %globaltimer, set a sticky error word in device memory and in
+// mapped pinned host memory (the host reads it without synchronising), and later barriers skip
+// waiting once the sticky word is set. Results after an error are garbage; the host raises.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace switchyard {
+
+constexpr int kMaxRanks = 8;      // 2, 4 or 8 GPUs of one NVSwitch node (any 1..8 works)
+constexpr int kMaxBlocks = 128;   // flag slots per barrier; launches never use more blocks
+constexpr int kNumBarriers = 2;   // two-shot needs two distinct barrier points per call
+constexpr int kPackBytes = 16;    // one 128-bit load/store per thread per step
+
+// Error codes written into State::error / the host error word.
+constexpr uint32_t kErrTimeout = 1;
+
+// Per-GPU state words at the start of every workspace.
+struct State {
+  uint32_t calls;   // completed launches (epoch of the last one)
+  uint32_t done;    // blocks of the current launch that have finished (reset by the last one)
+  uint32_t error;   // sticky: non-zero once any barrier timed out on this GPU
+  uint32_t pad;
+  // flags[bar][block][peer]: written by `peer` (remotely) when its block `block` reaches
+  // barrier `bar` in launch `epoch`; read only by this GPU.
+  uint32_t flags[kNumBarriers][kMaxBlocks][kMaxRanks];
+};
+
+// Arguments shared by all kernels. Peer pointers come from the registry (stable for the life of
+// the process), so they can be baked into CUDA graphs.
+struct Peers {
+  int rank;
+  int world;
+  State* self;                       // this GPU's state
+  State* state[kMaxRanks];           // every rank's state (peer pointers, self included)
+  char* data[kMaxRanks];             // every rank's data area
+  uint32_t* host_error;              // mapped pinned host word for this GPU
+  unsigned long long timeout_ns;     // bounded wait
+};
+
+// ---- element conversion --------------------------------------------------------------------
+template <typename T> __device__ __forceinline__ float to_f32(T v);
+template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+// Round to nearest even, as XLA's convert does, so results match the reference path bit for bit
+// wherever the arithmetic is the same.
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// ---- packs ---------------------------------------------------------------------------------
+// A pack is W elements moved as one access. W = 16 bytes / sizeof(T) on the vector path, or 1 on
+// the scalar path (used when a caller's pointer is not 16-byte aligned). Packs at the end of a
+// buffer whose element count is not a multiple of W are loaded element by element and padded
+// with zeros, so workspaces always hold whole packs and any element count works.
+template <typename T, int W>
+struct alignas(sizeof(T) * W) Pack {
+  T v[W];
+};
+
+template <typename T, int W>
+__device__ __forceinline__ Pack<T, W> load_pack(const T* base, int64_t pack, int64_t n) {
+  Pack<T, W> p;
+  const int64_t first = pack * W;
+  if (first + W <= n) {
+    p = *reinterpret_cast<const Pack<T, W>*>(base + first);
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i) p.v[i] = first + i < n ? base[first + i] : from_f32<T>(0.f);
+  }
+  return p;
+}
+
+template <typename T, int W>
+__device__ __forceinline__ void store_pack(T* base, int64_t pack, int64_t n, const Pack<T, W>& p) {
+  const int64_t first = pack * W;
+  if (first + W <= n) {
+    *reinterpret_cast<Pack<T, W>*>(base + first) = p;
+  } else {
+#pragma unroll
+    for (int i = 0; i < W; ++i)
+      if (first + i < n) base[first + i] = p.v[i];
+  }
+}
+
+// Workspace packs written by peers are read with ld.global.cg (L2, bypassing L1): the SM's L1 is
+// not coherent with NVLink writes, and a line cached from two calls ago must never be returned.
+template <typename T, int W>
+__device__ __forceinline__ Pack<T, W> load_ws(const Pack<T, W>* p) {
+  if constexpr (sizeof(Pack<T, W>) == 16) {
+    uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<Pack<T, W>*>(&u);
+  } else if constexpr (sizeof(Pack<T, W>) == 4) {
+    unsigned int u = __ldcg(reinterpret_cast<const unsigned int*>(p));
+    return *reinterpret_cast<Pack<T, W>*>(&u);
+  } else {
+    unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    return *reinterpret_cast<Pack<T, W>*>(&u);
+  }
+}
+
+// Sum of one pack from every rank, in float32, in rank order 0..world-1. The order is fixed and
+// identical on every GPU, so every GPU produces identical bits.
+template <typename T, int W>
+__device__ __forceinline__ void accumulate(float (&acc)[W], const Pack<T, W>& p, bool first) {
+#pragma unroll
+  for (int i = 0; i < W; ++i) acc[i] = first ? to_f32(p.v[i]) : acc[i] + to_f32(p.v[i]);
+}
+
+template <typename T, int W>
+__device__ __forceinline__ Pack<T, W> to_pack(const float (&acc)[W]) {
+  Pack<T, W> p;
+#pragma unroll
+  for (int i = 0; i < W; ++i) p.v[i] = from_f32<T>(acc[i]);
+  return p;
+}
+
+// ---- flags and barrier ---------------------------------------------------------------------
+__device__ __forceinline__ void st_release_sys(uint32_t* addr, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* addr) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Epoch of this launch: calls + 1. Read by thread 0 of every block before the block finishes.
+__device__ __forceinline__ uint32_t read_epoch(const Peers& P) {
+  __shared__ uint32_t epoch;
+  if (threadIdx.x == 0) epoch = *reinterpret_cast<volatile uint32_t*>(&P.self->calls) + 1u;
+  __syncthreads();
+  return epoch;
+}
+
+// Called by every block at its very end. The last block to finish publishes calls = epoch; all
+// other blocks have read `calls` already (they read it before their own atomicAdd), so no block
+// of this launch can see the new value, and the next launch (stream order) sees it.
+__device__ __forceinline__ void finish_launch(const Peers& P, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&P.self->done, 1u) == gridDim.x - 1) {
+      P.self->done = 0;
+      *reinterpret_cast<volatile uint32_t*>(&P.self->calls) = epoch;
+      __threadfence();
+    }
+  }
+}
+
+// Barrier `bar` for this block across all ranks.
+//
+// Memory ordering, step by step:
+//  1. __syncthreads(): every thread of this block has issued its stores for the phase (local or
+//     NVLink stores into peers' workspaces) before thread t < world proceeds (CTA-scope order).
+//  2. Thread t stores `epoch` into flags[bar][block][rank] of GPU t with st.release.sys. Release is
+//     cumulative: all writes ordered before it (the whole block's, through the bar.sync of step 1)
+//     become visible at system scope to any thread that acquires this flag value.
+//  3. Thread t spins with ld.acquire.sys on our own flags[bar][block][t] until GPU t's block with
+//     the same index has done step 2 for this epoch (or one later: a peer may already be in the
+//     next call). The acquire orders every later read of this thread after GPU t's released
+//     writes.
+//  4. __syncthreads(): the other threads of the block are ordered after the acquires of step 3,
+//     so their subsequent loads (ld.global.cg, see load_ws) see the peers' data.
+// Blocks with the same index exchange the same element ranges on every rank (the partition of
+// work into blocks depends only on sizes and world, identical on all ranks), so a per-block
+// barrier is enough: no grid-wide synchronisation is needed.
+__device__ __forceinline__ void block_barrier(const Peers& P, int bar, uint32_t epoch) {
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t < P.world) {
+    st_release_sys(&P.state[t]->flags[bar][blockIdx.x][P.rank], epoch);
+    const uint32_t* mine = &P.self->flags[bar][blockIdx.x][t];
+    if (*reinterpret_cast<volatile uint32_t*>(&P.self->error) == 0) {
+      const unsigned long long start = globaltimer();
+      while (static_cast<int32_t>(ld_acquire_sys(mine) - epoch) < 0) {
+        if (globaltimer() - start > P.timeout_ns) {
+          // Give up: record the error where the host can see it without a sync, and stop
+          // waiting in every later barrier on this GPU (see State::error).
+          atomicExch(&P.self->error, kErrTimeout);
+          *reinterpret_cast<volatile uint32_t*>(P.host_error) = kErrTimeout;
+          __threadfence_system();
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace switchyard

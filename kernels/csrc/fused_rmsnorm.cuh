@@ -1,0 +1,109 @@
+// Fused all-reduce + residual add + RMSNorm (one-shot based), for the row-parallel output of a
+// transformer layer followed by the next layer's norm:
+//   new_residual = residual + T(sum_r x_r)                (in the residual dtype T)
+//   normed       = weight * T(f32(new_residual) * rsqrt(mean(f32(new_residual)^2) + eps))
+// (Llama/Hugging Face convention: statistics in float32, scale applied in T.)
+//
+// x, residual: [M, H] row-major; weight: [H]. Rows are the unit of work: block b owns rows
+// b, b + gridDim, ... in both phases and on every rank.
+//   1. push: the block stores its rows of x into slot[rank] of every GPU's one-shot area;
+//   2. one barrier per block (block_barrier, common.cuh);
+//   3. per row: sum the slots in float32 in rank order (bitwise identical on every rank), add the
+//      residual, write new_residual, accumulate sum of squares, block-reduce it, then write
+//      normed. The reduced row never goes back to HBM before the norm except as the
+//      new_residual output, which has to be written anyway.
+// Workspace reuse is the one-shot argument (two halves selected by epoch parity), see oneshot.cuh.
+#pragma once
+#include "common.cuh"
+#include "layout.cuh"
+#include "oneshot.cuh"
+
+namespace switchyard {
+
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  __shared__ float total;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int nwarps = (blockDim.x + 31) / 32;
+    float s = lane < nwarps ? partial[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  const float result = total;
+  __syncthreads();  // `partial`/`total` may be reused by the next row
+  return result;
+}
+
+// W must divide H (the host picks W = 1 otherwise), so every row starts on a pack boundary.
+template <typename T, int W>
+__global__ void __launch_bounds__(1024) fused_rmsnorm_kernel(
+    Peers P, Layout L, const T* __restrict__ x, const T* __restrict__ residual,
+    const T* __restrict__ weight, T* __restrict__ new_residual, T* __restrict__ normed, int64_t rows,
+    int64_t hidden, float eps) {
+  const uint32_t epoch = read_epoch(P);
+  const uint32_t half = epoch & 1u;
+  const int64_t hp = hidden / W;  // packs per row
+  using PackT = Pack<T, W>;
+  const PackT* xp = reinterpret_cast<const PackT*>(x);
+
+  // Phase 1: push this block's rows.
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (int64_t p = threadIdx.x; p < hp; p += blockDim.x) {
+      const PackT v = xp[row * hp + p];
+      for (int k = 0; k < P.world; ++k) {
+        const int gpu = (P.rank + k) % P.world;
+        oneshot_slot<T, W>(P, L, gpu, half, P.rank)[row * hp + p] = v;
+      }
+    }
+  }
+
+  block_barrier(P, 0, epoch);
+
+  const PackT* rp = reinterpret_cast<const PackT*>(residual);
+  const PackT* wp = reinterpret_cast<const PackT*>(weight);
+  PackT* nrp = reinterpret_cast<PackT*>(new_residual);
+  PackT* np = reinterpret_cast<PackT*>(normed);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    float sumsq = 0.f;
+    for (int64_t p = threadIdx.x; p < hp; p += blockDim.x) {
+      float acc[W];
+      for (int q = 0; q < P.world; ++q)
+        accumulate<T, W>(acc, load_ws<T, W>(oneshot_slot<T, W>(P, L, P.rank, half, q) + row * hp + p),
+                         q == 0);
+      const PackT reduced = to_pack<T, W>(acc);
+      const PackT res = rp[row * hp + p];
+      PackT nr;
+#pragma unroll
+      for (int i = 0; i < W; ++i) {
+        nr.v[i] = from_f32<T>(to_f32(res.v[i]) + to_f32(reduced.v[i]));
+        const float f = to_f32(nr.v[i]);
+        sumsq += f * f;
+      }
+      nrp[row * hp + p] = nr;
+    }
+    const float rstd = rsqrtf(block_sum(sumsq) / static_cast<float>(hidden) + eps);
+    // Second pass re-reads new_residual: each thread reads only packs it wrote itself above.
+    for (int64_t p = threadIdx.x; p < hp; p += blockDim.x) {
+      const PackT nr = nrp[row * hp + p];
+      const PackT w = wp[p];
+      PackT o;
+#pragma unroll
+      for (int i = 0; i < W; ++i) {
+        const T scaled = from_f32<T>(to_f32(nr.v[i]) * rstd);
+        o.v[i] = from_f32<T>(to_f32(w.v[i]) * to_f32(scaled));
+      }
+      np[row * hp + p] = o;
+    }
+  }
+
+  finish_launch(P, epoch);
+}
+
+}  // namespace switchyard

@@ -1,0 +1,392 @@
+// XLA FFI handlers for the Switchyard all-reduce kernels, and the small C API the Python side
+// uses to set them up (init / reset / error query). Algorithms live in the headers:
+//   oneshot.cuh, twoshot.cuh, fused_rmsnorm.cuh; shared barrier and packs in common.cuh.
+//
+// Command-buffer safety (XLA captures jitted steps into CUDA graphs): handlers only read the
+// registry (built once at init), pick a launch configuration from buffer sizes and launch one
+// kernel on the stream XLA gives them. No allocation, no synchronisation, no stream query; the
+// per-call epoch lives in device memory (common.cuh), and every pointer baked into a graph (peer
+// workspaces, the mapped error word) stays valid until process exit.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "common.cuh"
+#include "fused_rmsnorm.cuh"
+#include "layout.cuh"
+#include "oneshot.cuh"
+#include "twoshot.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using namespace switchyard;
+
+namespace {
+
+constexpr int kMaxOrdinals = 64;
+constexpr int kThreads = 512;
+constexpr int kOneshotMaxBlocks = 64;
+constexpr int kTwoshotMaxBlocks = kMaxBlocks;
+static_assert(kOneshotMaxBlocks <= kMaxBlocks, "flag slots");
+
+struct Registry {
+  bool ready = false;
+  int world = 0;
+  int ordinals[kMaxRanks] = {};
+  int rank_of[kMaxOrdinals];
+  char* base[kMaxRanks] = {};
+  uint32_t* host_error = nullptr;  // pinned, mapped: one word per rank
+  Peers peers[kMaxRanks];
+  Layout layout{};
+  int64_t oneshot_bytes = 0;
+  int64_t twoshot_bytes = 0;
+  size_t state_bytes = 0;
+  std::atomic<unsigned long long> timeout_ns{10ull * 1000 * 1000 * 1000};
+  std::atomic<unsigned long long> host_calls{0};
+  Registry() {
+    for (int& r : rank_of) r = -1;
+  }
+};
+
+Registry g;
+std::string g_last_error;
+
+int64_t round_up(int64_t v, int64_t m) { return ceil_div(v, m) * m; }
+
+int fail(const std::string& msg) {
+  g_last_error = msg;
+  return 1;
+}
+
+#define SY_CHECK(call)                                                                        \
+  do {                                                                                        \
+    cudaError_t e_ = (call);                                                                  \
+    if (e_ != cudaSuccess)                                                                    \
+      return fail(std::string(#call) + " failed: " + cudaGetErrorString(e_));                 \
+  } while (0)
+
+bool any_host_error() {
+  if (!g.host_error) return false;
+  for (int r = 0; r < g.world; ++r)
+    if (reinterpret_cast<volatile uint32_t*>(g.host_error)[r] != 0) return true;
+  return false;
+}
+
+// Find this call's rank from the device that owns XLA's stream.
+ffi::Error resolve(cudaStream_t stream, Peers* peers) {
+  g.host_calls.fetch_add(1, std::memory_order_relaxed);
+  if (!g.ready)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "switchyard kernels are not initialised (switchyard.kernels.init)");
+  if (any_host_error())
+    return ffi::Error(ffi::ErrorCode::kAborted,
+                      "switchyard all-reduce: a peer GPU never reached a barrier (timed out); "
+                      "results since then are invalid; call switchyard.kernels.reset()");
+  int dev = -1;
+  if (cudaStreamGetDevice(stream, &dev) != cudaSuccess) {
+    cudaGetLastError();
+    if (cudaGetDevice(&dev) != cudaSuccess)
+      return ffi::Error(ffi::ErrorCode::kInternal, "cannot find the device of XLA's stream");
+  }
+  if (dev < 0 || dev >= kMaxOrdinals || g.rank_of[dev] < 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "device " + std::to_string(dev) + " is not registered with switchyard");
+  *peers = g.peers[g.rank_of[dev]];
+  peers->timeout_ns = g.timeout_ns.load(std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+ffi::Error launched() {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("kernel launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// ---- dtype x vector-width dispatch ------------------------------------------------------------
+template <typename F>
+ffi::Error dispatch(ffi::DataType dt, bool vec, F&& f) {
+  switch (dt) {
+    case ffi::DataType::F32:
+      return vec ? f(float{}, std::integral_constant<int, 4>{}) : f(float{}, std::integral_constant<int, 1>{});
+    case ffi::DataType::BF16:
+      return vec ? f(__nv_bfloat16{}, std::integral_constant<int, 8>{})
+                 : f(__nv_bfloat16{}, std::integral_constant<int, 1>{});
+    case ffi::DataType::F16:
+      return vec ? f(__half{}, std::integral_constant<int, 8>{}) : f(__half{}, std::integral_constant<int, 1>{});
+    default:
+      return ffi::Error(ffi::ErrorCode::kUnimplemented, "switchyard all-reduce supports f32, bf16, f16");
+  }
+}
+
+int threads_for(int64_t work) {
+  return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, round_up(work, 32))));
+}
+
+ffi::Error OneShotImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  Peers P;
+  if (auto err = resolve(stream, &P); err.failure()) return err;
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (n == 0) return ffi::Error::Success();
+  if (static_cast<int64_t>(x.size_bytes()) > g.oneshot_bytes)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "message larger than the one-shot workspace");
+  const bool vec = aligned16(x.untyped_data()) && aligned16(y->untyped_data());
+  return dispatch(x.element_type(), vec, [&](auto t, auto w) {
+    using T = decltype(t);
+    constexpr int W = decltype(w)::value;
+    const int64_t packs = ceil_div(n, W);
+    const int threads = threads_for(packs);
+    const int blocks = static_cast<int>(std::min<int64_t>(kOneshotMaxBlocks, ceil_div(packs, threads)));
+    oneshot_kernel<T, W><<<blocks, threads, 0, stream>>>(
+        P, g.layout, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), n);
+    return launched();
+  });
+}
+
+ffi::Error TwoShotImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  Peers P;
+  if (auto err = resolve(stream, &P); err.failure()) return err;
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (n == 0) return ffi::Error::Success();
+  if (static_cast<int64_t>(x.size_bytes()) > g.twoshot_bytes)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "message larger than the two-shot workspace");
+  const bool vec = aligned16(x.untyped_data()) && aligned16(y->untyped_data());
+  return dispatch(x.element_type(), vec, [&](auto t, auto w) {
+    using T = decltype(t);
+    constexpr int W = decltype(w)::value;
+    const int64_t slice = ceil_div(ceil_div(n, W), P.world);
+    const int threads = threads_for(slice);
+    const int blocks = static_cast<int>(std::min<int64_t>(kTwoshotMaxBlocks, ceil_div(slice, threads)));
+    twoshot_kernel<T, W><<<blocks, threads, 0, stream>>>(
+        P, g.layout, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), n);
+    return launched();
+  });
+}
+
+ffi::Error FusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                     ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> normed, float eps) {
+  Peers P;
+  if (auto err = resolve(stream, &P); err.failure()) return err;
+  const auto dims = x.dimensions();
+  if (dims.size() < 1) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "x must have a hidden axis");
+  const int64_t hidden = dims.back();
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (n == 0) return ffi::Error::Success();
+  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type() ||
+      static_cast<int64_t>(residual.element_count()) != n ||
+      static_cast<int64_t>(weight.element_count()) != hidden)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "x, residual, weight: dtype/shape mismatch");
+  if (static_cast<int64_t>(x.size_bytes()) > g.oneshot_bytes)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "message larger than the one-shot workspace");
+  const int64_t rows = n / hidden;
+  const int vec_elems = x.element_type() == ffi::DataType::F32 ? 4 : 8;
+  const bool vec = hidden % vec_elems == 0 && aligned16(x.untyped_data()) &&
+                   aligned16(residual.untyped_data()) && aligned16(weight.untyped_data()) &&
+                   aligned16(new_residual->untyped_data()) && aligned16(normed->untyped_data());
+  return dispatch(x.element_type(), vec, [&](auto t, auto w) {
+    using T = decltype(t);
+    constexpr int W = decltype(w)::value;
+    const int threads = static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, round_up(hidden / W, 32))));
+    const int blocks = static_cast<int>(std::min<int64_t>(kOneshotMaxBlocks, rows));
+    fused_rmsnorm_kernel<T, W><<<blocks, threads, 0, stream>>>(
+        P, g.layout, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(residual.untyped_data()),
+        static_cast<const T*>(weight.untyped_data()), static_cast<T*>(new_residual->untyped_data()),
+        static_cast<T*>(normed->untyped_data()), rows, hidden, eps);
+    return launched();
+  });
+}
+
+// Device-side timestamp for benchmarks: writes %globaltimer (ns) once the stream reaches it. The
+// first operand is aliased to the first result so that a chain of operations can be ordered
+// through it without copying.
+// The result is u32[2] (low, high word) so that JAX needs no 64-bit mode.
+__global__ void timestamp_kernel(uint32_t* out) {
+  const unsigned long long t = globaltimer();
+  out[0] = static_cast<uint32_t>(t);
+  out[1] = static_cast<uint32_t>(t >> 32);
+}
+
+ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>,
+                         ffi::Result<ffi::Buffer<ffi::U32>> ts) {
+  if (ts->element_count() < 2) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "timestamp needs u32[2]");
+  timestamp_kernel<<<1, 1, 0, stream>>>(ts->typed_data());
+  return launched();
+}
+
+}  // namespace
+
+// Exported symbols (the library is built with -fvisibility=hidden so that the statically linked
+// CUDA runtime does not leak into the process).
+#pragma GCC visibility push(default)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SyOneShot, OneShotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SyTwoShot, TwoShotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SyFusedRmsNorm, FusedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SyTimestamp, TimestampImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U32>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// ---- C API for the Python side (ctypes) ------------------------------------------------------
+extern "C" {
+
+const char* sy_last_error() { return g_last_error.c_str(); }
+int sy_is_ready() { return g.ready ? 1 : 0; }
+int sy_world() { return g.world; }
+long long sy_oneshot_bytes() { return g.oneshot_bytes; }
+long long sy_twoshot_bytes() { return g.twoshot_bytes; }
+unsigned long long sy_host_calls() { return g.host_calls.load(); }
+void sy_set_timeout_ns(unsigned long long ns) { g.timeout_ns.store(ns); }
+
+// Allocate a workspace on every listed device, enable peer access between all pairs and build
+// the peer tables. `ordinals` are CUDA device ordinals in rank order. Idempotent for the same
+// device list. Returns 0 on success; sy_last_error() says why not.
+int sy_init(int world, const int* ordinals, long long oneshot_bytes, long long twoshot_bytes) {
+  if (g.ready) {
+    bool same = world == g.world;
+    for (int r = 0; same && r < world; ++r) same = ordinals[r] == g.ordinals[r];
+    return same ? 0 : fail("already initialised with a different device list");
+  }
+  if (world < 1 || world > kMaxRanks) return fail("world size must be 1..8");
+  for (int r = 0; r < world; ++r)
+    if (ordinals[r] < 0 || ordinals[r] >= kMaxOrdinals) return fail("bad device ordinal");
+  // Peer access between every pair; P2P support is a precondition (no staging through the host).
+  for (int a = 0; a < world; ++a) {
+    for (int b = 0; b < world; ++b) {
+      if (a == b) continue;
+      int can = 0;
+      SY_CHECK(cudaDeviceCanAccessPeer(&can, ordinals[a], ordinals[b]));
+      if (!can)
+        return fail("no peer access from GPU " + std::to_string(ordinals[a]) + " to GPU " +
+                    std::to_string(ordinals[b]));
+      SY_CHECK(cudaSetDevice(ordinals[a]));
+      cudaError_t e = cudaDeviceEnablePeerAccess(ordinals[b], 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // XLA or another library enabled it first: fine
+      } else if (e != cudaSuccess) {
+        return fail(std::string("cudaDeviceEnablePeerAccess: ") + cudaGetErrorString(e));
+      }
+    }
+  }
+  const int64_t os_slot = round_up(std::max<long long>(oneshot_bytes, kPackBytes), 256);
+  const int64_t ts_area = round_up(std::max<long long>(twoshot_bytes, kPackBytes) + world * kPackBytes * 2, 256);
+  Layout L{};
+  L.oneshot_off = 0;
+  L.oneshot_slot = os_slot;
+  L.scatter_off = 2 * world * os_slot;
+  L.gather_off = L.scatter_off + ts_area;
+  L.twoshot_bytes = twoshot_bytes;
+  const size_t state_bytes = round_up(sizeof(State), 256);
+  const size_t total = state_bytes + L.gather_off + ts_area;
+
+  uint32_t* host_error = nullptr;
+  SY_CHECK(cudaHostAlloc(&host_error, sizeof(uint32_t) * kMaxRanks, cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(host_error, 0, sizeof(uint32_t) * kMaxRanks);
+  for (int r = 0; r < world; ++r) {
+    SY_CHECK(cudaSetDevice(ordinals[r]));
+    // Plain device memory (never managed memory, never multicast objects).
+    SY_CHECK(cudaMalloc(&g.base[r], total));
+    SY_CHECK(cudaMemset(g.base[r], 0, total));
+    SY_CHECK(cudaDeviceSynchronize());
+  }
+  for (int r = 0; r < world; ++r) {
+    Peers& P = g.peers[r];
+    std::memset(&P, 0, sizeof(P));
+    P.rank = r;
+    P.world = world;
+    for (int q = 0; q < world; ++q) {
+      P.state[q] = reinterpret_cast<State*>(g.base[q]);
+      P.data[q] = g.base[q] + state_bytes;
+    }
+    P.self = P.state[r];
+    uint32_t* dev_err = nullptr;
+    SY_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_err), host_error, 0));
+    P.host_error = dev_err + r;
+    g.ordinals[r] = ordinals[r];
+    g.rank_of[ordinals[r]] = r;
+  }
+  g.host_error = host_error;
+  g.layout = L;
+  g.world = world;
+  g.state_bytes = state_bytes;
+  g.oneshot_bytes = os_slot;
+  g.twoshot_bytes = twoshot_bytes;
+  g.ready = true;
+  return 0;
+}
+
+// Non-zero if any GPU's barrier timed out. Reads mapped host memory: no synchronisation.
+int sy_error() {
+  if (!g.ready) return 0;
+  uint32_t e = 0;
+  for (int r = 0; r < g.world; ++r) e |= reinterpret_cast<volatile uint32_t*>(g.host_error)[r];
+  return static_cast<int>(e);
+}
+
+// Wait for all devices, then zero every state word (epochs, flags, errors) on every GPU. Only
+// valid while no all-reduce is in flight (it synchronises the devices first). `epoch` lets tests
+// start the counters near 2^32 to exercise wrap-around.
+int sy_reset(unsigned int epoch) {
+  if (!g.ready) return fail("not initialised");
+  for (int r = 0; r < g.world; ++r) {
+    SY_CHECK(cudaSetDevice(g.ordinals[r]));
+    SY_CHECK(cudaDeviceSynchronize());
+  }
+  State s;
+  std::memset(&s, 0, sizeof(s));
+  s.calls = epoch;
+  for (auto& bar : s.flags)
+    for (auto& blk : bar)
+      for (auto& f : blk) f = epoch;
+  for (int r = 0; r < g.world; ++r) {
+    SY_CHECK(cudaSetDevice(g.ordinals[r]));
+    SY_CHECK(cudaMemcpy(g.base[r], &s, sizeof(s), cudaMemcpyHostToDevice));
+    SY_CHECK(cudaDeviceSynchronize());
+    reinterpret_cast<volatile uint32_t*>(g.host_error)[r] = 0;
+  }
+  return 0;
+}
+
+// Completed launches on GPU `rank` (synchronous read; for tests and diagnostics only).
+long long sy_device_calls(int rank) {
+  if (!g.ready || rank < 0 || rank >= g.world) return -1;
+  State s;
+  if (cudaSetDevice(g.ordinals[rank]) != cudaSuccess) return -1;
+  if (cudaDeviceSynchronize() != cudaSuccess) return -1;
+  if (cudaMemcpy(&s, g.base[rank], 16, cudaMemcpyDeviceToHost) != cudaSuccess) return -1;
+  return s.calls;
+}
+
+}  // extern "C"
+
+#pragma GCC visibility pop
