@@ -43,6 +43,11 @@ def _post(body: Any, events: list[tuple[str, str, str]]) -> None:
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube) -> None:
     """Register the handlers on ``registry``; ``kube`` is the client they write through."""
 
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # Kopf connects exactly as our client does (in-cluster service account, else kubeconfig).
+        return kopf.ConnectionInfo(**kube.connection())
+
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         # Bookkeeping in annotations: the status schema has no room for kopf's fields.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -64,8 +65,21 @@ class Kube:
         try:
             k8s_config.load_incluster_config(client_configuration=configuration)
         except k8s_config.ConfigException:
-            k8s_config.load_kube_config(client_configuration=configuration)
+            # Read KUBECONFIG now: the client's default location was fixed when it was imported.
+            k8s_config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
+                                        client_configuration=configuration)
         return cls(k8s_client.ApiClient(configuration))
+
+    def connection(self) -> dict[str, Any]:
+        """Where and how to connect, for kopf's login (same server, credentials and TLS as ours)."""
+        cfg = self.api.configuration
+        if getattr(cfg, "refresh_api_key_hook", None):
+            cfg.refresh_api_key_hook(cfg)  # in-cluster tokens rotate
+        token = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken") or ""
+        token = token.removeprefix("Bearer ").strip()
+        return {"server": cfg.host, "ca_path": cfg.ssl_ca_cert, "insecure": not cfg.verify_ssl,
+                "certificate_path": cfg.cert_file, "private_key_path": cfg.key_file,
+                "scheme": "Bearer" if token else None, "token": token or None}
 
     # ---- raw --------------------------------------------------------------------------------------
     def request(self, method: str, url: str, body: Any = None, content_type: str = "application/json",
