@@ -21,6 +21,37 @@ from switchyard.service.wire import AlreadyExists, RequestSpec, Unavailable
 log = logging.getLogger(__name__)
 
 
+class _EventPump:
+    """Hands TokenEvents from the scheduler thread to the event loop with one wake-up per burst.
+
+    A step emits one event per active request; waking the loop once per event (``call_soon_threadsafe``
+    writes to the loop's self-pipe each time) would cost a system call and a GIL hand-over per token.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[Any], Any]] = []
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue[Any], event: Any) -> None:  # scheduler thread
+        with self._lock:
+            self._pending.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        # RuntimeError: the event loop has closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # event loop
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
 class EngineBridge:
     def __init__(self, scheduler: Any, *, on_submit: Any = None) -> None:
         self.scheduler = scheduler
@@ -28,6 +59,7 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self._in_flight: set[str] = set()
         self._on_submit = on_submit  # called with the request id before submit (trace context)
+        self._pumps: dict[asyncio.AbstractEventLoop, _EventPump] = {}
         self.accepting = True
 
     # ---- the scheduler thread --------------------------------------------------------------------
@@ -70,12 +102,11 @@ class EngineBridge:
         if spec.request_id in self._in_flight:
             raise AlreadyExists(f"request id {spec.request_id!r} is already in flight")
         loop = asyncio.get_running_loop()
+        pump = self._pumps.get(loop) or self._pumps.setdefault(loop, _EventPump(loop))
         events: asyncio.Queue[Any] = asyncio.Queue()
 
         def on_event(event: Any) -> None:  # scheduler thread
-            # RuntimeError: the event loop has closed, nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(events.put_nowait, event)
+            pump.put(events, event)
 
         deadline = None if timeout is None else time.monotonic() + timeout
         request = spec.to_generation_request(deadline=deadline, on_event=on_event)
