@@ -472,7 +472,8 @@ def _closest_misses(rejected: list[Alternative]) -> list[Alternative]:
     """The rejected layouts worth showing: per TP size and product, the smallest pipeline depth."""
     seen: set[str] = set()
     out = []
-    for alt in rejected:
+    # Memory misses say the most about a model that is too big; "no such group fits" comes last.
+    for alt in sorted(rejected, key=lambda a: "even when empty" in a.rejected):
         key = alt.layout.split("xPP")[0] + " " + alt.layout.rsplit(" ", 1)[-1]
         if key in seen:
             continue

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import datetime
 import json
 import re
@@ -127,6 +128,19 @@ def field_match(selector: str, obj: dict[str, Any]) -> bool:
     return True
 
 
+@dataclasses.dataclass
+class Gate:
+    """Holds the first matching request until released, then lets it through or fails it with 503
+    (a test's way to stop an operator in the middle of a reconcile)."""
+
+    method: str
+    plural: str
+    fail: bool = False
+    reached: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    release: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    used: bool = False
+
+
 class ApiServer(kmock.KubernetesEmulator):
     """See the module docstring. Use through :func:`running`."""
 
@@ -139,6 +153,8 @@ class ApiServer(kmock.KubernetesEmulator):
         self.crd_schemas: dict[resource, dict[str, Any]] = {}
         self.crd_scale: dict[resource, dict[str, str]] = {}
         self.gc_tasks: set[asyncio.Task[None]] = set()
+        self.gates: list[Gate] = []
+        self.writes: list[tuple[str, str, str | None]] = []  # (method, plural, name) of every write
         for ns in ("default", "kube-system"):
             self.seed({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
 
@@ -213,6 +229,16 @@ class ApiServer(kmock.KubernetesEmulator):
             return _status(404, NOT_FOUND_REASON, "the server could not find the requested resource")
         if request.method == "GET" and request.params.get("watch") in ("true", "1"):
             return await self._watch(request, res)  # long-lived: never holds the store's lock
+        for gate in self.gates:
+            if not gate.used and gate.method == request.method and gate.plural == res.plural:
+                gate.used = True
+                gate.reached.set()
+                await gate.release.wait()
+                if gate.fail:
+                    return _status(503, "ServiceUnavailable", "the request was cut off")
+        if request.method != "GET":
+            name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
+            self.writes.append((str(request.method), res.plural, name))
         async with self._lock:
             return await self._serve(request, res, info)
 
@@ -500,6 +526,11 @@ class ApiServer(kmock.KubernetesEmulator):
                 if (known.group, known.version, known.plural) == (res.group, res.version, res.plural):
                     del self.resources[known]
             self.crd_schemas.pop(res, None)
+
+    def gate(self, method: str, plural: str, fail: bool = False) -> Gate:
+        gate = Gate(method, plural, fail)
+        self.gates.append(gate)
+        return gate
 
     # ---- synchronous conveniences for tests --------------------------------------------------------
     async def apply_objects(self, objs: Iterable[dict[str, Any]]) -> None:

@@ -93,29 +93,44 @@ async def cluster(tmp_path: Path, nodes: list[dict[str, Any]]) -> AsyncIterator[
             task.cancel()
 
 
-@contextlib.asynccontextmanager
-async def operator(c: Cluster, replan_interval_s: float = 0.5,
-                   identity: str = "operator-1") -> AsyncIterator[asyncio.Task[None]]:
+@dataclasses.dataclass
+class Operator:
     """The real operator: our handlers in kopf, talking HTTP to the API server."""
-    old = os.environ.get("KUBECONFIG")
+
+    task: asyncio.Task[None]
+    stop: asyncio.Event
+    kube: Kube
+
+    async def close(self, timeout: float = 15.0) -> None:
+        self.stop.set()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(self.task, timeout)
+        self.kube.api.close()
+
+
+async def start_operator(c: Cluster, replan_interval_s: float = 0.5, identity: str = "operator-1") -> Operator:
     os.environ["KUBECONFIG"] = str(c.kubeconfig)
+    kube = Kube.from_environment()
+    registry = kopf.OperatorRegistry()
+    register(registry, OperatorConfig(render=RenderConfig(), replan_interval_s=replan_interval_s,
+                                      peering_name="switchyard"), kube)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(
+        registry=registry, clusterwide=True, peering_name="switchyard", standalone=False,
+        identity=identity, stop_flag=stop, ready_flag=ready))
+    await asyncio.wait_for(ready.wait(), 20)
+    return Operator(task, stop, kube)
+
+
+@contextlib.asynccontextmanager
+async def operator(c: Cluster, replan_interval_s: float = 0.5, identity: str = "operator-1") -> AsyncIterator[Operator]:
+    old = os.environ.get("KUBECONFIG")
     try:
-        kube = Kube.from_environment()
-        registry = kopf.OperatorRegistry()
-        register(registry, OperatorConfig(render=RenderConfig(), replan_interval_s=replan_interval_s,
-                                          peering_name="switchyard"), kube)
-        stop, ready = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(kopf.operator(
-            registry=registry, clusterwide=True, peering_name="switchyard", standalone=False,
-            identity=identity, stop_flag=stop, ready_flag=ready))
-        await asyncio.wait_for(ready.wait(), 20)
+        op = await start_operator(c, replan_interval_s, identity)
         try:
-            yield task
+            yield op
         finally:
-            stop.set()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(task, 15)
-            kube.api.close()
+            await op.close()
     finally:
         if old is None:
             os.environ.pop("KUBECONFIG", None)
