@@ -297,14 +297,15 @@ class KServeService:
     # inference
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         await self._check_model(request.model_name, request.model_version, context)
+        pieces: list[str] = []
         try:
+            self.app.require_ready()
             spec, _ = request_spec(request, self.app.tokenizer, self.app.limits)
+            async with contextlib.aclosing(self.app.events(spec, context)) as events:
+                async for event in events:
+                    pieces.append(event.text)
         except Exception as err:
             await self.app.abort_for(err, context)
-        pieces: list[str] = []
-        async with contextlib.aclosing(self.app.events(spec, context)) as events:
-            async for event in events:
-                pieces.append(event.text)
         return text_response(request, self.app.model_name, "".join(pieces), _output_shape(request), None)
 
     async def _stream_one(self, request: Any, out: asyncio.Queue[Any], context: Any) -> None:
@@ -320,6 +321,7 @@ class KServeService:
         empty_final = bool(param is not None and param.bool_param)
         shape = _output_shape(request)
         try:
+            self.app.require_ready()
             spec, stream = request_spec(request, self.app.tokenizer, self.app.limits)
             pieces: list[str] = []
             async with contextlib.aclosing(self.app.events(spec, context, stream=True)) as events:

@@ -124,7 +124,7 @@ def _valid_infer_request(text: bytes, max_tokens: int):
 @given(request=st.one_of(infer_requests(),
                          st.builds(_valid_infer_request, st.binary(max_size=40), st.integers(-2, 300)),
                          st.builds(_valid_infer_request, st.text(min_size=1, max_size=40).map(str.encode),
-                                   st.integers(1, 24))))
+                                   st.integers(1, 24) | st.integers(240, 2**31 - 1))))
 @FUZZ
 def test_fuzzed_kserve_requests_get_a_proper_status(served, request) -> None:
     channel = grpc.insecure_channel(served.target)

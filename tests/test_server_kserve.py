@@ -86,8 +86,12 @@ def test_bad_inputs_are_reported(triton) -> None:
         triton.infer("tiny", _inputs("hi", 4, beam_width=("INT32", np.array([[4]], dtype=np.int32))))
     with pytest.raises(InferenceServerException, match="unexpected input"):
         triton.infer("tiny", _inputs("hi", 4, bogus=("INT32", np.array([[1]], dtype=np.int32))))
-    with pytest.raises(InferenceServerException, match="does not fit"):
+    with pytest.raises(InferenceServerException, match="does not fit") as err:
         triton.infer("tiny", _inputs("hi", 100000))
+    assert err.value.status() == "StatusCode.OUT_OF_RANGE"
+    with pytest.raises(InferenceServerException) as err:
+        triton.infer("tiny", _inputs("hi", 4, top_p=("FP32", np.array([[0.0]], dtype=np.float32))))
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
 def _stream(triton, requests: list[tuple[str, list]], empty_final: bool) -> dict[str, list]:
