@@ -1,4 +1,5 @@
-"""OTLP-JSON lines file exporter for spans: one ``ExportTraceServiceRequest`` (JSON) per line.
+"""OTLP-JSON lines file exporters: one ``ExportTraceServiceRequest`` or ``ExportMetricsServiceRequest``
+(JSON) per line.
 
 The format is the OTLP/JSON encoding (hex trace and span ids, 64-bit integers and nanosecond times
 as strings), the same the OpenTelemetry Collector's file exporter writes, so a collector's file and
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, StatusCode
@@ -101,32 +103,154 @@ def export_request_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
     }
 
 
+class _LineWriter:
+    """One file, appended a line at a time by any thread; flushed after each line so that a reader
+    (``switchyard trace``) can follow the file while the server runs. Exporters of one path share one
+    writer (:func:`_writer`), so that lines from the span and metric exporters never interleave."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.users = 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by the last user
+
+    def write(self, line: str) -> bool:
+        with self._lock:
+            if self._file.closed:
+                return False
+            self._file.write(line + "\n")
+            self._file.flush()
+        return True
+
+    def close(self) -> None:
+        with _writers_lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            _writers.pop(self.path, None)
+        with self._lock:
+            self._file.close()
+
+
+_writers: dict[Path, _LineWriter] = {}
+_writers_lock = threading.Lock()
+
+
+def _writer(path: str | Path) -> _LineWriter:
+    key = Path(path).resolve()
+    with _writers_lock:
+        writer = _writers.get(key) or _writers.setdefault(key, _LineWriter(key))
+        writer.users += 1
+        return writer
+
+
 class OtlpJsonFileSpanExporter(SpanExporter):
-    """Appends each exported batch as one JSON line; safe to share between processors."""
+    """Appends each exported batch of spans as one JSON line."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in shutdown()
+        self._lines = _writer(path)
+        self.path = self._lines.path
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not spans:
             return SpanExportResult.SUCCESS
-        line = json.dumps(export_request_json(spans), separators=(",", ":"))
-        with self._lock:
-            if self._file.closed:
-                return SpanExportResult.FAILURE
-            self._file.write(line + "\n")
-            self._file.flush()  # a reader (switchyard trace) may tail the file while we serve
-        return SpanExportResult.SUCCESS
+        ok = self._lines.write(json.dumps(export_request_json(spans), separators=(",", ":")))
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        with self._lock:
-            if not self._file.closed:
-                self._file.flush()
         return True
 
     def shutdown(self) -> None:
-        with self._lock:
-            self._file.close()
+        self._lines.close()
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def _number_point(p: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "attributes": key_values(p.attributes),
+        "startTimeUnixNano": str(p.start_time_unix_nano or 0),
+        "timeUnixNano": str(p.time_unix_nano),
+    }
+    if isinstance(p.value, int):
+        out["asInt"] = str(p.value)
+    else:
+        out["asDouble"] = float(p.value)
+    return out
+
+
+def _histogram_point(p: Any) -> dict[str, Any]:
+    out = {
+        "attributes": key_values(p.attributes),
+        "startTimeUnixNano": str(p.start_time_unix_nano),
+        "timeUnixNano": str(p.time_unix_nano),
+        "count": str(p.count),
+        "sum": float(p.sum),
+        "bucketCounts": [str(c) for c in p.bucket_counts],
+        "explicitBounds": [float(b) for b in p.explicit_bounds],
+    }
+    if p.count:
+        out["min"], out["max"] = float(p.min), float(p.max)
+    return out
+
+
+def metric_json(metric: Any) -> dict[str, Any]:
+    from opentelemetry.sdk.metrics.export import Gauge, Histogram, Sum
+
+    out: dict[str, Any] = {"name": metric.name, "description": metric.description or "", "unit": metric.unit or ""}
+    data = metric.data
+    if isinstance(data, Histogram):
+        out["histogram"] = {
+            "dataPoints": [_histogram_point(p) for p in data.data_points],
+            "aggregationTemporality": int(data.aggregation_temporality),
+        }
+    elif isinstance(data, Sum):
+        out["sum"] = {
+            "dataPoints": [_number_point(p) for p in data.data_points],
+            "aggregationTemporality": int(data.aggregation_temporality),
+            "isMonotonic": bool(data.is_monotonic),
+        }
+    elif isinstance(data, Gauge):
+        out["gauge"] = {"dataPoints": [_number_point(p) for p in data.data_points]}
+    return out
+
+
+def export_metrics_json(metrics_data: Any) -> dict[str, Any]:
+    """MetricsData as an ExportMetricsServiceRequest."""
+    return {
+        "resourceMetrics": [
+            {
+                "resource": {"attributes": key_values(rm.resource.attributes)},
+                "scopeMetrics": [
+                    {
+                        "scope": {"name": sm.scope.name, "version": sm.scope.version or ""},
+                        "metrics": [metric_json(m) for m in sm.metrics],
+                    }
+                    for sm in rm.scope_metrics
+                ],
+            }
+            for rm in metrics_data.resource_metrics
+        ]
+    }
+
+
+class OtlpJsonFileMetricExporter(MetricExporter):
+    """Appends each metric export as one JSON line (readers of spans skip these lines)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self._lines = _writer(path)
+
+    def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        if not metrics_data.resource_metrics:
+            return MetricExportResult.SUCCESS
+        ok = self._lines.write(json.dumps(export_metrics_json(metrics_data), separators=(",", ":")))
+        return MetricExportResult.SUCCESS if ok else MetricExportResult.FAILURE
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._lines.close()

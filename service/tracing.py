@@ -9,7 +9,8 @@ Exporters come from the standard environment: ``OTEL_TRACES_EXPORTER`` / ``OTEL_
 (``otlp``, ``console``, ``none``; default ``otlp`` when an ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set,
 otherwise ``none``), ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc`` or ``http/protobuf``), endpoints,
 headers and timeouts as the exporters read them, ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``
-for the resource, ``OTEL_SDK_DISABLED``. A trace file (OTLP-JSON lines) can be added on top.
+for the resource, ``OTEL_SDK_DISABLED``. A trace file (OTLP-JSON lines: spans, and metric points every
+``OTEL_METRIC_EXPORT_INTERVAL`` ms and at shutdown) can be added on top.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from switchyard.service import traces as T
-from switchyard.service.otlp_json import OtlpJsonFileSpanExporter
+from switchyard.service.otlp_json import OtlpJsonFileMetricExporter, OtlpJsonFileSpanExporter
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +182,12 @@ class Telemetry:
         if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
             return None
         exporters: list[SpanExporter] = span_exporters_from_env()
+        readers = metric_readers_from_env()
         if trace_file:
             exporters.append(OtlpJsonFileSpanExporter(trace_file))
-        readers = metric_readers_from_env()
+            # Metric points go to the same file (interval: OTEL_METRIC_EXPORT_INTERVAL, default 60 s,
+            # plus a last export at shutdown).
+            readers.append(PeriodicExportingMetricReader(OtlpJsonFileMetricExporter(trace_file)))
         if not exporters and not readers:
             return None
         return cls(span_exporters=exporters, metric_readers=readers)

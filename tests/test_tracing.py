@@ -207,3 +207,31 @@ def test_served_requests_reach_the_file_and_switchyard_trace(tmp_path: Path, cap
     out = capsys.readouterr().out
     assert f"request {ids[2]}" in out and "prefill" in out
     assert trace_cli.run(_trace_args(file=str(path), request="missing", png="")) == 1
+
+
+def test_trace_file_from_env_holds_spans_and_metric_points(monkeypatch, tmp_path: Path) -> None:
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "switchyard-test")
+    path = tmp_path / "telemetry.jsonl"
+    tel = tracing.Telemetry.from_env(str(path))
+    assert tel is not None
+    recorder = tracing.RequestRecorder(tel)
+    recorder.on_finish(record(50))
+    recorder.close()  # flushes, then the last metric export at shutdown
+    documents = [json.loads(line) for line in path.read_text().splitlines()]
+    spans = [d for d in documents if "resourceSpans" in d]
+    metric_docs = [d for d in documents if "resourceMetrics" in d]
+    assert spans and metric_docs
+    resource = {kv["key"]: kv["value"] for kv in spans[0]["resourceSpans"][0]["resource"]["attributes"]}
+    assert resource["service.name"] == {"stringValue": "switchyard-test"}
+    metrics = {m["name"]: m for d in metric_docs for rm in d["resourceMetrics"] for sm in rm["scopeMetrics"]
+               for m in sm["metrics"]}
+    ttft = metrics[tracing.TIME_TO_FIRST_TOKEN]["histogram"]["dataPoints"][0]
+    assert ttft["count"] == "1" and ttft["sum"] == pytest.approx(0.020)
+    assert ttft["explicitBounds"] == list(tracing.TTFT_BUCKETS)
+    assert len(ttft["bucketCounts"]) == len(tracing.TTFT_BUCKETS) + 1
+    tokens = metrics[tracing.TOKENS]["sum"]
+    assert tokens["isMonotonic"] and {p["asInt"] for p in tokens["dataPoints"]} == {"11", "50"}
+    assert [t.output_tokens for t in T.read_trace_file(path)] == [50]
