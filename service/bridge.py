@@ -53,12 +53,11 @@ class _EventPump:
 
 
 class EngineBridge:
-    def __init__(self, scheduler: Any, *, on_submit: Any = None) -> None:
+    def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._in_flight: set[str] = set()
-        self._on_submit = on_submit  # called with the request id before submit (trace context)
         self._pumps: dict[asyncio.AbstractEventLoop, _EventPump] = {}
         self.accepting = True
 
@@ -110,8 +109,6 @@ class EngineBridge:
 
         deadline = None if timeout is None else time.monotonic() + timeout
         request = spec.to_generation_request(deadline=deadline, on_event=on_event)
-        if self._on_submit is not None:
-            self._on_submit(spec.request_id)
         self.scheduler.submit(request)
         self._in_flight.add(spec.request_id)
         finished = False

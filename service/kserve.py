@@ -213,9 +213,7 @@ def request_spec(request: Any, tokenizer: Any, limits: Limits) -> tuple[RequestS
     stops = tuple(_text(v, "stop_words") for v in tensors.get("stop_words", np.empty(0, object)).reshape(-1))
     stops = tuple(s for s in stops if s)
     end_id = _scalar(tensors, "end_id", int)
-    stop_ids = (end_id,) if end_id is not None else tuple(tokenizer.eos_token_ids)
-    if end_id is not None and not 0 <= end_id < tokenizer.vocab_size:
-        raise InvalidRequestError(f"end_id {end_id} is not a token id of this model")
+    stop_ids = () if end_id is None else (end_id,)  # the scheduler adds the model's EOS ids, checks ranges
     prompt_ids = tokenizer.encode(text)
     spec = RequestSpec(
         request_id=check_request_id(""),
@@ -324,7 +322,7 @@ class KServeService:
             self.app.require_ready()
             spec, stream = request_spec(request, self.app.tokenizer, self.app.limits)
             pieces: list[str] = []
-            async with contextlib.aclosing(self.app.events(spec, context, stream=True)) as events:
+            async with contextlib.aclosing(self.app.events(spec, context)) as events:
                 async for event in events:
                     last = event.finish_reason is not None
                     if not stream:

@@ -107,14 +107,9 @@ class DecodeApp:
         if not self.ready or self.bridge is None:
             raise Unavailable("the model is not ready (loading, or the server is draining)")
 
-    async def events(
-        self, spec: RequestSpec, context: grpc.aio.ServicerContext, *, stream: bool = False
-    ) -> AsyncIterator[Any]:
+    async def events(self, spec: RequestSpec, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """TokenEvents of ``spec``; raises GenerationEnded for deadline / error / cancel finishes.
-
-        ``stream``: the call carries several requests (KServe streaming) so its deadline, and not
-        the request's, bounds each; we still pass it to the scheduler.
-        """
+        The call's deadline becomes the request's (for a KServe stream, the whole stream's)."""
         self.require_ready()
         assert self.bridge is not None
         self.recorder.set_parent(spec.request_id, tracing.parent_context(context.invocation_metadata()))

@@ -1,23 +1,18 @@
-"""Between wire messages and engine requests: validation, conversion, and error -> gRPC status.
+"""Between wire messages and engine requests: conversion, the server's own checks, error -> gRPC status.
 
-Pure functions (no I/O) so that every rule is tested directly; the servicers in ``server.py`` and
-``kserve.py`` only call them.
+The rules on prompts, stops, sampling and lengths live once, in the scheduler and the engine (their
+errors carry the messages clients see); here are only what the wire adds: request size, defaults,
+printable request ids. Pure functions; the servicers in ``server.py`` and ``kserve.py`` call them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
 from switchyard.service.errors import InvalidRequestError, OutOfRangeError, QueueFullError
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_REQUEST_ID_CHARS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +55,11 @@ def new_request_id() -> str:
 
 
 def check_request_id(request_id: str) -> str:
+    """A new id when empty; otherwise printable (it goes into logs, traces and metadata)."""
     if not request_id:
         return new_request_id()
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-        raise InvalidRequestError(
-            f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters, got {len(request_id)}"
-        )
+    if not request_id.isprintable():
+        raise InvalidRequestError("request_id must be printable characters")
     return request_id
 
 
@@ -78,29 +72,7 @@ def check_max_tokens(max_tokens: int, limits: Limits, room: int | None = None) -
     return max_tokens  # the scheduler checks it against the context (OUT_OF_RANGE)
 
 
-def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
-    if not ids:
-        raise InvalidRequestError("prompt is empty: give text or at least one token id")
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-        raise InvalidRequestError(f"unknown token ids {shown}: this model's ids are 0..{vocab_size - 1}")
-    return list(ids)
-
-
-def check_stops(stop_strings: Sequence[str], stop_token_ids: Sequence[int], vocab_size: int) -> None:
-    if len(stop_strings) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop_strings)}")
-    for s in stop_strings:
-        if not s or len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequestError(
-                f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters, got one of {len(s)}"
-            )
-    bad = [i for i in stop_token_ids if not 0 <= i < vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            f"unknown stop token ids {bad[:5]}: this model's ids are 0..{vocab_size - 1}"
-        )
+EMPTY_PROMPT = "prompt is empty: give text or at least one token id"
 
 
 def check_request_size(size: int, limits: Limits) -> None:
@@ -114,9 +86,6 @@ def sampling_from(temperature: float | None, top_k: int | None, top_p: float | N
     """SamplingParams with defaults for unset values, validated (InvalidRequestError says which)."""
     from switchyard.service.sampling import SamplingParams
 
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if value is not None and not math.isfinite(value):
-            raise InvalidRequestError(f"{name} must be a finite number, got {value}")
     params = SamplingParams(
         temperature=0.0 if temperature is None else float(temperature),
         top_k=0 if top_k is None else int(top_k),
@@ -159,19 +128,13 @@ def from_generate_request(
     """A ``switchyard.v1.GenerateRequest`` -> RequestSpec (raises InvalidRequestError)."""
     check_request_size(msg.ByteSize(), limits)
     request_id = check_request_id(msg.request_id)
-    vocab = tokenizer.vocab_size
     which = msg.WhichOneof("prompt")
-    if which == "text":
-        if not msg.text:
-            raise InvalidRequestError("prompt is empty: give text or at least one token id")
+    if which == "text" and msg.text:
         prompt_ids = tokenizer.encode(msg.text)
     elif which == "token_ids":
-        prompt_ids = check_prompt_ids(list(msg.token_ids.ids), vocab)
+        prompt_ids = list(msg.token_ids.ids)  # the engine checks them against the vocabulary
     else:
-        raise InvalidRequestError("prompt is empty: give text or at least one token id")
-    if not prompt_ids:
-        raise InvalidRequestError("prompt is empty after tokenisation")
-    check_stops(msg.stop_strings, msg.stop_token_ids, vocab)
+        raise InvalidRequestError(EMPTY_PROMPT)
     s = msg.sampling
     sampling = sampling_from(
         s.temperature if s.HasField("temperature") else None,
