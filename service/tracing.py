@@ -138,6 +138,7 @@ class Telemetry:
         metric_readers: Sequence[MetricReader] = (),
         resource: Resource | None = None,
         span_processor: Callable[[SpanExporter], Any] = BatchSpanProcessor,
+        span_processors: Sequence[Any] = (),
     ) -> None:
         resource = resource or Resource.create(
             {"service.name": os.environ.get("OTEL_SERVICE_NAME", "switchyard")}
@@ -145,6 +146,8 @@ class Telemetry:
         self.tracer_provider = TracerProvider(resource=resource)
         for exporter in span_exporters:
             self.tracer_provider.add_span_processor(span_processor(exporter))
+        for processor in span_processors:
+            self.tracer_provider.add_span_processor(processor)
         self.meter_provider = MeterProvider(resource=resource, metric_readers=list(metric_readers))
         self.tracer = self.tracer_provider.get_tracer("switchyard.service")
         meter = self.meter_provider.get_meter("switchyard.service")
@@ -183,14 +186,18 @@ class Telemetry:
             return None
         exporters: list[SpanExporter] = span_exporters_from_env()
         readers = metric_readers_from_env()
+        processors = []
         if trace_file:
-            exporters.append(OtlpJsonFileSpanExporter(trace_file))
+            # A local file is read by a person right after a request: export within half a second
+            # (the SDK's default batch delay is 5 s) unless OTEL_BSP_SCHEDULE_DELAY says otherwise.
+            delay = int(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "500"))
+            processors.append(BatchSpanProcessor(OtlpJsonFileSpanExporter(trace_file), schedule_delay_millis=delay))
             # Metric points go to the same file (interval: OTEL_METRIC_EXPORT_INTERVAL, default 60 s,
             # plus a last export at shutdown).
             readers.append(PeriodicExportingMetricReader(OtlpJsonFileMetricExporter(trace_file)))
         if not exporters and not readers:
             return None
-        return cls(span_exporters=exporters, metric_readers=readers)
+        return cls(span_exporters=exporters, metric_readers=readers, span_processors=processors)
 
     def observe_scheduler(self, sample: Callable[[], tuple[int, int]]) -> None:
         """Register gauges read at collection time: ``sample()`` -> (active slots, queue depth)."""
