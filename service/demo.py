@@ -7,6 +7,7 @@ Writes a random-weight tiny checkpoint (unless given one), loads it through the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import threading
 import time
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         print(f"{e.index:5d} {e.token_id:6d} {1000 * (e.time - last):8.2f} {e.step:5d}  {e.text!r}")
         last = e.time
-    gaps = [b.time - a.time for a, b in zip(events, events[1:], strict=False) if b.token_id is not None]
+    gaps = [b.time - a.time for a, b in itertools.pairwise(events) if b.token_id is not None]
     if gaps:
         print(f"time to first token {1000 * (events[0].time - t0):.1f} ms, "
               f"mean time per output token {1000 * sum(gaps) / len(gaps):.2f} ms")

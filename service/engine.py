@@ -37,6 +37,7 @@ from switchyard.service.sampling import SamplingParams, sample_sharded
 
 CACHE_SPEC = P(None, AXIS, None, None)  # [slots, kv_heads, max_seq, head_dim], sharded by KV head
 MIN_PREFILL_BUCKET = 16
+CACHE_ALIGN = 128  # positions; the cache length is a multiple of this
 
 
 @dataclasses.dataclass
@@ -54,13 +55,30 @@ class Prefix:
 
 @dataclasses.dataclass
 class StepResult:
-    """One generate step: a token for each slot in ``[0, batch)``; only active slots' tokens count."""
+    """One generate step: a token for each slot in ``[0, batch)``; only active slots' tokens count.
+
+    ``generations[s]`` is the slot's insert count when the step was launched: a token belongs to the
+    request that occupied the slot then, even if the slot has been reused since.
+    """
 
     step: int
     batch: int
     tokens: np.ndarray  # int32 [batch]
     active: np.ndarray  # bool [batch]
+    generations: np.ndarray  # int64 [batch]
     logits: jax.Array | None = None  # [batch, padded_vocab] when asked for
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A launched step whose tokens are still on the device."""
+
+    step: int
+    batch: int
+    tokens: jax.Array
+    active: np.ndarray
+    generations: np.ndarray
+    logits: jax.Array | None
 
 
 def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -117,6 +135,7 @@ class Engine:
         self.active = np.zeros(batch_slots, dtype=bool)
         self.greedy = np.ones(batch_slots, dtype=bool)
         self.positions = np.zeros(batch_slots, dtype=np.int64)  # host mirror: next position to write
+        self.generation = np.zeros(batch_slots, dtype=np.int64)  # inserts per slot
         self.step_count = 0
 
     # ---- construction ----------------------------------------------------------------------------
@@ -145,18 +164,22 @@ class Engine:
         shapes, specs = param_shapes(shape), param_specs(spec)
         leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
         spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-        arrays = []
+        arrays, inits = [], {}
         for n, (shp, ps) in enumerate(zip(leaves, spec_leaves, strict=True)):
-            init = jax.jit(functools.partial(_random_tensor, shape=shp, dtype=jdtype, is_norm=len(shp) == 1),
-                           out_shardings=NamedSharding(mesh, ps))
-            arrays.append(init(jax.random.fold_in(jax.random.PRNGKey(seed), n)))
+            if (shp, ps) not in inits:  # one compile per distinct shape, not per layer
+                inits[shp, ps] = jax.jit(
+                    functools.partial(_random_tensor, shape=shp, dtype=jdtype, is_norm=len(shp) == 1),
+                    out_shardings=NamedSharding(mesh, ps))
+            arrays.append(inits[shp, ps](jax.random.fold_in(jax.random.PRNGKey(seed), n)))
         params = jax.tree.unflatten(treedef, arrays)
         return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
                    strategy=layout.strategy, dtype=dtype, cache_init=cache_init)
 
     def _new_state(self, cache_init: str) -> dict[str, Any]:
         s = self.spec
-        cache_shape = (self.max_slots, s.num_kv_heads, self.max_seq_len, s.head_dim)
+        # Round the cache length up so attention's matrix products need no padded copy of the cache.
+        cache_len = -(-self.max_seq_len // CACHE_ALIGN) * CACHE_ALIGN
+        cache_shape = (self.max_slots, s.num_kv_heads, cache_len, s.head_dim)
         jdtype = jnp.dtype(NP_DTYPES[self.dtype])
         sharding = NamedSharding(self.mesh, CACHE_SPEC)
         if cache_init == "random":  # benchmarks: never time on zeros
@@ -306,6 +329,7 @@ class Engine:
             self._state, prefix.k, prefix.v, np.int32(slot), np.int32(prefix.first_token), np.int32(prefix.length),
             np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p), np.int32(s.seed))
         self.active[slot] = True
+        self.generation[slot] += 1
         self.greedy[slot] = s.greedy
         self.positions[slot] = prefix.length
 
@@ -317,20 +341,33 @@ class Engine:
         """How many more tokens the slot can generate before its context is full."""
         return int(self.max_seq_len - self.positions[slot])
 
-    def generate(self, return_logits: bool = False) -> StepResult:
-        """One decode step: one new token for every active slot."""
+    def dispatch(self, return_logits: bool = False) -> PendingStep:
+        """Launch one decode step for the active slots and return without waiting for it.
+
+        Serving overlaps the host's work on step n (streaming, stop checks) with the device running
+        step n+1: dispatch the next step, then :meth:`collect` the previous one.
+        """
         occupied = np.flatnonzero(self.active)
         if occupied.size == 0:
-            raise RuntimeError("generate() with no active slot")
+            raise RuntimeError("dispatch() with no active slot")
         batch = next(b for b in self.batch_buckets if b > occupied[-1])
         greedy_only = bool(self.greedy[occupied].all())
         fn = self._step_fn(batch, greedy_only, return_logits)
         self._state, tok, logits = fn(self.params, self._state)
-        tokens = np.asarray(tok)
+        tok.copy_to_host_async()
         self.positions[occupied] += 1
         self.step_count += 1
-        return StepResult(step=self.step_count, batch=batch, tokens=tokens, active=self.active[:batch].copy(),
-                          logits=logits if return_logits else None)
+        return PendingStep(step=self.step_count, batch=batch, tokens=tok, active=self.active[:batch].copy(),
+                           generations=self.generation[:batch].copy(), logits=logits if return_logits else None)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a dispatched step's tokens."""
+        return StepResult(step=pending.step, batch=pending.batch, tokens=np.asarray(pending.tokens),
+                          active=pending.active, generations=pending.generations, logits=pending.logits)
+
+    def generate(self, return_logits: bool = False) -> StepResult:
+        """One decode step, waited for: one new token for every active slot."""
+        return self.collect(self.dispatch(return_logits))
 
     def warmup(self) -> float:
         """Run every step this engine will use once, so serving never compiles. Returns seconds.
@@ -349,7 +386,7 @@ class Engine:
                     self.insert(prefix, 0)
                     self.evict(0)
             for batch in self.batch_buckets:
-                self._state, tok, _ = self._step_fn(batch, greedy, False)(self.params, self._state)
+                self._state, _, _ = self._step_fn(batch, greedy, False)(self.params, self._state)
         jax.block_until_ready(self._state)
         self.positions[:] = 0
         return time.perf_counter() - t0

@@ -193,8 +193,9 @@ def decode_forward(
         q, k, v = _split_qkv(h @ params["layers"][i]["wqkv"], shape)  # [batch, heads, hd]
         q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
         k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0]
-        new_k[i] = new_k[i].at[rows, :, positions, :].set(k.astype(new_k[i].dtype))
-        new_v[i] = new_v[i].at[rows, :, positions, :].set(v.astype(new_v[i].dtype))
+        # Write the new K/V in place (the cache is donated), then attend over positions <= pos.
+        new_k[i] = k_cache[i].at[rows, :, positions, :].set(k.astype(k_cache[i].dtype))
+        new_v[i] = v_cache[i].at[rows, :, positions, :].set(v.astype(v_cache[i].dtype))
         kc, vc = new_k[i][:batch], new_v[i][:batch]
         group = shape.q_heads // shape.kv_heads
         qg = q.reshape(batch, shape.kv_heads, group, shape.spec.head_dim)

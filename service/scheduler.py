@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from switchyard.service.engine import Engine
+from switchyard.service.engine import Engine, PendingStep, StepResult
 from switchyard.service.errors import InvalidRequestError, OutOfRangeError, QueueFullError
 from switchyard.service.sampling import SamplingParams
 from switchyard.service.tokenizer import IncrementalDecoder, Tokenizer
@@ -90,6 +90,7 @@ class _Live:
         self.t_submit = t_submit
         self.t_admit = self.t_first = float("nan")
         self.slot: int | None = None
+        self.generation = -1  # the engine's insert count of the slot, once admitted
         n = req.max_tokens
         self.ids = np.zeros(n, np.int32)
         self.times = np.zeros(n, np.float64)
@@ -123,6 +124,7 @@ class Scheduler:
         self._live: dict[str, _Live] = {}
         self._slots: dict[int, _Live] = {}
         self._cancel: set[str] = set()
+        self._in_flight: PendingStep | None = None  # the step launched last, not yet collected
 
     # ---- properties ------------------------------------------------------------------------------
     @property
@@ -204,13 +206,19 @@ class Scheduler:
                         self._wake.wait(timeout=0.05)
 
     def step(self) -> bool:
-        """Retire, admit, then one engine step. Returns whether there was anything to do."""
+        """Retire, admit, launch the next engine step, then stream the previous step's tokens.
+
+        Launching step n+1 before handling step n's tokens keeps the device busy while the host
+        streams; a request that finishes at step n gets one extra token at n+1, which is dropped.
+        """
         worked = self._retire()
         worked |= self._admit()
-        if self._slots:
-            self._generate()
+        previous = self._in_flight
+        self._in_flight = self._dispatch() if self._slots else None
+        if previous is not None:
+            self._stream(previous)
             worked = True
-        return worked
+        return worked or self._in_flight is not None
 
     def _retire(self) -> bool:
         now = time.monotonic()
@@ -246,6 +254,7 @@ class Scheduler:
                 free.insert(0, slot)
                 continue
             live.slot = slot
+            live.generation = int(self.engine.generation[slot])
             self._slots[slot] = live
             now = time.monotonic()
             live.t_first = now
@@ -253,19 +262,30 @@ class Scheduler:
             admitted = True
         return admitted
 
-    def _generate(self) -> None:
+    def _dispatch(self) -> PendingStep | None:
         try:
-            result = self.engine.generate()
+            return self.engine.dispatch()
         except Exception:
-            log.exception("engine step failed; failing the %d active requests", len(self._slots))
-            now = time.monotonic()
-            for live in list(self._slots.values()):
-                self._finish(live, "error", now, token_id=None)
+            self._fail_active("engine step failed")
+            return None
+
+    def _stream(self, pending: PendingStep) -> None:
+        try:
+            result: StepResult = self.engine.collect(pending)
+        except Exception:
+            self._fail_active("engine step failed")
             return
         now = time.monotonic()
-        batch = len(self._slots)
+        batch = int(result.active.sum())
         for slot, live in list(self._slots.items()):
-            self._emit_token(live, int(result.tokens[slot]), step=result.step, batch=batch, now=now)
+            if slot < result.batch and result.active[slot] and result.generations[slot] == live.generation:
+                self._emit_token(live, int(result.tokens[slot]), step=result.step, batch=batch, now=now)
+
+    def _fail_active(self, what: str) -> None:
+        log.exception("%s; failing the %d active requests", what, len(self._slots))
+        now = time.monotonic()
+        for live in list(self._slots.values()):
+            self._finish(live, "error", now, token_id=None)
 
     # ---- per token -------------------------------------------------------------------------------
     def _emit_token(self, live: _Live, token: int, step: int, batch: int, now: float) -> None:
@@ -278,7 +298,7 @@ class Scheduler:
         text, hit_stop = self._push_text(live, token)
         if hit_stop:
             self._finish(live, "stop", now, token_id=token, text=text)
-        elif live.n >= live.req.max_tokens or (live.slot is not None and self.engine.room(live.slot) <= 0):
+        elif live.n >= live.req.max_tokens:  # validated to fit the context
             self._finish(live, "length", now, token_id=token, text=text + self._flush_text(live, final=True))
         else:
             self._send(live, TokenEvent(live.req.request_id, i, token, text, None, step, batch, now))

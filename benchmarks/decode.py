@@ -1,0 +1,247 @@
+"""Decode step time against the HBM roofline, for a Llama shape with random weights on the GPU.
+
+In one run: measures the device's copy bandwidth (a large device-to-device copy, bytes read + written),
+then for each (tp, batch, context, strategy) builds the engine with every slot occupied at that context,
+times the serving loop (launch step n+1, then bring step n's tokens to the host, as the scheduler does) and reports
+ms/token against the roofline (weight + KV bytes per GPU per step over the measured bandwidth).
+
+    python benchmarks/decode.py --model llama3-8b --tp 1 2 --batch 1 8 32 --context 1024 4096 \
+        --out benchmarks/results/decode-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import jax
+import jax.numpy as jnp
+from switchyard.service.engine import Engine, make_mesh
+from switchyard.service.modelspec import ServingLayout, preset
+
+
+def copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> dict[str, float]:
+    """Bytes per second of large device-to-device copies (bytes read + written), by several probes.
+
+    The roofline uses the fastest probe, so fractions are never flattered by a slow copy kernel.
+    """
+    n = int(gib * (1 << 30)) // 4
+    probes: dict[str, float] = {}
+    x = jax.jit(lambda k: jax.random.bits(k, (n,), jnp.uint32))(jax.random.PRNGKey(0))
+    for name, fn in (("jax_u32_xor", lambda a: a ^ jnp.uint32(1)),
+                     ("jax_bf16_add", lambda a: (jax.lax.bitcast_convert_type(a, jnp.bfloat16) + 1))):
+        f = jax.jit(fn)
+        f(x).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        probes[name] = 2 * n * 4 / statistics.median(times)
+    del x
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            src = torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            probes["torch_copy"] = 2 * n * 4 / statistics.median(times)
+            del src, dst
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    return probes
+
+
+def hlo_summary(engine: Engine, batch: int) -> dict:
+    """Counts in the optimised step HLO that reveal bytes read twice (copies, dynamic slices)."""
+    text = engine._step_fn(batch, True, False).lower(engine.params, engine._state).compile().as_text()
+    lines = text.splitlines()
+    return {
+        "copies": sum(" copy(" in ln or "copy-start" in ln for ln in lines),
+        "dynamic_slices": sum("dynamic-slice(" in ln for ln in lines),
+        "all_reduces": sum("all-reduce(" in ln or "all-reduce-start(" in ln for ln in lines),
+        "custom_calls": sum("custom-call(" in ln for ln in lines),
+        "fusions": sum(ln.lstrip().startswith("%fusion") or " fusion(" in ln for ln in lines),
+        "hlo_text": text,
+    }
+
+
+def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
+    """Trace ``steps`` engine steps with the JAX profiler and summarise GPU kernel time from the
+    Perfetto trace: how much of each step the GPU is busy, and with what."""
+    import glob
+    import gzip
+
+    for _ in range(3):
+        engine.generate()
+    jax.profiler.start_trace(out_dir, create_perfetto_trace=True)
+    for _ in range(steps):
+        engine.generate()
+    jax.profiler.stop_trace()
+    path = sorted(glob.glob(f"{out_dir}/**/*perfetto_trace.json.gz", recursive=True))[-1]
+    with gzip.open(path) as f:
+        events = json.loads(f.read())["traceEvents"]
+    pnames = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {pid for pid, name in pnames.items() if "GPU" in name or "gpu" in name}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+    if not kernels:
+        print("  profile: no GPU events; processes:", sorted(set(pnames.values()))[:10], flush=True)
+    host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu_pids]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"][:80], []).append(e.get("dur", 0))
+    busy = sum(e.get("dur", 0) for e in kernels)
+    span = (max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
+    api = {}
+    for e in host:
+        n = e["name"]
+        if any(k in n for k in ("Launch", "launch", "Graph", "graph", "Memcpy", "Synchronize")):
+            api[n] = api.get(n, 0) + 1
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]
+    return {
+        "steps": steps, "gpu_events": len(kernels), "gpu_events_per_step": len(kernels) / steps,
+        "gpu_busy_us_per_step": busy / steps, "gpu_span_us_per_step": span / steps,
+        "host_api_calls": dict(sorted(api.items(), key=lambda kv: -kv[1])[:12]),
+        "top_kernels": [{"name": n, "count": len(d), "total_us": round(sum(d), 1)} for n, d in top],
+    }
+
+
+def time_serving_loop(engine: Engine, steps: int, warmup: int) -> list[float]:
+    """Per-token times of the serving loop: launch step n+1, then bring step n's tokens to the host
+    (what the scheduler does), so host work overlaps the device's."""
+    pending = engine.dispatch()
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        nxt = engine.dispatch()
+        engine.collect(pending)
+        pending = nxt
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    engine.collect(pending)
+    return times
+
+
+def time_synchronous(engine: Engine, steps: int, warmup: int) -> list[float]:
+    """Per-token times when each step is waited for before the next is launched."""
+    for _ in range(warmup):
+        engine.generate()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.generate()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--strategy", nargs="+", default=["xla"])
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--out", help="result JSON path")
+    parser.add_argument("--hlo-dir", help="write the optimised step HLO of each tp at batch 1 here")
+    parser.add_argument("--profile-dir", help="trace a few steps of the first config of each tp here")
+    parser.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth-probe copy")
+    args = parser.parse_args(argv)
+
+    spec = preset(args.model)
+    device = jax.devices()[0]
+    probes = copy_bandwidth(args.copy_gib)
+    bandwidth = max(probes.values())
+    print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write; probes "
+          + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in probes.items()) + ")", flush=True)
+    rows = []
+    for tp in args.tp:
+        mesh_devices = jax.devices()[:tp]
+        make_mesh(tp, mesh_devices)
+        base = None
+        for strategy in args.strategy:
+            for context in args.context:
+                for batch in args.batch:
+                    layout = ServingLayout(tp=tp, strategy=strategy, batch_slots=batch,
+                                           max_seq_len=context + args.steps + args.warmup + 1)
+                    t0 = time.perf_counter()
+                    if base is None:
+                        engine = Engine.from_random(spec, layout, devices=mesh_devices)
+                        base = engine.params
+                    else:
+                        engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=batch,
+                                        max_seq_len=layout.max_seq_len, strategy=strategy, dtype="bfloat16",
+                                        cache_init="random")
+                    engine.occupy_all_slots(context)
+                    if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
+                        summary = hlo_summary(engine, batch)
+                        Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+                        hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}.hlo.txt")
+                        hlo_file.write_text(summary.pop("hlo_text"))
+                        print("  hlo:", summary, flush=True)
+                    if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
+                        prof = profile_steps(engine, 8, f"{args.profile_dir}/tp{tp}-{strategy}")
+                        print("  profile:", json.dumps(prof, indent=1), flush=True)
+                    times = time_serving_loop(engine, args.steps, args.warmup)
+                    sync_ms = 1000 * statistics.median(time_synchronous(engine, args.steps // 2, 2))
+                    setup = time.perf_counter() - t0
+                    ms = 1000 * statistics.median(times)
+                    per_gpu = spec.decode_bytes_per_step(batch, context) / tp
+                    roofline_ms = 1000 * per_gpu / bandwidth
+                    row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
+                           "ms_per_token": round(ms, 4), "tokens_per_s": round(batch * 1000 / ms, 1),
+                           "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
+                           "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
+                           "synchronous_ms_per_token": round(sync_ms, 4)}
+                    rows.append(row)
+                    print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} {ms:8.3f} ms/token "
+                          f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
+                          f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)
+                    del engine
+                    gc.collect()
+        del base
+        gc.collect()
+
+    result = {
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "device": f"{jax.device_count()}x {device.device_kind}",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "jax": jax.__version__,
+        "host": platform.node(),
+        "copy_bandwidth_bytes_per_s": round(bandwidth),
+        "copy_bandwidth_probes": {k: round(v) for k, v in probes.items()},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
