@@ -85,6 +85,17 @@ class DecodeApp:
             self.bridge.accepting = False
         await self.health.enter_graceful_shutdown()
 
+    async def finish_in_flight(self, server: grpc.aio.Server, grace: float) -> None:
+        """After :meth:`drain`: wait up to ``grace`` for the accepted generations, then stop the
+        server. Not ``server.stop(grace)`` alone: long-lived calls that are not generations (a health
+        Watch, an idle KServe stream) would hold the process for the whole grace period."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.bridge is not None and self.bridge.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        # A moment for the last messages to reach their clients, then cancel whatever is left.
+        await server.stop(min(1.0, max(0.0, deadline - loop.time())))
+
     def close(self) -> None:
         if self.bridge is not None:
             self.bridge.stop()
@@ -344,7 +355,7 @@ async def serve(
         options.grace_period,
     )
     await app.drain()
-    await server.stop(options.grace_period)
+    await app.finish_in_flight(server, options.grace_period)
     await asyncio.to_thread(app.close)
     log.info("stopped")
     return 0
@@ -390,7 +401,7 @@ class ServerThread:
         async def shutdown() -> None:
             await self.app.drain()
             assert self._server is not None
-            await self._server.stop(grace)
+            await self.app.finish_in_flight(self._server, grace or 0.0)
 
         self.call(shutdown())
         self.app.close()

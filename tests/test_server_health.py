@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 
 import grpc
 import pytest
@@ -96,7 +97,10 @@ def test_health_follows_loading_serving_and_draining() -> None:
 
         _check_reflection(channel)
     finally:
+        started = time.monotonic()
         server.shutdown()
+    # Nothing was generating: the open Watch stream must not hold the 10 s grace period.
+    assert time.monotonic() - started < 5
     watcher.join(10)
     assert server.exit_code == 0
     assert watched[0] == NOT_SERVING and SERVING in watched and watched[-1] == NOT_SERVING, watched
@@ -110,8 +114,6 @@ def _ignore_end(stream):
 
 
 def _wait_for(condition, timeout: float = 60.0) -> None:
-    import time
-
     end = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < end, "timed out"
