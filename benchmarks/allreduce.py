@@ -355,6 +355,7 @@ def main() -> int:
         "auto_table": table,
     }
     out = ROOT / "benchmarks" / "results" / f"allreduce-{args.tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], out.name).write_text(out.read_text())

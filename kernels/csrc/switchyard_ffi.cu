@@ -75,8 +75,10 @@ bool any_host_error() {
   return false;
 }
 
-// Find this call's rank from the device that owns XLA's stream.
-ffi::Error resolve(cudaStream_t stream, Peers* peers) {
+// Find this call's rank from the device ordinal XLA runs the handler for. No CUDA call here: any
+// runtime query issued while XLA captures the stream into a command buffer could invalidate the
+// capture.
+ffi::Error resolve(int32_t device, Peers* peers) {
   g.host_calls.fetch_add(1, std::memory_order_relaxed);
   if (!g.ready)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -85,16 +87,10 @@ ffi::Error resolve(cudaStream_t stream, Peers* peers) {
     return ffi::Error(ffi::ErrorCode::kAborted,
                       "switchyard all-reduce: a peer GPU never reached a barrier (timed out); "
                       "results since then are invalid; call switchyard.kernels.reset()");
-  int dev = -1;
-  if (cudaStreamGetDevice(stream, &dev) != cudaSuccess) {
-    cudaGetLastError();
-    if (cudaGetDevice(&dev) != cudaSuccess)
-      return ffi::Error(ffi::ErrorCode::kInternal, "cannot find the device of XLA's stream");
-  }
-  if (dev < 0 || dev >= kMaxOrdinals || g.rank_of[dev] < 0)
+  if (device < 0 || device >= kMaxOrdinals || g.rank_of[device] < 0)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "device " + std::to_string(dev) + " is not registered with switchyard");
-  *peers = g.peers[g.rank_of[dev]];
+                      "device " + std::to_string(device) + " is not registered with switchyard");
+  *peers = g.peers[g.rank_of[device]];
   peers->timeout_ns = g.timeout_ns.load(std::memory_order_relaxed);
   return ffi::Error::Success();
 }
@@ -128,9 +124,9 @@ int threads_for(int64_t work) {
   return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, round_up(work, 32))));
 }
 
-ffi::Error OneShotImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error OneShotImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
   Peers P;
-  if (auto err = resolve(stream, &P); err.failure()) return err;
+  if (auto err = resolve(device, &P); err.failure()) return err;
   const int64_t n = static_cast<int64_t>(x.element_count());
   if (n == 0) return ffi::Error::Success();
   if (static_cast<int64_t>(x.size_bytes()) > g.oneshot_bytes)
@@ -148,9 +144,9 @@ ffi::Error OneShotImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::A
   });
 }
 
-ffi::Error TwoShotImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error TwoShotImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
   Peers P;
-  if (auto err = resolve(stream, &P); err.failure()) return err;
+  if (auto err = resolve(device, &P); err.failure()) return err;
   const int64_t n = static_cast<int64_t>(x.element_count());
   if (n == 0) return ffi::Error::Success();
   if (static_cast<int64_t>(x.size_bytes()) > g.twoshot_bytes)
@@ -168,10 +164,10 @@ ffi::Error TwoShotImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::A
   });
 }
 
-ffi::Error FusedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+ffi::Error FusedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                      ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> normed, float eps) {
   Peers P;
-  if (auto err = resolve(stream, &P); err.failure()) return err;
+  if (auto err = resolve(device, &P); err.failure()) return err;
   const auto dims = x.dimensions();
   if (dims.size() < 1) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "x must have a hidden axis");
   const int64_t hidden = dims.back();
@@ -227,6 +223,7 @@ ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer, ffi::Result<ffi::A
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SyOneShot, OneShotImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -234,6 +231,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyOneShot, OneShotImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SyTwoShot, TwoShotImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -241,6 +239,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyTwoShot, TwoShotImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SyFusedRmsNorm, FusedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -256,6 +255,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyTimestamp, TimestampImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::U32>>(),
                               {ffi::Traits::kCmdBufferCompatible});
+
+// Load every kernel into the current device's context now. With CUDA's lazy module loading the
+// first launch of a kernel would otherwise load its module, and loading a module while XLA is
+// capturing the stream into a CUDA graph invalidates the capture.
+template <typename T, int W>
+static cudaError_t preload_kernels() {
+  cudaFuncAttributes a;
+  cudaError_t e;
+  if ((e = cudaFuncGetAttributes(&a, oneshot_kernel<T, W>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&a, twoshot_kernel<T, W>)) != cudaSuccess) return e;
+  return cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<T, W>);
+}
+
+static cudaError_t preload_all_kernels() {
+  cudaError_t e;
+  if ((e = preload_kernels<float, 4>()) != cudaSuccess) return e;
+  if ((e = preload_kernels<float, 1>()) != cudaSuccess) return e;
+  if ((e = preload_kernels<__nv_bfloat16, 8>()) != cudaSuccess) return e;
+  if ((e = preload_kernels<__nv_bfloat16, 1>()) != cudaSuccess) return e;
+  if ((e = preload_kernels<__half, 8>()) != cudaSuccess) return e;
+  if ((e = preload_kernels<__half, 1>()) != cudaSuccess) return e;
+  cudaFuncAttributes a;
+  return cudaFuncGetAttributes(&a, timestamp_kernel);
+}
 
 // ---- C API for the Python side (ctypes) ------------------------------------------------------
 extern "C" {
@@ -317,6 +340,7 @@ int sy_init(int world, const int* ordinals, long long oneshot_bytes, long long t
     // Plain device memory (never managed memory, never multicast objects).
     SY_CHECK(cudaMalloc(&g.base[r], total));
     SY_CHECK(cudaMemset(g.base[r], 0, total));
+    SY_CHECK(preload_all_kernels());
     SY_CHECK(cudaDeviceSynchronize());
   }
   for (int r = 0; r < world; ++r) {
