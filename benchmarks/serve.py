@@ -212,8 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval, as switchyard serve --switch-interval (default: CPython's)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/serve-<device>.json")
     args = parser.parse_args(argv)
+    from switchyard.service.server import tune_interpreter
+
+    tune_interpreter(args.switch_interval)
     levels = [int(c) for c in args.concurrency.split(",")]
     if max(levels) > args.batch_slots:
         parser.error(f"--batch-slots {args.batch_slots} is below the largest concurrency {max(levels)}")
@@ -273,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
             "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "switch_interval_s": sys.getswitchinterval(),
         },
         "rows": rows,
     }

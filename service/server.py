@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -300,6 +301,15 @@ def build_server(app: DecodeApp, *, options: list[tuple[str, Any]] | None = None
     names = (DECODE_SERVICE, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server, pool=reflection_pool())
     return server
+
+
+def tune_interpreter(switch_interval: float | None = None) -> None:
+    """The scheduler thread and the event-loop thread share one interpreter: after a step the
+    scheduler hands its tokens to the loop and must take the GIL back to launch the next step, which
+    can wait up to CPython's switch interval (5 ms by default). A shorter interval shortens that wait
+    and costs more switching; ``benchmarks/serve.py --switch-interval`` measures both. None: CPython's."""
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
 
 
 @dataclasses.dataclass
