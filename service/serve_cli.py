@@ -115,6 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-warmup", action="store_true", help="compile steps on first use instead of at start"
     )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=_env("SWITCH_INTERVAL", None, float),
+        help="CPython GIL switch interval in seconds (default: CPython's, 0.005); benchmarks/serve.py "
+        "measures the effect [SWITCHYARD_SWITCH_INTERVAL]",
+    )
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
 
 
@@ -164,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tiny and not layout.model_name:
         model_name = "tiny"
 
-    from switchyard.service.server import DecodeApp, ServeOptions, serve
+    from switchyard.service.server import DecodeApp, ServeOptions, serve, tune_interpreter
     from switchyard.service.tracing import RequestRecorder, Telemetry
     from switchyard.service.wire import Limits
 
@@ -203,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return scheduler, tokenizer
 
+    tune_interpreter(args.switch_interval)
     try:
         return asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))
     finally:
