@@ -220,7 +220,7 @@ class JaxBench:
         from jax.sharding import PartitionSpec as P
         from switchyard.kernels import native
 
-        jax, world = self.jax, self.world
+        jax, np, world = self.jax, self.np, self.world
         hidden = min(HIDDEN, nbytes // 2)
         rows = nbytes // 2 // hidden
         k = _chain_length(nbytes, 1)
@@ -237,9 +237,11 @@ class JaxBench:
             jax.shard_map(body, mesh=self.mesh, in_specs=(P("tp"), P(), P()), out_specs=(P("tp"),) * 3,
                           check_vma=False)
         )
-        x = self._put(self.rng.standard_normal((world, rows, hidden)), P("tp"))
-        res = self._put(self.rng.standard_normal((rows, hidden)), P())
-        w = self._put(self.rng.uniform(0.5, 1.5, hidden), P())
+        # Same inputs for every implementation at one size, so their chains can be compared.
+        rng = np.random.default_rng(nbytes)
+        x = self._put(rng.standard_normal((world, rows, hidden)), P("tp"))
+        res = self._put(rng.standard_normal((rows, hidden)), P())
+        w = self._put(rng.uniform(0.5, 1.5, hidden), P())
         return self._time(fn, (x, res, w), k)
 
 
