@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from switchyard.service.wire import AlreadyExists, RequestSpec, Unavailable
@@ -53,12 +53,15 @@ class _EventPump:
 
 
 class EngineBridge:
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, *, on_failure: Callable[[], None] | None = None) -> None:
         self.scheduler = scheduler
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._in_flight: set[str] = set()
+        # request id -> where its events go; also what to fail if the scheduler loop dies.
+        self._in_flight: dict[str, tuple[_EventPump, asyncio.Queue[Any]]] = {}
         self._pumps: dict[asyncio.AbstractEventLoop, _EventPump] = {}
+        self._on_failure = on_failure  # called on the scheduler thread if its loop dies
+        self.failed = False
         self.accepting = True
 
     # ---- the scheduler thread --------------------------------------------------------------------
@@ -71,9 +74,22 @@ class EngineBridge:
     def _run(self) -> None:
         try:
             self.scheduler.run(self._stop)
-        except Exception:
-            log.exception("the scheduler loop failed")
-            raise
+        except BaseException:
+            # A bug in the loop: nothing will ever finish the requests in flight. End each with an
+            # error event (their callers get INTERNAL, not a hang) and report the server unhealthy.
+            log.exception("the scheduler loop failed; failing %d request(s) in flight", len(self._in_flight))
+            self.failed = True
+            self.accepting = False
+            self._fail_in_flight()
+            if self._on_failure is not None:
+                self._on_failure()
+
+    def _fail_in_flight(self) -> None:
+        from switchyard.service.scheduler import TokenEvent
+
+        now = time.monotonic()
+        for request_id, (pump, queue) in list(self._in_flight.items()):
+            pump.put(queue, TokenEvent(request_id, 0, None, "", "error", -1, 0, now))
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
@@ -96,6 +112,8 @@ class EngineBridge:
         Raises the scheduler's errors (InvalidRequestError, OutOfRangeError, QueueFullError) before
         the first event, Unavailable when not accepting, AlreadyExists for a duplicate request id.
         """
+        if self.failed:
+            raise Unavailable("the engine loop has failed; this server is restarting")
         if not self.accepting or not self.alive:
             raise Unavailable("the server is not accepting requests (starting up or draining)")
         if spec.request_id in self._in_flight:
@@ -110,7 +128,7 @@ class EngineBridge:
         deadline = None if timeout is None else time.monotonic() + timeout
         request = spec.to_generation_request(deadline=deadline, on_event=on_event)
         self.scheduler.submit(request)
-        self._in_flight.add(spec.request_id)
+        self._in_flight[spec.request_id] = (pump, events)
         finished = False
         try:
             while True:
@@ -124,4 +142,4 @@ class EngineBridge:
             if not finished:
                 # The caller went away (cancel, deadline, shutdown): free the slot at the next step.
                 self.scheduler.cancel(spec.request_id)
-            self._in_flight.discard(spec.request_id)
+            self._in_flight.pop(spec.request_id, None)

@@ -58,6 +58,7 @@ class DecodeApp:
         self.recorder = recorder or tracing.RequestRecorder()
         self.info = info or {}  # tensor_parallel, allreduce_strategy, max_queue for ModelInfo
         self.health = health.aio.HealthServicer()
+        self.failed: asyncio.Event | None = None  # set if the scheduler loop dies
         self.tokenizer: Any = None
         self.bridge: EngineBridge | None = None
         self.ready = False
@@ -72,7 +73,16 @@ class DecodeApp:
     async def attach(self, scheduler: Any, tokenizer: Any) -> None:
         """Start serving ``scheduler`` (built with ``on_finish=self.recorder.on_finish``)."""
         self.tokenizer = tokenizer
-        self.bridge = EngineBridge(scheduler)
+        loop = asyncio.get_running_loop()
+
+        self.failed = asyncio.Event()
+
+        def on_failure() -> None:  # scheduler thread: the loop died; report it, let serve() exit
+            self.ready = False
+            asyncio.run_coroutine_threadsafe(self.set_health(False), loop)
+            loop.call_soon_threadsafe(self.failed.set)
+
+        self.bridge = EngineBridge(scheduler, on_failure=on_failure)
         self.bridge.start()
         if self.recorder.telemetry is not None:
             self.recorder.telemetry.observe_scheduler(lambda: (scheduler.active_slots, scheduler.queue_depth))
@@ -116,6 +126,8 @@ class DecodeApp:
         await context.abort(code, text)
 
     def require_ready(self) -> None:
+        if self.bridge is not None and self.bridge.failed:
+            raise Unavailable("the engine loop has failed; this server is going away")
         if not self.ready or self.bridge is None:
             raise Unavailable("the model is not ready (loading, or the server is draining)")
 
@@ -358,7 +370,16 @@ async def serve(
         return 1
     await app.attach(scheduler, tokenizer)
     log.info("serving %s", app.model_name)
-    await waiter
+    assert app.failed is not None
+    failure = asyncio.ensure_future(app.failed.wait())
+    await asyncio.wait({waiter, failure}, return_when=asyncio.FIRST_COMPLETED)
+    if failure.done():
+        log.error("the engine loop failed: stopping so that the pod restarts")
+        await app.drain()
+        await app.finish_in_flight(server, 1.0)
+        await asyncio.to_thread(app.close)
+        return 1
+    failure.cancel()
     log.info(
         "draining: %d request(s) in flight, grace period %.0f s",
         app.bridge.in_flight if app.bridge else 0,

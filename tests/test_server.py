@@ -204,3 +204,46 @@ def test_full_queue_answers_resource_exhausted() -> None:
         for call in queued:
             assert [m for m in call][-1].finish_reason  # the queued ones still complete
         s.assert_no_leaked_slots()
+
+
+def test_engine_step_failure_ends_the_stream_with_internal(client, served, monkeypatch) -> None:
+    engine = served.scheduler.engine
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("simulated device failure")
+
+    # The scheduler launches a step with dispatch() and reads its tokens with collect().
+    monkeypatch.setattr(engine, "collect", broken)
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(make_request("doomed", max_tokens=8), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "engine failed" in err.value.details()
+    monkeypatch.undo()
+    served.assert_no_leaked_slots()
+    assert client.generate(make_request("recovered", max_tokens=4), timeout=30).token_ids
+
+
+def test_scheduler_loop_crash_fails_in_flight_requests_and_health() -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with serving() as s, DecodeClient(s.target) as c:
+        call = c.stub.Generate(make_request("in flight", max_tokens=200), timeout=60)
+        next(call)
+        original = s.scheduler.step
+
+        def crash() -> bool:
+            raise RuntimeError("simulated scheduler bug")
+
+        s.scheduler.step = crash
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        health = health_pb2_grpc.HealthStub(c.channel)
+        deadline = time.monotonic() + 5
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 2  # NOT_SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(make_request("after", max_tokens=2), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "failed" in err.value.details()
+        s.scheduler.step = original

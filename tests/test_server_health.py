@@ -42,7 +42,8 @@ class InProcessServe:
     def _load(self):
         assert self.release.wait(60)
         engine = tiny_engine()
-        return Scheduler(engine, tiny_tokenizer(), max_queue=8, on_finish=self.recorder.on_finish), tiny_tokenizer()
+        self.scheduler = Scheduler(engine, tiny_tokenizer(), max_queue=8, on_finish=self.recorder.on_finish)
+        return self.scheduler, tiny_tokenizer()
 
     def _main(self) -> None:
         async def main() -> int:
@@ -131,3 +132,22 @@ def _check_reflection(channel: grpc.Channel) -> None:
     assert decode.methods_by_name["Generate"].output_type.full_name == "switchyard.v1.GenerateResponse"
     infer = pool.FindServiceByName(kserve.SERVICE).methods_by_name["ModelStreamInfer"]
     assert infer.input_type.full_name == "inference.ModelInferRequest"
+
+
+def test_serve_exits_nonzero_when_the_engine_loop_dies() -> None:
+    """So that Kubernetes restarts the pod instead of keeping a server that can never answer."""
+    server = InProcessServe()
+    server.release.set()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    _wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == SERVING)
+
+    def crash() -> bool:
+        raise RuntimeError("simulated scheduler bug")
+
+    server.scheduler.step = crash
+    server.thread.join(30)
+    assert not server.thread.is_alive() and server.exit_code == 1
+    for slot in range(tiny_engine().max_slots):  # the dead loop could not clean up; the next test needs it
+        if tiny_engine().active[slot]:
+            tiny_engine().evict(slot)
