@@ -2,8 +2,9 @@
 
 Speaks the tensors of Triton's TensorRT-LLM ensemble: inputs ``text_input`` (BYTES), ``max_tokens``
 (INT32) and optionally ``temperature``, ``top_k``, ``top_p``, ``random_seed``, ``stop_words``,
-``end_id``, ``pad_id``, ``beam_width`` (1 only), ``stream``; output ``text_output`` (BYTES), the
-generated text without the prompt. ``ModelStreamInfer`` is decoupled: with ``stream`` true, one
+``end_id``, ``pad_id`` (accepted, unused: no padding here), ``beam_width`` (1 only), ``stream``,
+``exclude_input_in_output``; output ``text_output`` (BYTES), the generated text, after the prompt
+only when ``exclude_input_in_output`` is false. ``ModelStreamInfer`` is decoupled: with ``stream`` true, one
 response per token carrying the text delta; otherwise one response with the whole text. Every
 streamed response carries the ``triton_final_response`` parameter as Triton's does, and a request
 with ``triton_enable_empty_final_response`` gets an empty final response.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import struct
 from collections.abc import AsyncIterator, Callable
 from importlib import metadata
@@ -56,10 +58,11 @@ INPUTS: dict[str, tuple[tuple[str, ...], list[int]]] = {
     "top_p": (("FP32", "FP64"), [-1, 1]),
     "random_seed": (("UINT64", "INT64", "INT32", "UINT32"), [-1, 1]),
     "stop_words": (("BYTES",), [-1, -1]),
-    "end_id": (("INT32", "INT64"), [-1, 1]),
-    "pad_id": (("INT32", "INT64"), [-1, 1]),
-    "beam_width": (("INT32", "INT64"), [-1, 1]),
+    "end_id": (("INT32", "INT64", "UINT32", "UINT64"), [-1, 1]),
+    "pad_id": (("INT32", "INT64", "UINT32", "UINT64"), [-1, 1]),
+    "beam_width": (("INT32", "INT64", "UINT32", "UINT64"), [-1, 1]),
     "stream": (("BOOL",), [-1, 1]),
+    "exclude_input_in_output": (("BOOL",), [-1, 1]),
 }
 REQUIRED = ("text_input", "max_tokens")
 OUTPUT = "text_output"
@@ -188,8 +191,14 @@ def _text(value: Any, name: str) -> str:
         raise InvalidRequestError(f"input {name!r} is not valid UTF-8: {err}") from err
 
 
-def request_spec(request: Any, tokenizer: Any, limits: Limits) -> tuple[RequestSpec, bool]:
-    """A ModelInferRequest -> (RequestSpec, stream?)."""
+@dataclasses.dataclass(frozen=True)
+class Options:
+    stream: bool = False  # one response per token (else one with the whole text)
+    prefix: str = ""  # text before the generated text: the prompt when exclude_input_in_output is false
+
+
+def request_spec(request: Any, tokenizer: Any, limits: Limits) -> tuple[RequestSpec, Options]:
+    """A ModelInferRequest -> (RequestSpec, Options)."""
     check_request_size(request.ByteSize(), limits)
     tensors = decode_inputs(request)
     missing = [n for n in REQUIRED if n not in tensors]
@@ -223,8 +232,12 @@ def request_spec(request: Any, tokenizer: Any, limits: Limits) -> tuple[RequestS
         stop_token_ids=stop_ids,
         stop_strings=stops,
     )
-    stream = bool(_scalar(tensors, "stream", bool) or False)
-    return spec, stream
+    exclude_input = _scalar(tensors, "exclude_input_in_output", bool)
+    options = Options(
+        stream=bool(_scalar(tensors, "stream", bool) or False),
+        prefix="" if exclude_input is None or exclude_input else text,
+    )
+    return spec, options
 
 
 def text_response(request: Any, model_name: str, text: str, shape: list[int], final: bool | None) -> Any:
@@ -298,7 +311,8 @@ class KServeService:
         pieces: list[str] = []
         try:
             self.app.require_ready()
-            spec, _ = request_spec(request, self.app.tokenizer, self.app.limits)
+            spec, options = request_spec(request, self.app.tokenizer, self.app.limits)
+            pieces.append(options.prefix)
             async with contextlib.aclosing(self.app.events(spec, context)) as events:
                 async for event in events:
                     pieces.append(event.text)
@@ -320,12 +334,13 @@ class KServeService:
         shape = _output_shape(request)
         try:
             self.app.require_ready()
-            spec, stream = request_spec(request, self.app.tokenizer, self.app.limits)
-            pieces: list[str] = []
+            spec, options = request_spec(request, self.app.tokenizer, self.app.limits)
+            pieces: list[str] = [options.prefix]
+            prefix = options.prefix  # streamed: goes in front of the first response's text
             async with contextlib.aclosing(self.app.events(spec, context)) as events:
                 async for event in events:
                     last = event.finish_reason is not None
-                    if not stream:
+                    if not options.stream:
                         pieces.append(event.text)
                         if last:
                             response = text_response(
@@ -336,8 +351,9 @@ class KServeService:
                     if event.token_id is None and not event.text and not (last and not empty_final):
                         continue  # a final event without a token: only the flag matters
                     response = text_response(
-                        request, self.app.model_name, event.text, shape, last and not empty_final
+                        request, self.app.model_name, prefix + event.text, shape, last and not empty_final
                     )
+                    prefix = ""
                     out.put_nowait(ModelStreamInferResponse(infer_response=response))
         except asyncio.CancelledError:
             raise

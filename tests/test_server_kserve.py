@@ -160,3 +160,13 @@ def test_raw_bytes_codec_round_trip_and_rejects_garbage() -> None:
         kserve.deserialize_bytes(raw + b"z", 3, "x")
     with pytest.raises(ValueError, match="past the end"):
         kserve.deserialize_bytes(raw[:-1], 3, "x")
+
+
+def test_exclude_input_in_output_false_puts_the_prompt_first(triton) -> None:
+    flag = {"exclude_input_in_output": ("BOOL", np.array([[False]], dtype=bool))}
+    plain = triton.infer("tiny", _inputs("Hello world", 6)).as_numpy("text_output")[0, 0].decode()
+    echoed = triton.infer("tiny", _inputs("Hello world", 6, **flag)).as_numpy("text_output")[0, 0].decode()
+    assert echoed == "Hello world" + plain
+    streamed = _stream(triton, [("e", _inputs("Hello world", 6, stream=("BOOL", np.array([[True]], dtype=bool)),
+                                                **flag))], empty_final=False)["e"]
+    assert "".join(_text(r) for r in streamed) == "Hello world" + plain
