@@ -420,6 +420,7 @@ class ServerThread:
 
         self._loop.run_until_complete(start())
         self._loop.run_forever()
+        self._loop.close()
 
     @property
     def target(self) -> str:

@@ -70,7 +70,12 @@ def generate_requests(draw) -> decode_pb2.GenerateRequest:
 @given(request=generate_requests(), unary=st.booleans(), cancel_after=st.none() | st.integers(0, 3))
 @FUZZ
 def test_fuzzed_generate_requests_get_a_proper_status(served, request, unary, cancel_after) -> None:
-    stub = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(served.target))
+    with grpc.insecure_channel(served.target) as channel:
+        _call_decode(decode_pb2_grpc.DecodeStub(channel), request, unary, cancel_after)
+    served.assert_no_leaked_slots()
+
+
+def _call_decode(stub, request, unary: bool, cancel_after: int | None) -> None:
     try:
         if unary:
             stub.GenerateUnary(request, timeout=60)
@@ -85,7 +90,6 @@ def test_fuzzed_generate_requests_get_a_proper_status(served, request, unary, ca
         event(err.code().name)
         assert err.code() in CLIENT_ERRORS | {grpc.StatusCode.CANCELLED}, (err.code(), err.details())
         assert err.details(), "every refusal says why"
-    served.assert_no_leaked_slots()
 
 
 DATATYPES = ["BYTES", "INT32", "INT64", "UINT64", "FP32", "FP64", "BOOL", "FP16", "UINT8", ""]
@@ -127,7 +131,12 @@ def _valid_infer_request(text: bytes, max_tokens: int):
                                    st.integers(1, 24) | st.integers(240, 2**31 - 1))))
 @FUZZ
 def test_fuzzed_kserve_requests_get_a_proper_status(served, request) -> None:
-    channel = grpc.insecure_channel(served.target)
+    with grpc.insecure_channel(served.target) as channel:
+        _call_infer(channel, request)
+    served.assert_no_leaked_slots()
+
+
+def _call_infer(channel: grpc.Channel, request) -> None:
     infer = channel.unary_unary(
         f"/{kserve.SERVICE}/ModelInfer",
         request_serializer=lambda m: m.SerializeToString(),
@@ -141,4 +150,3 @@ def test_fuzzed_kserve_requests_get_a_proper_status(served, request) -> None:
         event(err.code().name)
         assert err.code() in CLIENT_ERRORS, (err.code(), err.details())
         assert err.details()
-    served.assert_no_leaked_slots()
