@@ -75,6 +75,16 @@ DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
+# A request span carries ~20 bytes of OTLP protobuf per output token (42 KB at 2048 tokens). The SDK's
+# default export batch of 512 spans would then be ~20 MB, over the 4 MiB a collector's gRPC receiver
+# takes by default; 16 spans of 8192 tokens stay under it. OTEL_BSP_MAX_EXPORT_BATCH_SIZE overrides.
+DEFAULT_EXPORT_BATCH = 16
+
+
+def batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
+    explicit = os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+    return BatchSpanProcessor(exporter, max_export_batch_size=None if explicit else DEFAULT_EXPORT_BATCH)
+
 
 def _exporter_names(kind: str) -> list[str]:
     explicit = os.environ.get(f"OTEL_{kind.upper()}_EXPORTER")
@@ -137,7 +147,7 @@ class Telemetry:
         span_exporters: Sequence[SpanExporter] = (),
         metric_readers: Sequence[MetricReader] = (),
         resource: Resource | None = None,
-        span_processor: Callable[[SpanExporter], Any] = BatchSpanProcessor,
+        span_processor: Callable[[SpanExporter], Any] = batch_processor,
         span_processors: Sequence[Any] = (),
     ) -> None:
         resource = resource or Resource.create(

@@ -235,3 +235,34 @@ def test_trace_file_from_env_holds_spans_and_metric_points(monkeypatch, tmp_path
     tokens = metrics[tracing.TOKENS]["sum"]
     assert tokens["isMonotonic"] and {p["asInt"] for p in tokens["dataPoints"]} == {"11", "50"}
     assert [t.output_tokens for t in T.read_trace_file(path)] == [50]
+
+
+def test_otlp_export_batches_stay_under_a_collectors_default_message_limit(monkeypatch) -> None:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    monkeypatch.delenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", raising=False)
+    spans = InMemorySpanExporter()
+    tel = tracing.Telemetry(span_exporters=[spans], span_processor=SimpleSpanProcessor)
+    recorder = tracing.RequestRecorder(tel)
+    recorder.on_finish(record(8192))
+    recorder.close()
+    (span,) = spans.get_finished_spans()
+    batch_bytes = tracing.DEFAULT_EXPORT_BATCH * encode_spans([span]).ByteSize()
+    assert batch_bytes < 4 << 20
+
+    class Batches(InMemorySpanExporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def export(self, batch):
+            self.sizes.append(len(batch))
+            return super().export(batch)
+
+    exporter = Batches()
+    tel = tracing.Telemetry(span_exporters=[exporter])  # the default processor
+    recorder = tracing.RequestRecorder(tel)
+    for i in range(40):
+        recorder.on_finish(record(4, request_id=f"b{i}"))
+    recorder.close()
+    assert sum(exporter.sizes) == 40 and max(exporter.sizes) <= tracing.DEFAULT_EXPORT_BATCH
