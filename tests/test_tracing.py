@@ -266,3 +266,47 @@ def test_otlp_export_batches_stay_under_a_collectors_default_message_limit(monke
         recorder.on_finish(record(4, request_id=f"b{i}"))
     recorder.close()
     assert sum(exporter.sizes) == 40 and max(exporter.sizes) <= tracing.DEFAULT_EXPORT_BATCH
+
+
+def test_otlp_grpc_export_configured_by_standard_env(monkeypatch) -> None:
+    """A real OTLP/gRPC receiver on a localhost port gets the request span, configured only through
+    OTEL_* variables, as a pod would be."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_SDK_DISABLED"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+        monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "switchyard-otlp-test")
+        tel = tracing.Telemetry.from_env()
+        assert tel is not None
+        recorder = tracing.RequestRecorder(tel)
+        recorder.on_finish(record(300))
+        recorder.close()
+    finally:
+        server.stop(0)
+    spans = [s for r in received for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    (span,) = spans
+    assert span.name == "text_completion tiny"
+    attrs = {kv.key: kv.value for kv in span.attributes}
+    assert attrs["gen_ai.operation.name"].string_value == "text_completion"
+    assert attrs["gen_ai.usage.output_tokens"].int_value == 300
+    assert len(attrs[T.TOKEN_GAP_MS].array_value.values) == 300
+    resource = {kv.key: kv.value.string_value for kv in received[0].resource_spans[0].resource.attributes}
+    assert resource["service.name"] == "switchyard-otlp-test"
