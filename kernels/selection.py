@@ -52,8 +52,12 @@ def check_strategy(strategy: str) -> None:
 
 @lru_cache(maxsize=4)
 def load_table(path: Path = TABLE_PATH) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """The measured table; an empty one (DEFAULT_RULE applies) if the file is missing."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
 
 
 def lookup(rules: Sequence[Sequence], nbytes: int) -> str:

@@ -246,3 +246,9 @@ def test_cuda_sources_compile(tmp_path) -> None:
 
         listing = subprocess.run(["cuobjdump", "--list-elf", str(out)], capture_output=True, text=True).stdout
         assert "sm_90a" in listing
+
+
+def test_missing_table_falls_back_to_default_rule(tmp_path) -> None:
+    table = selection.load_table(tmp_path / "absent.json")
+    assert table == {}
+    assert choose("auto", 1024, 2, "bfloat16", CAP2, table) == "oneshot"
