@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import platform
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--out", help="result JSON path")
     parser.add_argument("--hlo-dir", help="write the optimised step HLO of each tp at batch 1 here")
+    parser.add_argument("--min-batch-bucket", type=int, nargs="+", default=[1],
+                        help="smallest step batch the engine compiles (compare 1 and 2)")
     parser.add_argument("--profile-dir", help="trace a few steps of the first config of each tp here")
     parser.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth-probe copy")
     args = parser.parse_args(argv)
@@ -182,20 +185,21 @@ def main(argv: list[str] | None = None) -> int:
         mesh_devices = jax.devices()[:tp]
         make_mesh(tp, mesh_devices)
         base = None
-        for strategy in args.strategy:
+        for strategy, min_bucket in itertools.product(args.strategy, args.min_batch_bucket):
             for context in args.context:
                 for batch in args.batch:
-                    layout = ServingLayout(tp=tp, strategy=strategy, batch_slots=batch,
+                    slots = max(batch, min_bucket)
+                    layout = ServingLayout(tp=tp, strategy=strategy, batch_slots=slots,
                                            max_seq_len=context + args.steps + args.warmup + 1)
                     t0 = time.perf_counter()
                     if base is None:
-                        engine = Engine.from_random(spec, layout, devices=mesh_devices)
+                        engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket)
                         base = engine.params
                     else:
-                        engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=batch,
+                        engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
                                         max_seq_len=layout.max_seq_len, strategy=strategy, dtype="bfloat16",
-                                        cache_init="random")
-                    engine.occupy_all_slots(context)
+                                        cache_init="random", min_batch_bucket=min_bucket)
+                    engine.occupy_slots(context, count=batch)
                     if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
                         summary = hlo_summary(engine, batch)
                         Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
@@ -212,12 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                     per_gpu = spec.decode_bytes_per_step(batch, context) / tp
                     roofline_ms = 1000 * per_gpu / bandwidth
                     row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
-                           "ms_per_token": round(ms, 4), "tokens_per_s": round(batch * 1000 / ms, 1),
+                           "min_batch_bucket": min_bucket, "ms_per_token": round(ms, 4),
+                           "tokens_per_s": round(batch * 1000 / ms, 1),
                            "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
                            "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
                            "synchronous_ms_per_token": round(sync_ms, 4)}
                     rows.append(row)
-                    print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} {ms:8.3f} ms/token "
+                    print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} min-bucket {min_bucket} "
+                          f"{ms:8.3f} ms/token "
                           f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
                           f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)
                     del engine

@@ -109,6 +109,7 @@ class Engine:
         strategy: str = "xla",
         dtype: str | None = None,
         cache_init: str = "zeros",
+        min_batch_bucket: int = 1,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown all-reduce strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
@@ -128,7 +129,9 @@ class Engine:
         self.shape = ShardShape(spec, self.tp)
         self._cfg = ForwardConfig.make(spec, self.tp, strategy)
         self._pspecs = param_specs(spec)
-        self.batch_buckets = _buckets(batch_slots, 1)
+        # A step for one sequence can run as two rows: XLA on GPU compiles some [1, K] x [K, N] products
+        # as a broadcast-multiply plus reduce that writes a K x N temporary (see benchmarks/NOTES.md).
+        self.batch_buckets = _buckets(batch_slots, min(max(1, min_batch_bucket), batch_slots))
         self.prefill_buckets = _buckets(max_seq_len, min(MIN_PREFILL_BUCKET, max_seq_len))
         self._jits: dict[tuple, Any] = {}
         self._state = self._new_state(cache_init)
@@ -155,7 +158,7 @@ class Engine:
     @classmethod
     def from_random(
         cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
-        devices: Sequence[jax.Device] | None = None, cache_init: str = "random",
+        devices: Sequence[jax.Device] | None = None, cache_init: str = "random", min_batch_bucket: int = 1,
     ) -> Engine:
         """Random weights made on the devices, shard by shard (for benchmarks of large shapes)."""
         mesh = make_mesh(layout.tp, devices)
@@ -173,7 +176,7 @@ class Engine:
             arrays.append(inits[shp, ps](jax.random.fold_in(jax.random.PRNGKey(seed), n)))
         params = jax.tree.unflatten(treedef, arrays)
         return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
-                   strategy=layout.strategy, dtype=dtype, cache_init=cache_init)
+                   strategy=layout.strategy, dtype=dtype, cache_init=cache_init, min_batch_bucket=min_batch_bucket)
 
     def _new_state(self, cache_init: str) -> dict[str, Any]:
         s = self.spec
@@ -396,10 +399,12 @@ class Engine:
         return sum(fn._cache_size() for fn in self._jits.values())
 
     # ---- benchmarks ------------------------------------------------------------------------------
-    def occupy_all_slots(self, context: int, sampling: SamplingParams | None = None) -> None:
-        """Mark every slot active at ``context`` tokens of (whatever is in the) cache, without prefill."""
+    def occupy_slots(self, context: int, count: int | None = None, sampling: SamplingParams | None = None) -> None:
+        """Benchmarks: mark the first ``count`` slots (all by default) active at ``context`` tokens of
+        whatever the cache holds, without prefill."""
         if not 1 <= context < self.max_seq_len:
             raise ValueError(f"context must be in [1, {self.max_seq_len})")
+        count = self.max_slots if count is None else count
         s = sampling or SamplingParams()
         n = self.max_slots
         rep = NamedSharding(self.mesh, P())
@@ -410,7 +415,8 @@ class Engine:
                            ("seeds", np.full(n, s.seed, np.int32)),
                            ("tokens", np.arange(n, dtype=np.int32) % self.spec.vocab_size)):
             self._state[key] = jax.device_put(value, rep)
-        self.active[:] = True
+        self.active[:] = False
+        self.active[:count] = True
         self.greedy[:] = s.greedy
         self.positions[:] = context
 
