@@ -347,9 +347,12 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
     server = build_server(app)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    try:
+        port = server.add_insecure_port(f"{options.host}:{options.port}")
+    except RuntimeError:  # recent grpcio raises where older versions returned 0
+        port = 0
     if port == 0:
-        log.error("could not listen on %s:%s", options.host, options.port)
+        log.error("could not listen on %s:%s (address in use?)", options.host, options.port)
         return 1
     await app.set_health(False)
     await server.start()

@@ -151,3 +151,16 @@ def test_serve_exits_nonzero_when_the_engine_loop_dies() -> None:
     for slot in range(tiny_engine().max_slots):  # the dead loop could not clean up; the next test needs it
         if tiny_engine().active[slot]:
             tiny_engine().evict(slot)
+
+
+def test_serve_reports_a_port_it_cannot_listen_on(caplog) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        app = DecodeApp(model_name="tiny")
+        code = asyncio.run(serve(app, lambda: (None, None), ServeOptions("127.0.0.1", port), stop=asyncio.Event()))
+    assert code == 1
+    assert f"could not listen on 127.0.0.1:{port}" in caplog.text
