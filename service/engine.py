@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from switchyard import kernels
 from switchyard.kernels import STRATEGIES
 from switchyard.service.checkpoint import NP_DTYPES, load_params
 from switchyard.service.errors import InvalidRequestError, OutOfRangeError
@@ -109,7 +110,7 @@ class Engine:
         strategy: str = "xla",
         dtype: str | None = None,
         cache_init: str = "zeros",
-        min_batch_bucket: int = 1,
+        min_batch_bucket: int = 2,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown all-reduce strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
@@ -134,6 +135,10 @@ class Engine:
         self.batch_buckets = _buckets(batch_slots, min(max(1, min_batch_bucket), batch_slots))
         self.prefill_buckets = _buckets(max_seq_len, min(MIN_PREFILL_BUCKET, max_seq_len))
         self._jits: dict[tuple, Any] = {}
+        if strategy != "xla" and self.tp > 1:
+            # Workspaces and peer access for the custom all-reduce, on exactly this mesh's GPUs and
+            # before any step is compiled (no-op, with the reason in kernels.status(), off GPU).
+            kernels.init(list(mesh.devices.flat))
         self._state = self._new_state(cache_init)
         self.active = np.zeros(batch_slots, dtype=bool)
         self.greedy = np.ones(batch_slots, dtype=bool)
@@ -158,7 +163,7 @@ class Engine:
     @classmethod
     def from_random(
         cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
-        devices: Sequence[jax.Device] | None = None, cache_init: str = "random", min_batch_bucket: int = 1,
+        devices: Sequence[jax.Device] | None = None, cache_init: str = "random", min_batch_bucket: int = 2,
     ) -> Engine:
         """Random weights made on the devices, shard by shard (for benchmarks of large shapes)."""
         mesh = make_mesh(layout.tp, devices)

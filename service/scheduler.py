@@ -56,6 +56,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     deadline: float | None = None  # time.monotonic() value
     on_event: Callable[[TokenEvent], None] | None = None  # called on the scheduler thread
+    ignore_eos: bool = False  # generate exactly max_tokens unless a stop id or string is met
 
 
 @dataclasses.dataclass
@@ -99,7 +100,7 @@ class _Live:
         self.n = 0
         self.decoder: IncrementalDecoder = tokenizer.incremental()
         self.pending = ""  # text held back because it may begin a stop string
-        self.stop_ids = set(req.stop_token_ids) | set(tokenizer.eos_token_ids)
+        self.stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(tokenizer.eos_token_ids))
         self.done = False
 
 
@@ -337,7 +338,8 @@ class Scheduler:
         index = live.n - 1 if token_id is not None else live.n
         step = int(live.steps[live.n - 1]) if token_id is not None and live.n else -1
         batch = int(live.batches[live.n - 1]) if token_id is not None and live.n else len(self._slots)
-        self._send(live, TokenEvent(live.req.request_id, index, token_id, text, reason, step, batch, now))
+        # The record goes out before the final event, so a client that sees its stream end can already
+        # find the request's trace.
         if self.on_finish is not None:
             n = live.n
             record = RequestRecord(
@@ -350,6 +352,7 @@ class Scheduler:
                 self.on_finish(record)
             except Exception:
                 log.exception("on_finish hook failed for %s", live.req.request_id)
+        self._send(live, TokenEvent(live.req.request_id, index, token_id, text, reason, step, batch, now))
 
     def _send(self, live: _Live, event: TokenEvent) -> None:
         if live.req.on_event is None:
