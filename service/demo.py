@@ -1,72 +1,84 @@
-"""``switchyard demo``: the embedded tiny model generating text, with per-token timings.
+"""``switchyard demo``: the whole path on the embedded tiny model.
 
-Writes a random-weight tiny checkpoint (unless given one), loads it through the same path as
-``switchyard serve``, generates with the continuous-batching scheduler and prints each token's latency.
+Starts ``switchyard serve --tiny`` (a random-weight tiny Llama, written on the spot) as its own
+process, waits until gRPC health says SERVING, streams a generation with ``switchyard generate``,
+then reads the request's per-token trace back with ``switchyard trace`` (table, percentiles, PNG).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
-import threading
 import time
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", nargs="?", default="The quick brown fox", help="prompt text")
-    parser.add_argument("--model-path", help="a Hugging Face checkpoint folder (default: a fresh tiny model)")
+    parser.add_argument("prompt", nargs="?", default="Once upon a time", help="prompt text")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices)")
+    parser.add_argument("--png", default="switchyard-trace.png", help="where to write the trace timeline")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_serving(target: str, server: subprocess.Popen, timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"switchyard serve exited with code {server.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"the service at {target} was not SERVING after {timeout:.0f} s")
 
 
 def run(args: argparse.Namespace) -> int:
-    from switchyard.service.checkpoint import write_checkpoint
-    from switchyard.service.engine import Engine
-    from switchyard.service.modelspec import ServingLayout, preset
-    from switchyard.service.sampling import SamplingParams
-    from switchyard.service.scheduler import GenerationRequest, Scheduler, TokenEvent
-    from switchyard.service.tokenizer import Tokenizer
+    from switchyard.cli.main import main as switchyard
 
-    with tempfile.TemporaryDirectory() as scratch:
-        path = args.model_path or str(write_checkpoint(preset("tiny"), scratch, progress=False))
-        layout = ServingLayout(tp=args.tp, batch_slots=4, max_seq_len=256)
-        engine = Engine.from_checkpoint(path, layout)
-        print(f"compiling {engine.spec.name} (tp={args.tp}) ...", flush=True)
-        print(f"warm-up took {engine.warmup():.1f} s")
-        tokenizer = Tokenizer.from_dir(path, engine.spec)
-        scheduler = Scheduler(engine, tokenizer)
-        done = threading.Event()
-        events: list[TokenEvent] = []
-
-        def on_event(event: TokenEvent) -> None:
-            events.append(event)
-            print(event.text, end="", flush=True)
-            if event.finish_reason:
-                done.set()
-
-        stop = threading.Event()
-        loop = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
-        loop.start()
-        t0 = time.monotonic()
-        print(f"\n{args.prompt}", end="", flush=True)
-        scheduler.submit(GenerationRequest(
-            "demo", tokenizer.encode(args.prompt), args.max_tokens,
-            SamplingParams(temperature=args.temperature, seed=args.seed), on_event=on_event))
-        done.wait()
-        stop.set()
-        loop.join()
-    print(f"\n\nfinish: {events[-1].finish_reason}\n{'token':>5} {'id':>6} {'ms':>8} {'step':>5}  text")
-    last = t0
-    for e in events:
-        if e.token_id is None:
-            continue
-        print(f"{e.index:5d} {e.token_id:6d} {1000 * (e.time - last):8.2f} {e.step:5d}  {e.text!r}")
-        last = e.time
-    gaps = [b.time - a.time for a, b in itertools.pairwise(events) if b.token_id is not None]
-    if gaps:
-        print(f"time to first token {1000 * (events[0].time - t0):.1f} ms, "
-              f"mean time per output token {1000 * sum(gaps) / len(gaps):.2f} ms")
-    return 0
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="switchyard-demo-") as scratch:
+        trace_file = Path(scratch) / "traces.jsonl"
+        command = [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--host", "127.0.0.1",
+                   "--port", str(port), "--trace-file", str(trace_file)]
+        print("$ switchyard " + " ".join(command[3:]), flush=True)
+        env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY=os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "100"))
+        server = subprocess.Popen(command, env=env)
+        try:
+            _wait_serving(target, server, args.startup_timeout)
+            print(f"\n$ switchyard generate --target {target} --max-tokens {args.max_tokens} {args.prompt!r}",
+                  flush=True)
+            code = switchyard(["generate", "--target", target, "--max-tokens", str(args.max_tokens), args.prompt])
+            if code:
+                return code
+            for _ in range(50):  # the span reaches the file within the exporter's schedule delay
+                if trace_file.exists() and trace_file.stat().st_size:
+                    break
+                time.sleep(0.1)
+            print(f"\n$ switchyard trace {trace_file.name} --png {args.png}", flush=True)
+            return switchyard(["trace", str(trace_file), "--png", args.png, "--rows", "10"])
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
