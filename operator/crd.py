@@ -20,6 +20,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 CRD_FILE = HERE / "crd.yaml"
 PEERING_CRD_FILE = HERE / "peering-crd.yaml"
+RBAC_FILE = HERE / "rbac.yaml"  # the operator's ClusterRole rules, for the chart
 # File names of the copies in manifests/crds/ and charts/switchyard/crds/.
 COPIES = {CRD_FILE: "switchyard.dev_decodeservices.yaml", PEERING_CRD_FILE: "kopf.dev_clusterkopfpeerings.yaml"}
 
@@ -47,6 +48,10 @@ def load_crd() -> dict[str, Any]:
 
 def load_peering_crd() -> dict[str, Any]:
     return copy.deepcopy(_load(PEERING_CRD_FILE))
+
+
+def load_rbac_rules() -> list[dict[str, Any]]:
+    return copy.deepcopy(_load(RBAC_FILE))["rules"]
 
 
 def openapi_schema(version: str = VERSION) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import kopf
 from . import reconcile as rec
 from . import render
 from .crd import GROUP, PLURAL, VERSION
-from .kube import Kube
+from .kube import ApiError, Kube
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,9 @@ class OperatorConfig:
     render: render.RenderConfig = dataclasses.field(default_factory=render.RenderConfig)
     replan_interval_s: float = 60.0
     peering_name: str | None = "switchyard"  # None: standalone (one replica, no peering)
+    # How long a replica that stopped without saying so (killed, node lost) blocks the others.
+    peering_lifetime_s: int = 60
+    retry_delay_s: float = 5.0  # after an API error, kopf retries the reconcile this much later
 
 
 def _post(body: Any, events: list[tuple[str, str, str]]) -> None:
@@ -62,6 +65,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
             settings.peering.name = config.peering_name
             settings.peering.mandatory = True
             settings.peering.clusterwide = True
+            settings.peering.lifetime = config.peering_lifetime_s
         else:
             settings.peering.standalone = True
 
@@ -72,13 +76,16 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         try:
             outcome = rec.reconcile(kube, body, config.render)
         except Exception as err:  # API trouble: kopf retries with back-off
-            raise kopf.TemporaryError(f"reconcile failed: {err}", delay=5) from err
+            raise kopf.TemporaryError(f"reconcile failed: {err}", delay=config.retry_delay_s) from err
         logger.info("%s", outcome.plan.message if outcome.plan else outcome.status.get("layoutSummary"))
         _post(body, outcome.events)
 
     @kopf.timer(GROUP, VERSION, PLURAL, interval=config.replan_interval_s,
                 initial_delay=config.replan_interval_s, registry=registry)
     def capacity(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+        status = body.get("status") or {}
+        if status.get("observedGeneration") != body["metadata"].get("generation"):
+            return  # a spec change is pending: the change handlers own this object until it is planned
         fits, why = rec.current_layout_fits(kube, body)
         if fits:
             return
@@ -99,16 +106,25 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         namespace = meta.get("namespace")
         if not name:
             return
-        ds = kube.get("DecodeService", namespace, name)
-        if ds is None:
-            return  # being deleted; the garbage collector takes the rest
-        owner = render.owner_from_body(ds)
-        statefulsets = kube.list("StatefulSet", namespace, render.selector_string(owner))
-        status = render.readiness_status(ds, statefulsets, rec.now())
-        old = ds.get("status") or {}
-        if status["readyReplicas"] == old.get("readyReplicas") and status["conditions"] == old.get("conditions"):
+        for attempt in range(5):
+            ds = kube.get("DecodeService", namespace, name)
+            if ds is None or "replicas" not in (ds.get("status") or {}):
+                return  # deleted (the garbage collector takes the rest), or not planned yet
+            owner = render.owner_from_body(ds)
+            statefulsets = kube.list("StatefulSet", namespace, render.selector_string(owner))
+            status = render.readiness_status(ds, statefulsets, rec.now())
+            old = ds.get("status") or {}
+            if status["readyReplicas"] == old.get("readyReplicas") and status["conditions"] == old.get("conditions"):
+                return
+            try:
+                kube.patch_status("DecodeService", namespace, name, status,
+                                  resource_version=ds["metadata"]["resourceVersion"])
+                break
+            except ApiError as err:
+                if err.status != 409 or attempt == 4:
+                    raise
+        else:
             return
-        kube.patch_status("DecodeService", namespace, name, status)
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         kopf.event(ds, type="Normal" if ready["status"] == "True" else "Warning", reason=ready["reason"],
                    message=ready["message"])

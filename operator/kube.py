@@ -17,6 +17,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
 APPLIED_ANNOTATION = "switchyard.dev/applied-hash"
+USER_AGENT = "switchyard-operator"
 # Kinds the operator renders or reads: kind -> (apiVersion, plural, namespaced).
 RESOURCES: dict[str, tuple[str, str, bool]] = {
     "ConfigMap": ("v1", "configmaps", True),
@@ -68,7 +69,9 @@ class Kube:
             # Read KUBECONFIG now: the client's default location was fixed when it was imported.
             k8s_config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
                                         client_configuration=configuration)
-        return cls(k8s_client.ApiClient(configuration))
+        api = k8s_client.ApiClient(configuration)
+        api.user_agent = USER_AGENT
+        return cls(api)
 
     def connection(self) -> dict[str, Any]:
         """Where and how to connect, for kopf's login (same server, credentials and TLS as ours)."""
@@ -128,8 +131,14 @@ class Kube:
                 return False
             raise
 
-    def patch_status(self, kind: str, namespace: str | None, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
-        return self.request("PATCH", path(kind, namespace, name, "status"), body={"status": status},
+    def patch_status(self, kind: str, namespace: str | None, name: str, status: Mapping[str, Any],
+                     resource_version: str | None = None) -> dict[str, Any]:
+        """Merge-patch the status subresource; with ``resource_version`` only if nobody wrote since
+        (409 otherwise), so that lists like conditions are never replaced from a stale read."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return self.request("PATCH", path(kind, namespace, name, "status"), body=body,
                             content_type="application/merge-patch+json")
 
     def apply(self, obj: Mapping[str, Any]) -> str:

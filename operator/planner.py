@@ -418,14 +418,17 @@ def _per_group_tps(c: _Candidate) -> float:
 
 
 def _key(c: _Candidate, objective: str) -> tuple[Any, ...]:
+    """Sort key, best first: layouts that place every replica asked for, then those meeting the
+    SLO, then the objective's figure for what is actually placed."""
     lay = c.layout
-    tps = _per_group_tps(c) * max(c.replicas_wanted, 1)
+    short = lay.dp < c.replicas_wanted
+    tps = _per_group_tps(c) * max(lay.dp, 1)
     if objective == "latency":
-        return (not c.slo_ok, lay.ms_per_token, c.gpus, -tps, lay.tp, lay.pp, lay.product)
+        return (short, not c.slo_ok, lay.ms_per_token, c.gpus, -tps, lay.tp, lay.pp, lay.product)
     if objective == "throughput":
-        return (not c.slo_ok, -round(tps, 1), c.gpus, lay.ms_per_token, lay.tp, lay.pp, lay.product)
-    per_gpu = tps / (lay.gpus_per_replica * max(c.replicas_wanted, 1))
-    return (not c.slo_ok, -round(per_gpu, 2), lay.ms_per_token, lay.tp, lay.pp, lay.product)
+        return (short, not c.slo_ok, -round(tps, 1), c.gpus, lay.ms_per_token, lay.tp, lay.pp, lay.product)
+    per_gpu = tps / (lay.gpus_per_replica * max(lay.dp, 1))
+    return (short, not c.slo_ok, -round(per_gpu, 2), lay.ms_per_token, lay.tp, lay.pp, lay.product)
 
 
 def _choose(cands: list[_Candidate], objective: str) -> _Candidate:
@@ -452,13 +455,15 @@ def _alternatives(chosen: _Candidate, cands: list[_Candidate], rejected: list[Al
     others = sorted((c for c in cands if c is not chosen), key=lambda c: _key(c, objective))
     for c in others[:3]:
         o = c.layout
-        if not c.slo_ok and chosen.slo_ok:
+        if o.dp < c.replicas_wanted <= lay.dp or (o.dp < c.replicas_wanted and o.dp == 0):
+            why = f"only {o.dp} of {c.replicas_wanted} replicas can be placed"
+        elif not c.slo_ok and chosen.slo_ok:
             why = c.slo_note
         elif objective == "latency":
             why = f"slower: {o.ms_per_token:.2f} vs {lay.ms_per_token:.2f} ms/token"
         elif objective == "throughput":
-            why = (f"fewer tokens/s: {_per_group_tps(c) * max(c.replicas_wanted, 1):.0f} vs "
-                   f"{_per_group_tps(chosen) * max(chosen.replicas_wanted, 1):.0f}")
+            why = (f"fewer tokens/s: {_per_group_tps(c) * max(o.dp, 1):.0f} vs "
+                   f"{_per_group_tps(chosen) * max(lay.dp, 1):.0f}")
         else:
             why = (f"{o.ms_per_token:.2f} ms/token, "
                    f"{_per_group_tps(c) / o.gpus_per_replica:.0f} tokens/s per GPU vs "

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import inventory, planner, render
 from . import spec as specmod
-from .kube import Kube
+from .kube import ApiError, Kube
 
 
 @dataclasses.dataclass
@@ -37,7 +37,6 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
               degraded: tuple[str, str] | None = None) -> Outcome:
     owner = render.owner_from_body(body)
     spec = specmod.normalized(body["spec"])
-    previous = (body.get("status") or {}).get("conditions") or []
     events: list[tuple[str, str, str]] = []
     try:
         source = specmod.model_source(spec)
@@ -48,11 +47,12 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
             data = (cm or {}).get("data")
         model = specmod.model_spec(spec, data)
     except specmod.SpecError as err:
-        status = {"observedGeneration": owner.generation, "replicas": 0, "layoutSummary": "InvalidModel",
-                  "conditions": render.conditions_for(None, 0, owner.generation, previous, now(),
-                                                      planning_error=("InvalidModel", str(err)))}
-        kube.patch_status("DecodeService", owner.namespace, owner.name, status)
-        return Outcome(None, status, {}, [("Warning", "InvalidModel", str(err))])
+        error = str(err)
+        status = {"observedGeneration": owner.generation, "replicas": 0, "layoutSummary": "InvalidModel"}
+        status = write_status(kube, owner, lambda previous: {
+            **status, "conditions": render.conditions_for(None, 0, owner.generation, previous, now(),
+                                                          planning_error=("InvalidModel", error))})
+        return Outcome(None, status, {}, [("Warning", "InvalidModel", error)])
 
     inv = build_inventory(kube, owner)
     plan = planner.plan(model, inv, specmod.request(spec))
@@ -78,10 +78,10 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
     ready = render.readiness(statefulsets, lay.pp if lay else 1)
     status = render.plan_status(plan, owner, config)
     dp = lay.dp if lay else 0
-    status.update({"readyReplicas": ready, "ready": f"{ready}/{dp}",
-                   "conditions": render.conditions_for(plan, ready, owner.generation, previous, now(),
-                                                       degraded=degraded)})
-    kube.patch_status("DecodeService", owner.namespace, owner.name, status)
+    status.update({"readyReplicas": ready, "ready": f"{ready}/{dp}"})
+    write_status(kube, owner, lambda previous: {
+        **status, "conditions": render.conditions_for(plan, ready, owner.generation, previous, now(),
+                                                      degraded=degraded)})
 
     if lay is None:
         events.append(("Warning", plan.status, plan.message))
@@ -91,6 +91,25 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
         if changed:
             events.append(("Normal", "Applied", ", ".join(f"{k} {actions[k]}" for k in changed)[:1000]))
     return Outcome(plan, status, actions, events)
+
+
+def write_status(kube: Kube, owner: render.Owner,
+                 build: Callable[[list[dict[str, Any]]], dict[str, Any]], attempts: int = 5) -> dict[str, Any]:
+    """Write a status built from the live conditions, guarded by the resourceVersion read: a
+    concurrent writer (the StatefulSet watcher) makes us re-read instead of overwriting it."""
+    for attempt in range(attempts):
+        live = kube.get("DecodeService", owner.namespace, owner.name)
+        if live is None:
+            return {}  # deleted meanwhile
+        status = build(list((live.get("status") or {}).get("conditions") or []))
+        try:
+            kube.patch_status("DecodeService", owner.namespace, owner.name, status,
+                              resource_version=live["metadata"]["resourceVersion"])
+            return status
+        except ApiError as err:
+            if err.status != 409 or attempt == attempts - 1:
+                raise
+    return {}
 
 
 def current_layout_fits(kube: Kube, body: Mapping[str, Any]) -> tuple[bool, str]:

@@ -50,6 +50,8 @@ class RenderConfig:
     coordinator_port: int = 8476
     run_as_user: int = 1000
     shm_size: str = "16Gi"
+    # Collector for serving pods whose DecodeService sets no spec.otlpEndpoint (the chart's otel.endpoint).
+    otlp_endpoint: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +185,9 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
         {"name": "OTEL_RESOURCE_ATTRIBUTES",
          "value": "k8s.namespace.name=$(POD_NAMESPACE),k8s.pod.name=$(POD_NAME),service.instance.id=$(POD_NAME)"},
     ]
-    if spec.get("otlpEndpoint"):
-        env += [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec["otlpEndpoint"]},
+    otlp_endpoint = spec.get("otlpEndpoint") or config.otlp_endpoint
+    if otlp_endpoint:
+        env += [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": otlp_endpoint},
                 {"name": "OTEL_TRACES_EXPORTER", "value": "otlp"},
                 {"name": "OTEL_METRICS_EXPORTER", "value": "otlp"}]
     else:

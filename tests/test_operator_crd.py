@@ -169,3 +169,13 @@ def test_bad_resources_are_rejected_with_a_readable_message(name):
     _, errors = admit(obj)
     assert errors, f"{name} was admitted"
     assert any(fragment in e for e in errors), errors
+
+
+def test_rbac_is_a_valid_cluster_role_without_wildcards():
+    role = yaml.safe_load(crd.RBAC_FILE.read_text())
+    kubernetes_validate.validate(role, "1.31", strict=True)
+    standard = {"get", "list", "watch", "create", "update", "patch", "delete"}
+    for rule in role["rules"]:
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[key], rule
+        assert set(rule["verbs"]) <= standard, rule

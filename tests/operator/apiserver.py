@@ -154,7 +154,10 @@ class ApiServer(kmock.KubernetesEmulator):
         self.crd_scale: dict[resource, dict[str, str]] = {}
         self.gc_tasks: set[asyncio.Task[None]] = set()
         self.gates: list[Gate] = []
+        self.closing = False  # set at shutdown: open watches end
         self.writes: list[tuple[str, str, str | None]] = []  # (method, plural, name) of every write
+        # (user agent, RBAC verb, API group, resource[/subresource]) of every resource request
+        self.verbs: set[tuple[str, str, str, str]] = set()
         for ns in ("default", "kube-system"):
             self.seed({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
 
@@ -227,6 +230,8 @@ class ApiServer(kmock.KubernetesEmulator):
         info = self.info(res)
         if info is None:
             return _status(404, NOT_FOUND_REASON, "the server could not find the requested resource")
+        self.verbs.add((request.headers.get("User-Agent", ""), _verb(request), res.group or "",
+                        res.plural + (f"/{request.subresource}" if request.subresource else "")))
         if request.method == "GET" and request.params.get("watch") in ("true", "1"):
             return await self._watch(request, res)  # long-lived: never holds the store's lock
         for gate in self.gates:
@@ -238,7 +243,7 @@ class ApiServer(kmock.KubernetesEmulator):
                     return _status(503, "ServiceUnavailable", "the request was cut off")
         if request.method != "GET":
             name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
-            self.writes.append((str(request.method), res.plural, name))
+            self.writes.append((request.method.value, res.plural, name))
         async with self._lock:
             return await self._serve(request, res, info)
 
@@ -306,7 +311,9 @@ class ApiServer(kmock.KubernetesEmulator):
             start = int(since)
             position = next((i for i, entry in enumerate(self.log) if entry[0] > start), len(self.log))
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self.closing:
+                if raw.transport is None or raw.transport.is_closing():
+                    break  # the client went away (a stopped operator never says goodbye)
                 while position < len(self.log):
                     _rv, r, etype, obj = self.log[position]
                     position += 1
@@ -315,7 +322,8 @@ class ApiServer(kmock.KubernetesEmulator):
                 async with self.changed:
                     if position >= len(self.log):
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self.changed.wait(), max(deadline - time.monotonic(), 0.01))
+                            wait = min(max(deadline - time.monotonic(), 0.01), 0.5)
+                            await asyncio.wait_for(self.changed.wait(), wait)
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             pass
@@ -527,6 +535,11 @@ class ApiServer(kmock.KubernetesEmulator):
                     del self.resources[known]
             self.crd_schemas.pop(res, None)
 
+    async def close_watches(self) -> None:
+        self.closing = True
+        async with self.changed:
+            self.changed.notify_all()
+
     def gate(self, method: str, plural: str, fail: bool = False) -> Gate:
         gate = Gate(method, plural, fail)
         self.gates.append(gate)
@@ -544,6 +557,16 @@ class ApiServer(kmock.KubernetesEmulator):
                 if response.status >= 300:
                     raise AssertionError(f"creating {obj['kind']} {obj['metadata']['name']}: "
                                          f"{response.status} {await response.text()}")
+
+
+def _verb(request: rendering.Request) -> str:
+    """The RBAC verb of a request, as the API server's authorizer names it."""
+    method = request.method.value
+    if method == "GET":
+        if request.params.get("watch") in ("true", "1"):
+            return "watch"
+        return "list" if request.name is None else "get"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method, method.lower())
 
 
 def _invalid(info: ResourceInfo, name: str, errors: list[str]) -> aiohttp.web.Response:
