@@ -12,10 +12,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ClusterKopfPeering object shared by the operator replicas (default %(default)s)")
     parser.add_argument("--standalone", action="store_true",
                         help="no peering: for a single replica or a local run")
-    parser.add_argument("--priority", type=priority, default=priority(os.environ.get("SWITCHYARD_PRIORITY", "0")),
-                        help="peering priority; the highest live replica handles resources. 'random': a "
-                             "random one per start, for Deployment replicas (kopf freezes every replica "
-                             "that sees a peer of equal priority)")
+    parser.add_argument("--priority", type=priority, default=priority(os.environ.get("SWITCHYARD_PRIORITY", "random")),
+                        help="peering priority; the highest live replica handles resources. 'random' "
+                             "(default): a random one per start, so Deployment replicas never tie (kopf "
+                             "freezes every replica that sees a peer of equal priority)")
     parser.add_argument("--replan-interval", type=float,
                         default=float(os.environ.get("SWITCHYARD_REPLAN_INTERVAL", "60")),
                         help="seconds between capacity checks of each DecodeService (default %(default)s)")

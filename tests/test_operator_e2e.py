@@ -133,7 +133,7 @@ async def test_operator_restart_mid_reconcile_converges_without_duplicates(tmp_p
         if old is not None:
             os.environ["KUBECONFIG"] = old
         assert c.names("ConfigMap") == ["llama-layout"] and sorted(c.names("Service")) == ["llama", "llama-headless"]
-        creates = [(plural, name) for method, plural, name in c.api.writes if method == "POST"]
+        creates = [(plural, name) for method, plural, name, _agent in c.api.writes if method == "POST"]
         for plural, name in (("configmaps", "llama-layout"), ("services", "llama"), ("statefulsets", "llama")):
             assert creates.count((plural, name)) == 1, (plural, name, creates)
 
@@ -236,3 +236,33 @@ async def test_kubectl_bad_resource_is_rejected_by_the_api_server(tmp_path):
         rc, out = await kubectl(c, "apply", "--validate=false", "-f", str(path))
         assert rc != 0 and "spec.objective: 'fastest' is not one of" in out, out
         assert c.ds() is None
+
+
+async def test_two_replicas_do_not_fight(tmp_path):
+    async with cluster(tmp_path, [gpu_node("h200-0")]) as c:
+        low = await start_operator(c, identity="replica-low", priority=100)
+        high = await start_operator(c, identity="replica-high", priority=200)
+        try:
+            await c.api.apply_objects([decode_service()])
+            await eventually(lambda: condition(c.ds(), "Planned"), what="planned")
+            await asyncio.sleep(1.5)  # give the paused replica every chance to interfere
+            agents = {agent for *_, agent in c.api.writes if agent.startswith("switchyard-operator")}
+            assert agents == {"switchyard-operator/replica-high"}, agents
+            await high.close()
+            # The remaining replica takes over once the leader has left the peering object.
+            status, _ = await c.request("PATCH", f"{DS_PATH}/llama", {"spec": {"objective": "throughput"}})
+            assert status == 200
+            await eventually(lambda: c.ds()["status"].get("observedGeneration") == 2, what="re-plan by the other")
+            assert any(agent == "switchyard-operator/replica-low" for *_, agent in c.api.writes)
+        finally:
+            await low.close()
+            if high.thread.is_alive():
+                await high.close()
+
+
+def test_operator_replicas_draw_distinct_priorities():
+    from switchyard.operator.main import priority
+
+    assert priority("7") == 7
+    drawn = {priority("random") for _ in range(20)}
+    assert len(drawn) == 20 and all(p > 0 for p in drawn)

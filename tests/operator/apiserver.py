@@ -155,7 +155,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.gc_tasks: set[asyncio.Task[None]] = set()
         self.gates: list[Gate] = []
         self.closing = False  # set at shutdown: open watches end
-        self.writes: list[tuple[str, str, str | None]] = []  # (method, plural, name) of every write
+        self.writes: list[tuple[str, str, str | None, str]] = []  # (method, plural, name, agent) of writes
         # (user agent, RBAC verb, API group, resource[/subresource]) of every resource request
         self.verbs: set[tuple[str, str, str, str]] = set()
         for ns in ("default", "kube-system"):
@@ -243,7 +243,7 @@ class ApiServer(kmock.KubernetesEmulator):
                     return _status(503, "ServiceUnavailable", "the request was cut off")
         if request.method != "GET":
             name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
-            self.writes.append((request.method.value, res.plural, name))
+            self.writes.append((request.method.value, res.plural, name, request.headers.get("User-Agent", "")))
         async with self._lock:
             return await self._serve(request, res, info)
 

@@ -124,9 +124,11 @@ class Operator:
         self.kube.api.close()
 
 
-async def start_operator(c: Cluster, replan_interval_s: float = 0.5, identity: str = "operator-1") -> Operator:
+async def start_operator(c: Cluster, replan_interval_s: float = 0.5, identity: str = "operator-1",
+                         priority: int = 0) -> Operator:
     os.environ["KUBECONFIG"] = str(c.kubeconfig)
     kube = Kube.from_environment()
+    kube.api.user_agent = f"{USER_AGENT}/{identity}"  # which replica wrote what
     registry = kopf.OperatorRegistry()
     # A short peering lifetime: a replica that dies mid-reconcile holds the others back for 2 s,
     # not kopf's default minute.
@@ -137,7 +139,7 @@ async def start_operator(c: Cluster, replan_interval_s: float = 0.5, identity: s
     def main() -> None:
         asyncio.run(kopf.operator(
             registry=registry, clusterwide=True, peering_name="switchyard", standalone=False,
-            identity=identity, stop_flag=stop, ready_flag=ready))
+            identity=identity, priority=priority, stop_flag=stop, ready_flag=ready))
 
     thread = threading.Thread(target=main, name=f"kopf-{identity}", daemon=True)
     thread.start()
