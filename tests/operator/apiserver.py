@@ -23,7 +23,9 @@ subclass adds, and fakes nothing beyond:
   (``metadata.name``/``metadata.namespace``) selectors;
 * watches: from ``resourceVersion=N`` every later event is replayed from an event log, so a client
   that resumes misses nothing; without one the current objects come as ADDED first; ``timeoutSeconds``
-  ends the stream; ``/api/v1`` discovery of the core resources; server version 1.31.
+  ends the stream; ``/api/v1`` discovery of the core resources; server version 1.31;
+* server-side printing: ``kubectl get`` of a custom resource gets a Table of its
+  additionalPrinterColumns (dates as ages), as from a real API server.
 
 Not emulated: controllers (no Pods appear for a StatefulSet; tests write StatefulSet status as the
 StatefulSet controller would), admission webhooks, RBAC, CEL validation rules, OpenAPI endpoints.
@@ -36,6 +38,8 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import gzip
+import importlib.resources
 import json
 import re
 import secrets
@@ -146,12 +150,15 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.resources.load_bundled()
+        # kmock's catalogue of built-in resources (its load_bundled() uses a deprecated importlib call).
+        bundled = importlib.resources.files("kmock._internal").joinpath("resources.json.gz").read_bytes()
+        self.resources.load_data(gzip.decompress(bundled))
         self.rv = 0
         self.log: list[tuple[int, resource, str, dict[str, Any]]] = []
         self.changed = asyncio.Condition()
         self.crd_schemas: dict[resource, dict[str, Any]] = {}
         self.crd_scale: dict[resource, dict[str, str]] = {}
+        self.crd_columns: dict[resource, list[dict[str, Any]]] = {}
         self.gc_tasks: set[asyncio.Task[None]] = set()
         self.gates: list[Gate] = []
         self.closing = False  # set at shutdown: open watches end
@@ -261,7 +268,11 @@ class ApiServer(kmock.KubernetesEmulator):
             return _status(404, NOT_FOUND_REASON, f'{res.plural}.{res.group or "core"} "{name}" not found',
                            {"name": name, "kind": res.plural})
         if method == "GET":
-            return aiohttp.web.json_response(self._scale(res, current) if sub == "scale" else current)
+            if sub == "scale":
+                return aiohttp.web.json_response(self._scale(res, current))
+            if self._wants_table(request, res):
+                return aiohttp.web.json_response(self._table(res, [current]))
+            return aiohttp.web.json_response(current)
         if method == "DELETE":
             return await self._delete(res, current)
         if method in ("PUT", "PATCH"):
@@ -281,11 +292,36 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _list(self, request: rendering.Request, res: resource, info: ResourceInfo) -> aiohttp.web.Response:
         items = [o for o in self.all(res) if self._matches(request, o)]
+        if self._wants_table(request, res):
+            return aiohttp.web.json_response(self._table(res, items))
         api_version = f"{res.group}/{res.version}" if res.group else res.version
         return aiohttp.web.json_response({
             "apiVersion": api_version, "kind": f"{info.kind}List",
             "metadata": {"resourceVersion": str(self.rv)}, "items": items,
         })
+
+    def _wants_table(self, request: rendering.Request, res: resource) -> bool:
+        # kubectl get asks for server-side printing; for CRDs the server prints additionalPrinterColumns.
+        return "as=Table" in request.headers.get("Accept", "") and res in self.crd_columns
+
+    def _table(self, res: resource, objs: list[dict[str, Any]]) -> dict[str, Any]:
+        columns = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
+                    "description": "Name must be unique within a namespace."}]
+        columns += [{"name": c["name"], "type": c["type"], "format": c.get("format", ""),
+                     "priority": c.get("priority", 0), "description": c.get("description", "")}
+                    for c in self.crd_columns[res]]
+        rows = []
+        for obj in objs:
+            cells: list[Any] = [obj["metadata"]["name"]]
+            for c in self.crd_columns[res]:
+                value = _get_path(obj, c["jsonPath"])
+                if c["type"] == "date" and value:
+                    value = _age(value)  # the API server prints dates as ages, as kubectl shows them
+                cells.append(value)
+            rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                                                    "metadata": obj["metadata"]}})
+        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": str(self.rv)},
+                "columnDefinitions": columns, "rows": rows}
 
     async def _watch(self, request: rendering.Request, res: resource) -> aiohttp.web.StreamResponse:
         raw = request._raw_request
@@ -513,6 +549,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 subresources=subresources)
             if "schema" in version:
                 self.crd_schemas[res] = version["schema"]["openAPIV3Schema"]
+            self.crd_columns[res] = version.get("additionalPrinterColumns", [])
             if "scale" in version.get("subresources", {}):
                 scale = version["subresources"]["scale"]
                 self.crd_scale[res] = {"spec": scale["specReplicasPath"], "status": scale["statusReplicasPath"],
@@ -573,6 +610,15 @@ def _invalid(info: ResourceInfo, name: str, errors: list[str]) -> aiohttp.web.Re
     return _status(422, "Invalid", f'{info.kind} "{name}" is invalid: ' + "; ".join(errors),
                    {"name": name, "kind": info.kind,
                     "causes": [{"reason": "FieldValueInvalid", "message": e} for e in errors]})
+
+
+def _age(timestamp: str) -> str:
+    then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    seconds = int((datetime.datetime.now(datetime.UTC) - then).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"
 
 
 def _get_path(obj: dict[str, Any], path: str) -> Any:
