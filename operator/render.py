@@ -109,12 +109,12 @@ def endpoint(owner: Owner, config: RenderConfig) -> str:
 
 
 def serving_layout(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelSource,
-                   group: str) -> ServingLayout:
+                   group: str, config: RenderConfig) -> ServingLayout:
     lay = plan.layout
     assert lay is not None
     coordinator = ""
     if lay.pp > 1:
-        coordinator = f"{group}-0.{headless_name(owner)}.{owner.namespace}.svc:{RenderConfig.coordinator_port}"
+        coordinator = f"{group}-0.{headless_name(owner)}.{owner.namespace}.svc:{config.coordinator_port}"
     return ServingLayout(
         tp=lay.tp, pp=lay.pp, dp=max(lay.dp, 1), strategy=lay.strategy, batch_slots=lay.batch_slots,
         max_seq_len=lay.max_seq_len, model_name=spec["model"]["name"], model_path=source.path,
@@ -142,17 +142,18 @@ def render(body: Mapping[str, Any], spec: Mapping[str, Any], plan: Plan, source:
     if lay is None or lay.dp == 0:
         return objs
     for index, group in enumerate(group_names(owner, lay.pp, lay.dp)):
-        cm = _configmap(owner, spec, plan, source, group)
+        cm = _configmap(owner, spec, plan, source, group, config)
         objs.append(cm)
         nodes = sorted({n for g in (lay.placement if lay.pp == 1 else lay.placement[index:index + 1]) for n in g})
         objs.append(_statefulset(owner, spec, plan, source, config, group, index, cm, nodes))
     return objs
 
 
-def _configmap(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelSource, group: str) -> dict[str, Any]:
+def _configmap(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelSource, group: str,
+               config: RenderConfig) -> dict[str, Any]:
     lay = plan.layout
     assert lay is not None
-    data = {"layout.json": serving_layout(owner, spec, plan, source, group).to_json() + "\n"}
+    data = {"layout.json": serving_layout(owner, spec, plan, source, group, config).to_json() + "\n"}
     if spec.get("engine") == "tensorrt-llm":
         data[TRTLLM_OPTIONS] = yaml.safe_dump({
             "allreduce_strategy": TRTLLM_ALLREDUCE[lay.strategy],

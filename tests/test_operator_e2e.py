@@ -273,3 +273,32 @@ def test_operator_replicas_draw_distinct_priorities():
     assert priority("7") == 7
     drawn = {priority("random") for _ in range(20)}
     assert len(drawn) == 20 and all(p > 0 for p in drawn)
+
+
+async def test_switchyard_operator_command(tmp_path):
+    """`switchyard operator` as the Deployment runs it: its own process, peering, liveness endpoint."""
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with cluster(tmp_path, [gpu_node("h200-0")]) as c:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "switchyard.cli.main", "operator", "--replan-interval", "1",
+            "--liveness", f"http://127.0.0.1:{port}/healthz",
+            env={**os.environ, "KUBECONFIG": str(c.kubeconfig)},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            await c.api.apply_objects([decode_service()])
+            await eventually(lambda: condition(c.ds(), "Planned"), timeout=30, what="planned by the command")
+            assert c.names("StatefulSet") == ["llama"]
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/healthz") as response:
+                assert response.status == 200
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, out.decode()[-2000:]
+        assert "Planned" in out.decode() or "TP8xPP1xDP1" in out.decode()

@@ -197,7 +197,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 return known
         raise KeyError(f"no resource of kind {kind} in {api_version}")
 
-    def get(self, res: resource, namespace: str | None, name: str) -> dict[str, Any] | None:
+    def stored(self, res: resource, namespace: str | None, name: str) -> dict[str, Any] | None:
         key = (res, namespace, name)
         if key in self.objects and not self.objects[key].deleted:
             return copy.deepcopy(self.objects[key].raw)
@@ -263,7 +263,7 @@ class ApiServer(kmock.KubernetesEmulator):
             return await self._create(request, res, info)
         if name is None:
             return _status(405, "MethodNotAllowed", f"{method} on a collection is not supported here")
-        current = self.get(res, ns, name)
+        current = self.stored(res, ns, name)
         if current is None:
             return _status(404, NOT_FOUND_REASON, f'{res.plural}.{res.group or "core"} "{name}" not found',
                            {"name": name, "kind": res.plural})
@@ -396,14 +396,14 @@ class ApiServer(kmock.KubernetesEmulator):
             if meta.get("namespace") not in (None, ns):
                 return _status(400, "BadRequest", "the namespace of the provided object does not match "
                                                   "the namespace sent on the request")
-            if self.get(resource("", "v1", "namespaces"), None, ns or "") is None:
+            if self.stored(resource("", "v1", "namespaces"), None, ns or "") is None:
                 return _status(404, NOT_FOUND_REASON, f'namespaces "{ns}" not found')
             meta["namespace"] = ns
         if not meta.get("name"):
             if not meta.get("generateName"):
                 return _status(422, "Invalid", "metadata.name: Required value: name or generateName is required")
             meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
-        if self.get(res, ns, meta["name"]) is not None:
+        if self.stored(res, ns, meta["name"]) is not None:
             return _status(409, "AlreadyExists", f'{res.plural} "{meta["name"]}" already exists',
                            {"name": meta["name"], "kind": res.plural})
         obj, errors = self._admit(request, res, obj)

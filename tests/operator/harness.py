@@ -59,7 +59,7 @@ class Cluster:
     kubeconfig: Path
 
     def ds(self, name: str = "llama", namespace: str = "default") -> dict[str, Any] | None:
-        return self.api.get(self.api.plural_of("switchyard.dev/v1alpha1", "DecodeService"), namespace, name)
+        return self.api.stored(self.api.plural_of("switchyard.dev/v1alpha1", "DecodeService"), namespace, name)
 
     def objects(self, kind: str, namespace: str | None = "default") -> list[dict[str, Any]]:
         api_version = {"StatefulSet": "apps/v1", "PodDisruptionBudget": "policy/v1"}.get(kind, "v1")
