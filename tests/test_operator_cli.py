@@ -55,3 +55,12 @@ def test_operator_command_configuration(monkeypatch):
 
     code = "import sys, switchyard.operator.main, switchyard.operator.plan_cli; print('kopf' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_operator_replicas_draw_distinct_priorities():
+    from switchyard.operator.main import priority
+
+    assert priority("7") == 7
+    drawn = {priority("random") for _ in range(20)}
+    assert len(drawn) == 20 and all(p > 0 for p in drawn)
+
