@@ -6,9 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from switchyard.service.modelspec import ModelSpec
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def hf_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:

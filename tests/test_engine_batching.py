@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from engine_fixtures import tiny_engine
-
 from switchyard.service.errors import InvalidRequestError, OutOfRangeError
 from switchyard.service.sampling import SamplingParams
 
-PROMPTS = [[1, 40, 41, 42], [1, 7, 300, 12, 99, 5, 6], [1, 250], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
-SAMPLING = [SamplingParams(), SamplingParams(temperature=0.9, seed=11), SamplingParams(temperature=1.2, top_k=20, seed=3),
-            SamplingParams(temperature=0.7, top_p=0.8, seed=5)]
+PROMPTS = [[1, 40, 41, 42], [1, 7, 300, 12, 99, 5, 6], [1, 250], [1, *range(3, 18)]]
+SAMPLING = [SamplingParams(), SamplingParams(temperature=0.9, seed=11),
+            SamplingParams(temperature=1.2, top_k=20, seed=3), SamplingParams(temperature=0.7, top_p=0.8, seed=5)]
 
 
 @pytest.fixture(scope="module", params=[1, 2])

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import hf_greedy, hf_logits, hf_model, save_hf
-
 from switchyard.service.engine import Engine
 from switchyard.service.modelspec import ModelSpec, RopeScaling, ServingLayout, preset
 
@@ -50,7 +49,7 @@ def run_engine(folder, tp: int, dtype: str | None = None) -> tuple[list[int], np
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_fp32_logits_and_greedy_tokens_match_transformers(reference, tp):
-    spec, model, folder = reference
+    _, model, folder = reference
     tokens, logits = run_engine(folder, tp)
     assert tokens == hf_greedy(model, PROMPT, N_TOKENS)
     expected = hf_logits(model, PROMPT + tokens[:-1])[len(PROMPT) - 1 :]

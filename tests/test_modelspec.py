@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from switchyard.service.modelspec import PRESETS, ModelSpec, ModelSpecError, ServingLayout, preset
 
 
