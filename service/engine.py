@@ -111,6 +111,7 @@ class Engine:
         dtype: str | None = None,
         cache_init: str = "zeros",
         min_batch_bucket: int = 2,
+        prefill_chunk: int = 1024,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown all-reduce strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
@@ -128,7 +129,7 @@ class Engine:
         self.strategy = strategy
         self.dtype = dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp)
-        self._cfg = ForwardConfig.make(spec, self.tp, strategy)
+        self._cfg = ForwardConfig.make(spec, self.tp, strategy, prefill_chunk)
         self._pspecs = param_specs(spec)
         # A step for one sequence can run as two rows: XLA on GPU compiles some [1, K] x [K, N] products
         # as a broadcast-multiply plus reduce that writes a K x N temporary (see benchmarks/NOTES.md).

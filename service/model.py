@@ -127,10 +127,13 @@ class ForwardConfig:
     shape: ShardShape
     strategy: str
     inv_freq: tuple[float, ...]
+    # Prompts longer than this attend in query blocks of this many tokens, so the score matrix of a
+    # long prompt never exists whole (an 8k prompt's would be 8.6 GB per layer for Llama-3-8B).
+    prefill_chunk: int = 1024
 
     @classmethod
-    def make(cls, spec: ModelSpec, tp: int, strategy: str) -> ForwardConfig:
-        return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)))
+    def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024) -> ForwardConfig:
+        return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk)
 
 
 def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -223,10 +226,20 @@ def prefill_forward(
     T = tokens.shape[0]
     inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
     positions = jnp.arange(T)
-    causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [q, k]
     scale = 1.0 / math.sqrt(shape.spec.head_dim)
+    group = shape.q_heads // shape.kv_heads
+    chunk = T if cfg.prefill_chunk >= T or T % cfg.prefill_chunk else cfg.prefill_chunk
     ks: list[jax.Array] = []
     vs: list[jax.Array] = []
+
+    def attend(q_block: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Queries [C, kv, group, hd] at positions start.. against all keys (causal, < length)."""
+        q_pos = start + jnp.arange(q_block.shape[0])
+        mask = (positions[None, :] <= q_pos[:, None]) & (positions[None, :] < length)  # [C, T]
+        scores = jnp.einsum("qkgd,skd->kgqs", q_block, k, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(mask[None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("kgqs,skd->qkgd", probs, v)
 
     def attention(i: int, h: jax.Array) -> jax.Array:
         q, k, v = _split_qkv(h @ params["layers"][i]["wqkv"], shape)  # [T, heads, hd]
@@ -234,12 +247,9 @@ def prefill_forward(
         k = apply_rope(k, positions, inv_freq)
         ks.append(jnp.swapaxes(k, 0, 1))
         vs.append(jnp.swapaxes(v, 0, 1))
-        group = shape.q_heads // shape.kv_heads
-        qg = q.reshape(T, shape.kv_heads, group, shape.spec.head_dim)
-        scores = jnp.einsum("qkgd,skd->kgqs", qg, k, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(causal[None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("kgqs,skd->qkgd", probs, v)
+        qg = q.reshape(T // chunk, chunk, shape.kv_heads, group, shape.spec.head_dim)
+        starts = jnp.arange(T // chunk) * chunk
+        out = jax.lax.map(lambda args: attend(args[0], args[1], k, v), (qg, starts))
         return out.reshape(T, shape.q_heads * shape.spec.head_dim).astype(h.dtype)
 
     x = params["embed"][tokens]
