@@ -112,10 +112,6 @@ class Plan:
     replicas_wanted: int = 0
     slo_met: bool = True
 
-    @property
-    def placed_whole(self) -> bool:
-        return self.layout is not None and self.layout.dp >= self.replicas_wanted
-
 
 @dataclasses.dataclass(frozen=True)
 class _Pool:

@@ -44,7 +44,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
         data = None
         if ref is not None:
             cm = kube.get("ConfigMap", owner.namespace, ref[0])
-            data = (cm or {}).get("data")
+            data = None if cm is None else (cm.get("data") or {})
         model = specmod.model_spec(spec, data)
     except specmod.SpecError as err:
         error = str(err)

@@ -62,7 +62,9 @@ def model_spec(spec: Mapping[str, Any], config_map_data: Mapping[str, str] | Non
         ref = config_map_ref(spec)
         if ref is None:
             raise SpecError("spec.model needs one of preset, config, configMapRef")
-        if config_map_data is None or ref[1] not in config_map_data:
+        if config_map_data is None:
+            raise SpecError(f"ConfigMap {ref[0]} (the model's config.json) does not exist in this namespace")
+        if ref[1] not in config_map_data:
             raise SpecError(f"ConfigMap {ref[0]} has no key {ref[1]!r}")
         try:
             raw = json.loads(config_map_data[ref[1]])

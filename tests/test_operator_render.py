@@ -174,6 +174,8 @@ def test_model_from_configmap_and_bad_configs():
     assert (model.name, model.num_layers, model.num_kv_heads) == ("m", 4, 2)
     with pytest.raises(specmod.SpecError, match="has no key"):
         specmod.model_spec(spec, {})
+    with pytest.raises(specmod.SpecError, match="does not exist"):
+        specmod.model_spec(spec, None)
     with pytest.raises(specmod.SpecError, match="not JSON"):
         specmod.model_spec(spec, {"config.json": "{"})
     with pytest.raises(specmod.SpecError, match="must be a multiple"):
