@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from switchyard.kernels import all_reduce_residual_rmsnorm, rmsnorm
+from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, rmsnorm
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
@@ -42,6 +42,7 @@ class ShardShape:
 
     spec: ModelSpec
     tp: int
+    vocab_shards: int = 0  # devices the LM head's vocabulary is split over (default: tp)
 
     def __post_init__(self) -> None:
         s = self.spec
@@ -70,7 +71,8 @@ class ShardShape:
 
     @property
     def padded_vocab(self) -> int:
-        return math.ceil(self.spec.vocab_size / self.tp) * self.tp
+        shards = self.vocab_shards or self.tp
+        return math.ceil(self.spec.vocab_size / shards) * shards
 
 
 def param_specs(spec: ModelSpec) -> Params:
@@ -154,20 +156,66 @@ def _mlp(h: jax.Array, layer: Params, shape: ShardShape) -> jax.Array:
     return act @ layer["wdown"]
 
 
-def _layer_loop(x: jax.Array, params: Params, cfg: ForwardConfig, attention) -> jax.Array:
-    """Runs all layers; ``attention(i, h)`` returns the shard's partial attention output."""
-    spec = cfg.shape.spec
-    layers = params["layers"]
-    eps = spec.rms_norm_eps
+def run_layers(
+    x: jax.Array, layers: list[Params], cfg: ForwardConfig, attention, final_norm: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """Runs ``layers`` on the residual stream ``x``; ``attention(i, h)`` returns the shard's partial
+    attention output for layer i. Returns the residual stream and, with ``final_norm``, its RMSNorm.
+
+    Each all-reduce is fused with the residual add and the norm that follows it; a pipeline stage
+    that does not end the model hands on the residual stream un-normed (the next norm is the next
+    stage's).
+    """
+    eps = cfg.shape.spec.rms_norm_eps
     residual = x
     h = rmsnorm(x, layers[0]["attn_norm"], eps)
     for i, layer in enumerate(layers):
         partial = attention(i, h) @ layer["wo"]
         residual, h = all_reduce_residual_rmsnorm(partial, residual, layer["mlp_norm"], eps, AXIS, cfg.strategy)
-        next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["final_norm"]
-        residual, h = all_reduce_residual_rmsnorm(
-            _mlp(h, layer, cfg.shape), residual, next_norm, eps, AXIS, cfg.strategy)
-    return h
+        mlp = _mlp(h, layer, cfg.shape)
+        next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else final_norm
+        if next_norm is None:
+            return residual + all_reduce(mlp, AXIS, cfg.strategy).astype(residual.dtype), None
+        residual, h = all_reduce_residual_rmsnorm(mlp, residual, next_norm, eps, AXIS, cfg.strategy)
+    return residual, h
+
+
+def _layer_loop(x: jax.Array, params: Params, cfg: ForwardConfig, attention) -> jax.Array:
+    return run_layers(x, params["layers"], cfg, attention, params["final_norm"])[1]
+
+
+def decode_attention(
+    layer: Params, h: jax.Array, k_cache: jax.Array, v_cache: jax.Array, rows: jax.Array, positions: jax.Array,
+    cfg: ForwardConfig, *, prefix_rows: int | None = None, write: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token of attention for each of ``rows`` (slots) at ``positions``; returns the partial
+    output [rows, q_heads * head_dim] and the caches with the new K/V written.
+
+    ``prefix_rows``: the rows are 0..n-1, read as a static slice; otherwise they are gathered.
+    ``write``: per-row mask; rows where it is False leave the cache unchanged.
+    """
+    shape = cfg.shape
+    n = h.shape[0]
+    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
+    q, k, v = _split_qkv(h @ layer["wqkv"], shape)  # [n, heads, hd]
+    q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
+    k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0].astype(k_cache.dtype)
+    v = v.astype(v_cache.dtype)
+    if write is not None:
+        k = jnp.where(write[:, None, None], k, k_cache[rows, :, positions, :])
+        v = jnp.where(write[:, None, None], v, v_cache[rows, :, positions, :])
+    # Write the new K/V in place (the cache is donated), then attend over positions <= pos.
+    k_cache = k_cache.at[rows, :, positions, :].set(k)
+    v_cache = v_cache.at[rows, :, positions, :].set(v)
+    kc, vc = (k_cache[:n], v_cache[:n]) if prefix_rows is not None else (k_cache[rows], v_cache[rows])
+    visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]
+    group = shape.q_heads // shape.kv_heads
+    qg = q.reshape(n, shape.kv_heads, group, shape.spec.head_dim)
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg, kc, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible[:, None, None, :], scores / math.sqrt(shape.spec.head_dim), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
+    out = jnp.einsum("bkgs,bksd->bkgd", probs, vc)
+    return out.reshape(n, shape.q_heads * shape.spec.head_dim).astype(h.dtype), k_cache, v_cache
 
 
 def decode_forward(
@@ -183,30 +231,14 @@ def decode_forward(
     tokens, positions: [batch]; caches: per layer [slots, kv_heads_local, max_seq, head_dim].
     Returns local logits [batch, padded_vocab / tp] (float32) and the updated caches.
     """
-    shape = cfg.shape
     batch = tokens.shape[0]
-    max_seq = k_cache[0].shape[2]
-    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
     rows = jnp.arange(batch)
-    visible = jnp.arange(max_seq)[None, :] <= positions[:, None]  # [batch, max_seq]
-    scale = 1.0 / math.sqrt(shape.spec.head_dim)
     new_k, new_v = list(k_cache), list(v_cache)
 
     def attention(i: int, h: jax.Array) -> jax.Array:
-        q, k, v = _split_qkv(h @ params["layers"][i]["wqkv"], shape)  # [batch, heads, hd]
-        q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
-        k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0]
-        # Write the new K/V in place (the cache is donated), then attend over positions <= pos.
-        new_k[i] = k_cache[i].at[rows, :, positions, :].set(k.astype(k_cache[i].dtype))
-        new_v[i] = v_cache[i].at[rows, :, positions, :].set(v.astype(v_cache[i].dtype))
-        kc, vc = new_k[i][:batch], new_v[i][:batch]
-        group = shape.q_heads // shape.kv_heads
-        qg = q.reshape(batch, shape.kv_heads, group, shape.spec.head_dim)
-        scores = jnp.einsum("bkgd,bksd->bkgs", qg, kc, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
-        out = jnp.einsum("bkgs,bksd->bkgd", probs, vc)
-        return out.reshape(batch, shape.q_heads * shape.spec.head_dim).astype(h.dtype)
+        out, new_k[i], new_v[i] = decode_attention(params["layers"][i], h, k_cache[i], v_cache[i], rows, positions,
+                                                   cfg, prefix_rows=batch)
+        return out
 
     x = params["embed"][tokens]
     h = _layer_loop(x, params, cfg, attention)
@@ -214,16 +246,14 @@ def decode_forward(
     return logits, new_k, new_v
 
 
-def prefill_forward(
-    params: Params, tokens: jax.Array, length: jax.Array, cfg: ForwardConfig
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Causal forward over one prompt padded to a bucket: tokens [T], true length scalar.
-
-    Returns the local logits at position ``length - 1`` [padded_vocab / tp] and the prompt's K and V
-    stacked over layers [layers, kv_heads_local, T, head_dim] (positions >= length hold padding).
-    """
+def prefill_layers(
+    x: jax.Array, layers: list[Params], length: jax.Array, cfg: ForwardConfig, final_norm: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
+    """Causal forward of ``layers`` over one prompt's residual stream x [T, hidden] (padded; the true
+    length is ``length``). Returns (residual, normed or None, K, V), K and V stacked over the layers
+    [layers, kv_heads_local, T, head_dim] (positions >= length hold padding)."""
     shape = cfg.shape
-    T = tokens.shape[0]
+    T = x.shape[0]
     inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
     positions = jnp.arange(T)
     scale = 1.0 / math.sqrt(shape.spec.head_dim)
@@ -242,7 +272,7 @@ def prefill_forward(
         return jnp.einsum("kgqs,skd->qkgd", probs, v)
 
     def attention(i: int, h: jax.Array) -> jax.Array:
-        q, k, v = _split_qkv(h @ params["layers"][i]["wqkv"], shape)  # [T, heads, hd]
+        q, k, v = _split_qkv(h @ layers[i]["wqkv"], shape)  # [T, heads, hd]
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         ks.append(jnp.swapaxes(k, 0, 1))
@@ -252,8 +282,19 @@ def prefill_forward(
         out = jax.lax.map(lambda args: attend(args[0], args[1], k, v), (qg, starts))
         return out.reshape(T, shape.q_heads * shape.spec.head_dim).astype(h.dtype)
 
-    x = params["embed"][tokens]
-    h = _layer_loop(x, params, cfg, attention)
+    residual, normed = run_layers(x, layers, cfg, attention, final_norm)
+    return residual, normed, jnp.stack(ks), jnp.stack(vs)
+
+
+def prefill_forward(
+    params: Params, tokens: jax.Array, length: jax.Array, cfg: ForwardConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal forward over one prompt padded to a bucket: tokens [T], true length scalar.
+
+    Returns the local logits at position ``length - 1`` [padded_vocab / tp] and the prompt's K and V
+    stacked over layers [layers, kv_heads_local, T, head_dim] (positions >= length hold padding).
+    """
+    _, h, ks, vs = prefill_layers(params["embed"][tokens], params["layers"], length, cfg, params["final_norm"])
     last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
     logits = jnp.dot(last, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, jnp.stack(ks), jnp.stack(vs)
+    return logits, ks, vs
