@@ -15,6 +15,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from switchyard.service.model import ShardShape, param_shapes, param_specs
@@ -81,15 +82,25 @@ def _shard_index(index: tuple[slice, ...], dim: int, width: int) -> int:
     return start // width
 
 
-def load_params(folder: str | Path, spec: ModelSpec, mesh: Mesh, dtype: str, progress: bool = True) -> dict:
-    """Read a Hugging Face Llama checkpoint into the engine's sharded parameter tree on ``mesh``."""
+def load_params(
+    folder: str | Path, spec: ModelSpec, mesh: Mesh, dtype: str, progress: bool = True, stages: int = 1
+) -> dict:
+    """Read a Hugging Face Llama checkpoint into the engine's sharded parameter tree on ``mesh``.
+
+    With ``stages`` > 1 (a pipeline; the mesh has axes ``pp`` and ``tp``) each layer array gets a
+    leading stage dimension sharded over ``pp``: entry j of ``layers`` holds, on stage s, layer
+    ``s * layers_per_stage + j``; the LM head's vocabulary is split over every device of the mesh.
+    """
     folder = Path(folder)
     src = TensorSource(folder)
     tp = mesh.shape["tp"]
-    shape = ShardShape(spec, tp)
+    shape = ShardShape(spec, tp, vocab_shards=tp * stages)
     np_dtype = NP_DTYPES[dtype]
     s, hd = spec, spec.head_dim
     shapes, specs = param_shapes(shape), param_specs(spec)
+    if s.num_layers % stages:
+        raise ValueError(f"{stages} pipeline stages must divide the {s.num_layers} layers of {s.name}")
+    per_stage = s.num_layers // stages
 
     def put(global_shape: tuple[int, ...], pspec, fetch: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
         sharding = NamedSharding(mesh, pspec)
@@ -112,35 +123,51 @@ def load_params(folder: str | Path, spec: ModelSpec, mesh: Mesh, dtype: str, pro
             return np.ascontiguousarray(src.slice(name, expected, (slice(None), idx[0])).T)[:, idx[1]]
         return fetch
 
-    total = 3 + s.num_layers
+    q_l, kv_l = shape.q_heads * hd, shape.kv_heads * hd
+
+    def layer_fetchers(i: int) -> dict[str, Callable[[tuple[slice, ...]], np.ndarray]]:
+        n = _hf_names(i)
+        return {
+            "attn_norm": whole(n["attn_norm"], (s.hidden_size,)),
+            "mlp_norm": whole(n["mlp_norm"], (s.hidden_size,)),
+            "wqkv": column_block(
+                [(n["q"], s.q_size, q_l), (n["k"], s.kv_size, kv_l), (n["v"], s.kv_size, kv_l)], shape.qkv_cols),
+            "wo": row_block(n["o"], (s.hidden_size, s.q_size)),
+            "wgu": column_block(
+                [(n["gate"], s.intermediate_size, shape.inter), (n["up"], s.intermediate_size, shape.inter)],
+                2 * shape.inter),
+            "wdown": row_block(n["down"], (s.hidden_size, s.intermediate_size)),
+        }
+
+    def stage_fetch(j: int, name: str) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        """Entry j of a stage-stacked array: stage s's block is layer s * per_stage + j."""
+        def fetch(idx: tuple[slice, ...]) -> np.ndarray:
+            stage = idx[0].start or 0
+            return layer_fetchers(stage * per_stage + j)[name](idx[1:])[None]
+        return fetch
+
+    rep = P()
+    total = 3 + per_stage
     bar = tqdm(total=total, desc=f"loading {folder.name}", unit="tensor-group", disable=not progress)
     params: dict[str, Any] = {"layers": []}
-    params["embed"] = put(shapes["embed"], specs["embed"],
-                          whole("model.embed_tokens.weight", (s.vocab_size, s.hidden_size)))
+    params["embed"] = put(shapes["embed"], rep, whole("model.embed_tokens.weight", (s.vocab_size, s.hidden_size)))
     bar.update()
-    q_l, kv_l = shape.q_heads * hd, shape.kv_heads * hd
-    for i in range(s.num_layers):
-        n = _hf_names(i)
-        lshape, lspec = shapes["layers"][i], specs["layers"][i]
-        layer = {
-            "attn_norm": put(lshape["attn_norm"], lspec["attn_norm"], whole(n["attn_norm"], (s.hidden_size,))),
-            "mlp_norm": put(lshape["mlp_norm"], lspec["mlp_norm"], whole(n["mlp_norm"], (s.hidden_size,))),
-            "wqkv": put(lshape["wqkv"], lspec["wqkv"], column_block(
-                [(n["q"], s.q_size, q_l), (n["k"], s.kv_size, kv_l), (n["v"], s.kv_size, kv_l)], shape.qkv_cols)),
-            "wo": put(lshape["wo"], lspec["wo"], row_block(n["o"], (s.hidden_size, s.q_size))),
-            "wgu": put(lshape["wgu"], lspec["wgu"], column_block(
-                [(n["gate"], s.intermediate_size, shape.inter), (n["up"], s.intermediate_size, shape.inter)],
-                2 * shape.inter)),
-            "wdown": put(lshape["wdown"], lspec["wdown"], row_block(n["down"], (s.hidden_size, s.intermediate_size))),
-        }
+    for j in range(per_stage):
+        lshape, lspec = shapes["layers"][j], specs["layers"][j]
+        if stages == 1:
+            fetchers = layer_fetchers(j)
+            layer = {name: put(lshape[name], lspec[name], fetchers[name]) for name in lshape}
+        else:
+            layer = {name: put((stages, *lshape[name]), P("pp", *lspec[name]), stage_fetch(j, name))
+                     for name in lshape}
         params["layers"].append(layer)
         bar.update()
-    params["final_norm"] = put(shapes["final_norm"], specs["final_norm"], whole("model.norm.weight", (s.hidden_size,)))
+    params["final_norm"] = put(shapes["final_norm"], rep, whole("model.norm.weight", (s.hidden_size,)))
     bar.update()
     head_name = "model.embed_tokens.weight" if s.tie_word_embeddings else "lm_head.weight"
     if not s.tie_word_embeddings and head_name not in src:
         raise CheckpointError("checkpoint has no lm_head.weight and the config does not tie word embeddings")
-    local_vocab = shape.padded_vocab // tp
+    local_vocab = shape.padded_vocab // (tp * stages)
 
     def head(idx: tuple[slice, ...]) -> np.ndarray:
         r = _shard_index(idx, 1, local_vocab)
@@ -150,7 +177,8 @@ def load_params(folder: str | Path, spec: ModelSpec, mesh: Mesh, dtype: str, pro
             block[:, : hi - lo] = src.slice(head_name, (s.vocab_size, s.hidden_size), slice(lo, hi)).T
         return block[idx[0]]
 
-    params["lm_head"] = put(shapes["lm_head"], specs["lm_head"], head)
+    head_spec = specs["lm_head"] if stages == 1 else P(None, ("pp", "tp"))
+    params["lm_head"] = put(shapes["lm_head"], head_spec, head)
     bar.update()
     bar.close()
     return params

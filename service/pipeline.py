@@ -1,0 +1,372 @@
+"""Pipeline-parallel decoding: layers split into stages over a (pp, tp) device mesh.
+
+One SPMD program runs on every stage: stage s holds layers [s * L/pp, (s+1) * L/pp) (tensor-parallel
+over its tp devices) and the KV cache of those layers. Decode runs as a circular pipeline: the slots
+form ``pp`` micro-batches, and at each tick stage s works on micro-batch (tick - s) mod pp, then hands
+its residual stream to stage s+1 (a device-to-device collective permute). The last stage's output is
+shared with every stage, which computes its slice of the vocabulary (the LM head is split over all
+devices) and samples; the micro-batch's new tokens re-enter stage 0 at the next tick. Every stage is
+busy at every tick, each reading only its own layers' weights, so throughput scales with the stage
+count while one sequence gets a token every ``pp`` ticks.
+
+A request inserted into a slot whose micro-batch is in flight must not receive the stale work: each
+slot has an insert count (``epoch``) that travels with its row through the pipeline; rows whose
+epoch changed on the way neither write KV nor emit tokens.
+
+The class offers the same API as :class:`~switchyard.service.engine.Engine`, so the scheduler drives
+either unchanged. In a multi-process group every process runs the same calls in the same order
+(:mod:`switchyard.service.pipeline_group`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from switchyard.kernels import rmsnorm
+from switchyard.service.checkpoint import NP_DTYPES, load_params
+from switchyard.service.engine import CACHE_ALIGN, MIN_PREFILL_BUCKET, PendingStep, Prefix, StepResult, _buckets
+from switchyard.service.errors import InvalidRequestError, OutOfRangeError
+from switchyard.service.model import (
+    AXIS,
+    ForwardConfig,
+    ShardShape,
+    decode_attention,
+    prefill_layers,
+    rope_inv_freq,
+    run_layers,
+)
+from switchyard.service.modelspec import ModelSpec, ServingLayout
+from switchyard.service.sampling import SamplingParams, sample_sharded
+
+PP = "pp"
+VOCAB_AXES = (PP, AXIS)
+CACHE_SPEC = P(PP, None, AXIS, None, None)  # [stages, slots, kv_heads, max_seq, head_dim]
+
+
+def make_pipeline_mesh(pp: int, tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    if pp * tp > len(devices):
+        raise ValueError(f"pp={pp} x tp={tp} needs {pp * tp} devices; {len(devices)} are visible")
+    # Stage s takes devices [s*tp, (s+1)*tp): with one process per stage these are that process's own.
+    return Mesh(np.array(devices[: pp * tp]).reshape(pp, tp), (PP, AXIS))
+
+
+class PipelineEngine:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: dict,
+        mesh: Mesh,
+        *,
+        batch_slots: int,
+        max_seq_len: int,
+        strategy: str = "xla",
+        dtype: str | None = None,
+        prefill_chunk: int = 1024,
+    ) -> None:
+        self.spec = spec
+        self.params = params
+        self.mesh = mesh
+        self.pp, self.tp = mesh.shape[PP], mesh.shape[AXIS]
+        if batch_slots % self.pp:
+            raise ValueError(f"batch_slots ({batch_slots}) must be a multiple of the {self.pp} pipeline stages")
+        if spec.num_layers % self.pp:
+            raise ValueError(f"{self.pp} pipeline stages must divide the {spec.num_layers} layers")
+        if not 2 <= max_seq_len <= spec.max_position_embeddings:
+            raise ValueError(f"max_seq_len must be in [2, {spec.max_position_embeddings}], got {max_seq_len}")
+        self.max_slots = batch_slots
+        self.group = batch_slots // self.pp
+        self.max_seq_len = max_seq_len
+        self.strategy = strategy
+        self.dtype = dtype or spec.dtype
+        self.shape = ShardShape(spec, self.tp, vocab_shards=self.pp * self.tp)
+        self._cfg = ForwardConfig(self.shape, strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk)
+        self.prefill_buckets = _buckets(max_seq_len, min(MIN_PREFILL_BUCKET, max_seq_len))
+        self._jits: dict[tuple, Any] = {}
+        self._state = self._new_state()
+        self.active = np.zeros(batch_slots, dtype=bool)
+        self.greedy = np.ones(batch_slots, dtype=bool)
+        self.positions = np.zeros(batch_slots, dtype=np.int64)
+        self.generation = np.zeros(batch_slots, dtype=np.int64)
+        self.step_count = 0
+        self.tick = 0
+        self._entry: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (active, generation) at entry
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, layout: ServingLayout, dtype: str | None = None,
+        devices: Sequence[jax.Device] | None = None, progress: bool = True,
+    ) -> PipelineEngine:
+        spec = ModelSpec.from_file(path)
+        dtype = dtype or spec.dtype
+        mesh = make_pipeline_mesh(layout.pp, layout.tp, devices)
+        ShardShape(spec, layout.tp)
+        params = load_params(path, spec, mesh, dtype, progress=progress, stages=layout.pp)
+        return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
+                   strategy=layout.strategy, dtype=dtype)
+
+    # ---- state ------------------------------------------------------------------------------------
+    def _new_state(self) -> dict[str, Any]:
+        s, pp = self.spec, self.pp
+        per_stage = s.num_layers // pp
+        cache_len = -(-self.max_seq_len // CACHE_ALIGN) * CACHE_ALIGN
+        jdtype = jnp.dtype(NP_DTYPES[self.dtype])
+        cache = NamedSharding(self.mesh, CACHE_SPEC)
+        zeros = jax.jit(lambda: jnp.zeros((pp, self.max_slots, s.num_kv_heads, cache_len, s.head_dim), jdtype),
+                        out_shardings=cache)
+        rep = NamedSharding(self.mesh, P())
+        n = self.max_slots
+
+        def small(value: np.ndarray) -> jax.Array:
+            return jax.device_put(value, rep)
+
+        return {
+            "k": [zeros() for _ in range(per_stage)], "v": [zeros() for _ in range(per_stage)],
+            "act": jax.device_put(np.zeros((pp, self.group, s.hidden_size), NP_DTYPES[self.dtype]),
+                                  NamedSharding(self.mesh, P(PP))),
+            "act_epoch": jax.device_put(np.zeros((pp, self.group), np.int32), NamedSharding(self.mesh, P(PP))),
+            "tokens": small(np.zeros(n, np.int32)), "positions": small(np.zeros(n, np.int32)),
+            "counters": small(np.zeros(n, np.int32)), "temperature": small(np.zeros(n, np.float32)),
+            "top_k": small(np.zeros(n, np.int32)), "top_p": small(np.ones(n, np.float32)),
+            "seeds": small(np.zeros(n, np.int32)), "epoch": small(np.zeros(n, np.int32)),
+        }
+
+    def _state_shardings(self) -> dict[str, Any]:
+        out = {}
+        for key, value in self._state.items():
+            out[key] = [x.sharding for x in value] if isinstance(value, list) else value.sharding
+        return out
+
+    def _param_specs(self) -> Any:
+        def layer_spec(a: jax.Array) -> P:
+            return a.sharding.spec
+        return jax.tree.map(layer_spec, self.params)
+
+    def _compiled(self, key: tuple, build) -> Any:
+        fn = self._jits.get(key)
+        if fn is None:
+            fn = self._jits[key] = build()
+        return fn
+
+    # ---- compiled programs ----------------------------------------------------------------------
+    def _build_tick(self, greedy_only: bool):
+        cfg, vocab, pp, m = self._cfg, self.spec.vocab_size, self.pp, self.group
+        eps, last_pos = self.spec.rms_norm_eps, self.max_seq_len - 1
+        state_specs = {k: ([CACHE_SPEC] * len(v) if isinstance(v, list) else (P(PP) if k.startswith("act") else P()))
+                       for k, v in self._state.items()}
+
+        def shard_fn(params, state, t):
+            stage = jax.lax.axis_index(PP)
+            layers = [jax.tree.map(lambda a: a[0], layer) for layer in params["layers"]]
+            g_in = (t - stage) % pp
+            rows = g_in * m + jnp.arange(m)
+            fresh = params["embed"][state["tokens"][rows]]
+            x = jnp.where(stage == 0, fresh, state["act"][0])
+            entry_epoch = jnp.where(stage == 0, state["epoch"][rows], state["act_epoch"][0])
+            write = entry_epoch == state["epoch"][rows]
+            pos = state["positions"][rows]
+            new_k, new_v = [], []
+
+            def attention(j: int, h: jax.Array) -> jax.Array:
+                out, kc, vc = decode_attention(layers[j], h, state["k"][j][0], state["v"][j][0], rows, pos, cfg,
+                                               write=write)
+                new_k.append(kc[None])
+                new_v.append(vc[None])
+                return out
+
+            residual, _ = run_layers(x, layers, cfg, attention, final_norm=None)
+            hop = [(i, i + 1) for i in range(pp - 1)]
+            handed = jax.lax.ppermute(residual, PP, hop) if hop else residual
+            handed_epoch = jax.lax.ppermute(entry_epoch, PP, hop) if hop else entry_epoch
+            is_last = stage == pp - 1
+            out_residual = jax.lax.psum(jnp.where(is_last, residual, jnp.zeros_like(residual)), PP)
+            out_epoch = jax.lax.psum(jnp.where(is_last, entry_epoch, 0), PP)
+            g_out = (t - (pp - 1)) % pp
+            rows_out = g_out * m + jnp.arange(m)
+            h = rmsnorm(out_residual, params["final_norm"], eps)
+            logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+            tok = sample_sharded(logits, vocab, VOCAB_AXES, greedy_only=greedy_only,
+                                 temperature=state["temperature"][rows_out], top_k=state["top_k"][rows_out],
+                                 top_p=state["top_p"][rows_out], seeds=state["seeds"][rows_out],
+                                 counters=state["counters"][rows_out])
+            valid = (out_epoch == state["epoch"][rows_out]) & (t >= pp - 1)
+            new = dict(state, k=new_k, v=new_v, act=handed[None], act_epoch=handed_epoch[None])
+            new["tokens"] = state["tokens"].at[rows_out].set(jnp.where(valid, tok, state["tokens"][rows_out]))
+            old_pos = state["positions"][rows_out]
+            new["positions"] = state["positions"].at[rows_out].set(
+                jnp.where(valid, jnp.minimum(old_pos + 1, last_pos), old_pos))
+            new["counters"] = state["counters"].at[rows_out].add(valid.astype(jnp.int32))
+            # The token vector also leaves as its own output: the state is donated to the next tick.
+            return new, new["tokens"] + 0
+
+        mapped = jax.shard_map(shard_fn, mesh=self.mesh, in_specs=(self._param_specs(), state_specs, P()),
+                               out_specs=(state_specs, P()), check_vma=False)
+        return jax.jit(mapped, donate_argnums=(1,), out_shardings=(self._state_shardings(), None))
+
+    def _build_prefill(self, greedy_only: bool, return_logits: bool):
+        cfg, vocab, pp = self._cfg, self.spec.vocab_size, self.pp
+        eps = self.spec.rms_norm_eps
+
+        def shard_fn(params, tokens, length, temp, top_k, top_p, seed):
+            stage = jax.lax.axis_index(PP)
+            layers = [jax.tree.map(lambda a: a[0], layer) for layer in params["layers"]]
+            x = params["embed"][tokens]
+            ks = vs = None
+            for i in range(pp):  # stage i runs while the others wait (prefill is compute-bound)
+                def run(x):
+                    residual, _, k, v = prefill_layers(x, layers, length, cfg, None)
+                    return residual, k, v
+
+                shapes = jax.eval_shape(run, x)
+
+                def skip(x, shapes=shapes):
+                    return x, jnp.zeros(shapes[1].shape, shapes[1].dtype), jnp.zeros(shapes[2].shape, shapes[2].dtype)
+
+                residual, k, v = jax.lax.cond(stage == i, run, skip, x)
+                ks = k if ks is None else jnp.where(stage == i, k, ks)
+                vs = v if vs is None else jnp.where(stage == i, v, vs)
+                x = jax.lax.psum(jnp.where(stage == i, residual, jnp.zeros_like(residual)), PP)
+            h = rmsnorm(x, params["final_norm"], eps)
+            last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
+            logits = jnp.dot(last, params["lm_head"], preferred_element_type=jnp.float32)
+            tok = sample_sharded(logits[None], vocab, VOCAB_AXES, greedy_only=greedy_only, temperature=temp,
+                                 top_k=top_k, top_p=top_p, seeds=seed, counters=jnp.zeros((1,), jnp.int32))
+            full = jax.lax.all_gather(logits, VOCAB_AXES, axis=0, tiled=True) if return_logits else jnp.zeros(())
+            return tok[0], full, ks[None], vs[None]
+
+        kv_spec = P(PP, None, AXIS, None, None)  # [stages, layers_per_stage, kv_heads, T, head_dim]
+        mapped = jax.shard_map(shard_fn, mesh=self.mesh, in_specs=(self._param_specs(), P(), P(), P(), P(), P(), P()),
+                               out_specs=(P(), P(), kv_spec, kv_spec), check_vma=False)
+        return jax.jit(mapped)
+
+    def _build_insert(self):
+        def insert(state, ks, vs, slot, first, length, temp, top_k, top_p, seed):
+            new = dict(state)
+            new["k"] = [jax.lax.dynamic_update_slice(c, ks[:, j][:, None], (0, slot, 0, 0, 0))
+                        for j, c in enumerate(state["k"])]
+            new["v"] = [jax.lax.dynamic_update_slice(c, vs[:, j][:, None], (0, slot, 0, 0, 0))
+                        for j, c in enumerate(state["v"])]
+            for key, value in (("tokens", first), ("positions", length), ("counters", 1), ("temperature", temp),
+                               ("top_k", top_k), ("top_p", top_p), ("seeds", seed)):
+                new[key] = state[key].at[slot].set(value)
+            new["epoch"] = state["epoch"].at[slot].add(1)
+            return new
+
+        return jax.jit(insert, donate_argnums=(0,), out_shardings=self._state_shardings())
+
+    # ---- the API (as Engine) --------------------------------------------------------------------
+    def validate_prompt(self, tokens: Sequence[int]) -> None:
+        if len(tokens) == 0:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        if len(tokens) >= self.max_seq_len:
+            raise OutOfRangeError(
+                f"prompt has {len(tokens)} tokens; this deployment's context is {self.max_seq_len} tokens, "
+                f"so a prompt may have at most {self.max_seq_len - 1}")
+        bad = [t for t in tokens if not 0 <= int(t) < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids must be in [0, {self.spec.vocab_size}); got {bad[:5]}")
+
+    def prefill(self, tokens: Sequence[int], sampling: SamplingParams | None = None,
+                return_logits: bool = False) -> Prefix:
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        self.validate_prompt(tokens)
+        n = len(tokens)
+        bucket = next(b for b in self.prefill_buckets if b >= n)
+        padded = np.zeros(bucket, np.int32)
+        padded[:n] = tokens
+        fn = self._compiled(("prefill", bucket, sampling.greedy, return_logits),
+                            lambda: self._build_prefill(sampling.greedy, return_logits))
+        s = sampling
+        tok, logits, ks, vs = fn(self.params, padded, np.int32(n), np.array([s.temperature], np.float32),
+                                 np.array([s.top_k], np.int32), np.array([s.top_p], np.float32),
+                                 np.array([s.seed], np.int32))
+        return Prefix(first_token=int(tok), length=n, bucket=bucket, sampling=sampling, k=ks, v=vs,
+                      logits=logits if return_logits else None)
+
+    def free_slots(self) -> list[int]:
+        return [int(i) for i in np.flatnonzero(~self.active)]
+
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
+        if self.active[slot]:
+            raise ValueError(f"slot {slot} is occupied")
+        s = prefix.sampling
+        fn = self._compiled(("insert", prefix.bucket), self._build_insert)
+        self._state = fn(self._state, prefix.k, prefix.v, np.int32(slot), np.int32(prefix.first_token),
+                         np.int32(prefix.length), np.float32(s.temperature), np.int32(s.top_k),
+                         np.float32(s.top_p), np.int32(s.seed))
+        self.active[slot] = True
+        self.generation[slot] += 1
+        self.greedy[slot] = s.greedy
+        self.positions[slot] = prefix.length
+
+    def evict(self, slot: int) -> None:
+        self.active[slot] = False
+
+    def room(self, slot: int) -> int:
+        return int(self.max_seq_len - self.positions[slot])
+
+    def dispatch(self, return_logits: bool = False) -> PendingStep:
+        """Launch one pipeline tick: micro-batch ``tick mod pp`` enters, ``(tick - pp + 1) mod pp`` leaves
+        with one new token per slot."""
+        if return_logits:
+            raise NotImplementedError("a pipeline tick does not return logits; use prefill logits to check")
+        t, pp, m = self.tick, self.pp, self.group
+        g_in, g_out = t % pp, (t - (pp - 1)) % pp
+        rows_in = slice(g_in * m, (g_in + 1) * m)
+        self._entry[g_in] = (self.active[rows_in].copy(), self.generation[rows_in].copy())
+        occupied = np.flatnonzero(self.active)
+        greedy_only = bool(self.greedy[occupied].all()) if occupied.size else True
+        fn = self._compiled(("tick", greedy_only), lambda: self._build_tick(greedy_only))
+        self._state, tokens = fn(self.params, self._state, np.int32(t))
+        tokens.copy_to_host_async()
+        active = np.zeros(self.max_slots, dtype=bool)
+        generations = self.generation.copy()
+        rows_out = slice(g_out * m, (g_out + 1) * m)
+        if t >= pp - 1 and g_out in self._entry:
+            entry_active, entry_gen = self._entry[g_out]
+            active[rows_out] = entry_active
+            generations[rows_out] = entry_gen
+            still = entry_active & (entry_gen == self.generation[rows_out])
+            self.positions[rows_out] += still
+        self.tick += 1
+        self.step_count += 1
+        return PendingStep(step=self.step_count, batch=self.max_slots, tokens=tokens, active=active,
+                           generations=generations, logits=None)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        return StepResult(step=pending.step, batch=pending.batch, tokens=np.asarray(pending.tokens),
+                          active=pending.active, generations=pending.generations, logits=None)
+
+    def generate(self) -> StepResult:
+        return self.collect(self.dispatch())
+
+    def warmup(self) -> float:
+        if self.active.any():
+            raise RuntimeError("warm up before inserting requests")
+        t0 = time.perf_counter()
+        for greedy in (True, False):
+            sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
+            for bucket in self.prefill_buckets:
+                prefix = self.prefill([0] * min(bucket, self.max_seq_len - 1), sampling)
+                if greedy:
+                    self.insert(prefix, 0)
+                    self.evict(0)
+            self._state, _ = self._compiled(("tick", greedy), lambda g=greedy: self._build_tick(g))(
+                self.params, self._state, np.int32(0))
+        jax.block_until_ready(self._state)
+        self.positions[:] = 0
+        return time.perf_counter() - t0
+
+    def compiled_count(self) -> int:
+        return sum(fn._cache_size() for fn in self._jits.values())

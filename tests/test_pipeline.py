@@ -1,0 +1,89 @@
+"""Pipeline parallelism in one process: stages on simulated devices give exactly TP=1's tokens,
+with requests joining and leaving while micro-batches are in flight."""
+
+from __future__ import annotations
+
+import pytest
+from hf_reference import hf_model, save_hf
+from switchyard.service.engine import Engine
+from switchyard.service.modelspec import ServingLayout, preset
+from switchyard.service.pipeline import PipelineEngine
+from switchyard.service.sampling import SamplingParams
+from switchyard.service.scheduler import GenerationRequest, Scheduler
+from switchyard.service.tokenizer import Tokenizer
+
+REQUESTS = [
+    ([1, 40, 41, 42], 9, SamplingParams()),
+    ([1, 7, 300, 12, 99, 5], 12, SamplingParams(temperature=0.9, seed=3)),
+    ([1, 250], 5, SamplingParams(temperature=1.1, top_k=30, seed=8)),
+    ([1, *range(3, 30)], 7, SamplingParams()),
+    ([1, 77, 78], 11, SamplingParams(temperature=0.7, top_p=0.9, seed=1)),
+    ([1, 500, 501, 502, 503], 6, SamplingParams()),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_checkpoint_dir):
+    folder = save_hf(hf_model(preset("tiny"), seed=11), tmp_path_factory.mktemp("pp-model"))
+    (folder / "tokenizer.json").write_bytes((tiny_checkpoint_dir / "tokenizer.json").read_bytes())
+    return folder
+
+
+def serve_all(engine) -> dict[str, list[int]]:
+    tok = Tokenizer.from_dir(engine_folder(engine))
+    sched = Scheduler(engine, tok, max_queue=16)
+    out: dict[str, list[int]] = {}
+    for i, (prompt, n, sampling) in enumerate(REQUESTS):
+        sched.submit(GenerationRequest(f"r{i}", prompt, n, sampling, ignore_eos=True,
+                                       on_event=lambda e: e.token_id is not None and out.setdefault(
+                                           e.request_id, []).append(e.token_id)))
+    for _ in range(2000):
+        if not sched.step() and sched.in_flight == 0:
+            break
+    assert sched.in_flight == 0 and engine.free_slots() == list(range(engine.max_slots))
+    return out
+
+
+_FOLDERS: dict[int, str] = {}
+
+
+def engine_folder(engine) -> str:
+    return _FOLDERS[id(engine)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    engine = Engine.from_checkpoint(checkpoint, ServingLayout(tp=1, batch_slots=4, max_seq_len=64), progress=False)
+    _FOLDERS[id(engine)] = checkpoint
+    tokens = serve_all(engine)
+    assert len({tuple(t) for t in tokens.values()}) == len(REQUESTS), "requests should differ"
+    return tokens
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (2, 2), (4, 1)])
+def test_pipeline_stages_give_the_tokens_of_one_device(checkpoint, reference, pp, tp):
+    engine = PipelineEngine.from_checkpoint(checkpoint, ServingLayout(tp=tp, pp=pp, batch_slots=4, max_seq_len=64),
+                                            progress=False)
+    _FOLDERS[id(engine)] = checkpoint
+    assert serve_all(engine) == reference
+
+
+def test_pipeline_prefill_logits_match_one_device(checkpoint):
+    import numpy as np
+
+    one = Engine.from_checkpoint(checkpoint, ServingLayout(tp=1, batch_slots=2, max_seq_len=64), progress=False)
+    two = PipelineEngine.from_checkpoint(checkpoint, ServingLayout(tp=2, pp=2, batch_slots=2, max_seq_len=64),
+                                         progress=False)
+    prompt = [1, 5, 9, 200, 7, 33]
+    a = np.asarray(one.prefill(prompt, return_logits=True).logits)[:512]
+    b = np.asarray(two.prefill(prompt, return_logits=True).logits)[:512]
+    assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
+
+
+def test_bad_pipeline_shapes_are_refused(checkpoint):
+    with pytest.raises(ValueError, match="must be a multiple of the 2 pipeline stages"):
+        PipelineEngine.from_checkpoint(checkpoint, ServingLayout(tp=1, pp=2, batch_slots=3, max_seq_len=64),
+                                       progress=False)
+    with pytest.raises(ValueError, match="3 pipeline stages must divide the 4 layers"):
+        PipelineEngine.from_checkpoint(checkpoint, ServingLayout(tp=1, pp=3, batch_slots=3, max_seq_len=64),
+                                       progress=False)
