@@ -28,10 +28,8 @@ from typing import Any
 
 CALIBRATION_FILE = Path(__file__).resolve().parent / "calibration.json"
 IMPLS = ("xla", "oneshot", "twoshot")
-# Names benchmark scripts use for the same implementations.
-IMPL_ALIASES = {"xla": "xla", "nccl": "xla", "psum": "xla", "oneshot": "oneshot", "one_shot": "oneshot",
-                "symm_mem_oneshot": "oneshot", "twoshot": "twoshot", "two_shot": "twoshot",
-                "symm_mem_twoshot": "twoshot"}
+# What stands in for one of our implementations where it was not measured (torch on the same GPUs).
+STAND_INS = {"xla": "torch_nccl", "oneshot": "symm_mem_oneshot", "twoshot": "symm_mem_twoshot"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,41 +191,76 @@ def device_name(device: str, devices: Mapping[str, Any]) -> str | None:
     return None
 
 
-def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any]) -> dict[str, Any]:
+def _where(result: Mapping[str, Any], name: str = "") -> str:
+    command = result.get("command", "?")
+    if isinstance(command, list):
+        command = " && ".join(command)
+    return f"{name or '?'} ({result.get('device', '?')}, {result.get('date', '?')}): {command}"
+
+
+def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
+                 names: Iterable[str] = ()) -> dict[str, Any]:
     """A new calibration: ``base`` with its measured entries replaced by what the result files hold.
 
-    All-reduce rows replace the table of their implementation (median per size, bf16, one GPU
-    count); decode rows replace the decode checks the planner derives its efficiency from. Anything
-    the result files do not cover stays as it was, with its provenance.
+    * all-reduce rows (``impl,gpus,bytes,dtype,us``, bf16, one GPU count): our own implementations
+      (``xla`` = JAX psum, ``oneshot``, ``twoshot``) by name, median per size; where one of them was
+      not measured, its stand-in (``torch_nccl``, ``symm_mem_oneshot``, ``symm_mem_twoshot``),
+      labelled as such; other rows (fused, norm variants, auto) are not planner inputs;
+    * decode rows (``model,tp,batch,context,strategy,ms_per_token,...``) become the decode checks the
+      planner derives its efficiency from; for each configuration the newest result file wins (an
+      older engine's figures are superseded), rows of that file are kept;
+    * ``copy_bandwidth_bytes_per_s`` of the newest result on a device sets that device's HBM figure.
+
+    Anything the result files do not cover stays as it was, with its provenance.
     """
     out = copy.deepcopy(dict(base))
-    ar: dict[str, dict[int, list[float]]] = {}
-    ar_sources: dict[str, str] = {}
-    ar_gpus: set[int] = set()
-    checks: list[dict[str, Any]] = []
-    for result in results:
-        where = f"{result.get('device', '?')} {result.get('date', '?')}: {result.get('command', '?')}"
+    results = list(results)
+    labels = list(names) or [f"result {i}" for i in range(len(results))]
+    ordered = sorted(zip(labels, results, strict=True), key=lambda pair: str(pair[1].get("date", "")))
+    tables: dict[str, dict[int, list[float]]] = {}
+    table_source: dict[str, str] = {}
+    gpus_seen: set[int] = set()
+    newest_check: dict[tuple[Any, ...], tuple[str, list[dict[str, Any]]]] = {}
+    for label, result in ordered:
+        where = _where(result, label)
+        device = str(result.get("device", ""))
+        if result.get("copy_bandwidth_bytes_per_s"):
+            name = device_name(device, out["devices"])
+            if name is not None:
+                out["devices"][name].update(
+                    hbm_bytes_per_s=float(result["copy_bandwidth_bytes_per_s"]), kind="measured",
+                    source=f"copy_bandwidth_bytes_per_s of {where}")
         for row in result.get("rows", []):
             if "impl" in row and "us" in row:
-                impl = IMPL_ALIASES.get(str(row["impl"]).lower())
-                if impl is None or str(row.get("dtype", "bfloat16")) not in ("bfloat16", "bf16"):
+                if str(row.get("dtype", "bfloat16")) not in ("bfloat16", "bf16"):
                     continue
-                ar_gpus.add(int(row["gpus"]))
-                ar.setdefault(impl, {}).setdefault(int(row["bytes"]), []).append(float(row["us"]))
-                ar_sources[impl] = where
-            elif "ms_per_token" in row:
+                impl = str(row["impl"]).lower()
+                gpus_seen.add(int(row["gpus"]))
+                tables.setdefault(impl, {}).setdefault(int(row["bytes"]), []).append(float(row["us"]))
+                table_source[impl] = where
+            elif "ms_per_token" in row and "model" in row:
+                key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
                          if k in row}
-                check["device"] = result.get("device", "")
-                check["source"] = where
-                checks.append(check)
-    if len(ar_gpus) > 1:
-        raise ValueError(f"all-reduce rows for several GPU counts {sorted(ar_gpus)}: give one count per calibration")
-    for impl, by_size in ar.items():
-        out["allreduce"]["us"][impl] = [[size, round(statistics.median(v), 3)] for size, v in sorted(by_size.items())]
-        out["allreduce"]["gpus"] = next(iter(ar_gpus))
-        out["allreduce"]["kind"] = "measured"
-        out["allreduce"]["source"] = "; ".join(sorted(set(ar_sources.values())))
+                check.update(device=device, source=where)
+                if key in newest_check and newest_check[key][0] == where:
+                    newest_check[key][1].append(check)
+                else:
+                    newest_check[key] = (where, [check])  # a newer file supersedes
+    if len(gpus_seen) > 1:
+        raise ValueError(f"all-reduce rows for several GPU counts {sorted(gpus_seen)}: give one count per calibration")
+    sources = []
+    for impl in IMPLS:
+        chosen = impl if impl in tables else STAND_INS[impl] if STAND_INS[impl] in tables else None
+        if chosen is None:
+            continue
+        out["allreduce"]["us"][impl] = [[size, round(statistics.median(v), 3)]
+                                        for size, v in sorted(tables[chosen].items())]
+        label = impl if chosen == impl else f"{impl} = {chosen} (stand-in)"
+        sources.append(f"{label} from {table_source[chosen]}")
+    if sources:
+        out["allreduce"].update(gpus=next(iter(gpus_seen)), kind="measured", source="; ".join(sources))
+    checks = [c for _, (_, rows) in sorted(newest_check.items(), key=lambda kv: str(kv[0])) for c in rows]
     if checks:
         out["decode"]["checks"] = checks
         out["decode"]["kind"] = "measured"
@@ -241,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     files = sorted(args.results.glob("*.json"))
     results = [json.loads(f.read_text()) for f in files]
-    new = from_results(results, json.loads(CALIBRATION_FILE.read_text()))
+    new = from_results(results, json.loads(CALIBRATION_FILE.read_text()),
+                       names=[str(f) for f in files])
     args.out.write_text(json.dumps(new, indent=2) + "\n")
     print(f"{args.out}: from {len(files)} result file(s)")
     return 0

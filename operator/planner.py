@@ -34,6 +34,8 @@ MAX_PP = 64
 MAX_REPLICAS = 1024
 # Balanced: the most tokens/s per GPU among layouts within this factor of the fastest ms/token.
 BALANCED_LATENCY_FACTOR = 2.0
+# Latency: layouts this close to the fastest count as equally fast (stated model tolerance).
+LATENCY_TIE = 0.02
 GiB = 1024**3
 
 
@@ -428,6 +430,13 @@ def _key(c: _Candidate, objective: str) -> tuple[Any, ...]:
 
 
 def _choose(cands: list[_Candidate], objective: str) -> _Candidate:
+    if objective == "latency":
+        # Within LATENCY_TIE of the fastest the step model cannot tell layouts apart (its all-reduce
+        # table is measured, with noise); the fewest pipeline stages and GPUs win there.
+        best = min(cands, key=lambda c: _key(c, objective))
+        near = [c for c in cands if _key(c, objective)[:2] == _key(best, objective)[:2]
+                and c.layout.ms_per_token <= best.layout.ms_per_token * (1 + LATENCY_TIE)]
+        return min(near, key=lambda c: (c.layout.pp, c.gpus, c.layout.ms_per_token, c.layout.tp, c.layout.product))
     if objective == "balanced":
         fastest = min(c.layout.ms_per_token for c in cands if c.slo_ok) if any(c.slo_ok for c in cands) else None
         if fastest is not None:
@@ -438,7 +447,8 @@ def _choose(cands: list[_Candidate], objective: str) -> _Candidate:
 
 def _why(c: _Candidate, objective: str) -> str:
     if objective == "latency":
-        return "lowest time per output token"
+        return (f"lowest time per output token; within {LATENCY_TIE:.0%} of it, the fewest pipeline stages "
+                "and GPUs")
     if objective == "throughput":
         return "most tokens/s from the free GPUs"
     return (f"most tokens/s per GPU within {BALANCED_LATENCY_FACTOR:g}x of the fastest time per output token")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -204,57 +205,102 @@ def test_plans_1000_nodes_in_under_a_second(model, objective):
 # ---- calibration -------------------------------------------------------------------------------------
 def test_calibration_records_provenance_and_reproduces_the_measured_decode():
     cal = calibration.load()
-    assert cal.raw["devices"]["H200"]["hbm_bytes_per_s"] == 4.3e12
+    device = cal.raw["devices"]["H200"]
+    assert 4.0e12 < device["hbm_bytes_per_s"] < 4.5e12 and "benchmarks/results/" in device["source"]
     assert cal.raw["devices"]["H100"]["hbm_bytes_per_s"] == 3.0e12
-    for entry in (cal.raw["devices"]["H200"], cal.raw["allreduce"], cal.raw["decode"]):
+    for entry in (device, cal.raw["devices"]["H100"], cal.raw["allreduce"], cal.raw["decode"]):
         assert entry["kind"] == "measured" and entry["source"]
+    assert "benchmarks/results/allreduce" in cal.raw["allreduce"]["source"]
     assert cal.raw["models"]["kind"] == "stated model"
-    # The planner's step model at the measured conditions gives back the measured ms/token.
+    # The planner's step model, with the efficiency it derives from the checks, lands on the measured
+    # decode figures: per TP size the median ratio is 1, and no check is off by more than 20%.
+    ratios: dict[int, list[float]] = {}
     for check in cal.raw["decode"]["checks"]:
-        p = plan(check["model"], h200(1), objective="latency", tp=check["tp"], replicas=1, concurrency=1,
-                 strategy=check["strategy"], input_tokens=check["context"], output_tokens=1)
-        assert p.layout.ms_per_token == pytest.approx(check["ms_per_token"], rel=0.02)
+        assert check["source"].startswith("benchmarks/results/")
+        p = plan(check["model"], h200(1), objective="latency", tp=check["tp"], pp=1, replicas=1,
+                 concurrency=check["batch"], strategy=check["strategy"], input_tokens=check["context"],
+                 output_tokens=1)
+        ratios.setdefault(check["tp"], []).append(p.layout.ms_per_token / check["ms_per_token"])
+    assert set(ratios) == {1, 2}
+    for tp, values in ratios.items():
+        assert statistics.median(values) == pytest.approx(1.0, abs=0.03), tp
+        assert all(0.8 <= v <= 1.2 for v in values), (tp, values)
     _, provenance = cal.decode_efficiency(8)
     assert "stated model" in provenance
 
 
 def test_allreduce_table_interpolates_and_scales_as_stated():
     cal = calibration.load()
-    assert cal.allreduce_us("xla", 1024, 2) == 13.4
-    assert cal.allreduce_us("twoshot", 16 * 2**20, 2) == pytest.approx(58.0)
-    assert 6.5 <= cal.allreduce_us("oneshot", 32 * 1024, 2) <= 7.2
-    assert cal.allreduce_us("oneshot", 16 * 2**20, 2) is None  # never measured that large
+    table = cal.raw["allreduce"]["us"]
+    for impl in ("xla", "oneshot", "twoshot"):
+        size, us = table[impl][0]
+        assert cal.allreduce_us(impl, size, 2) == us  # a measured point is returned as measured
+        size, us = table[impl][-1]
+        assert cal.allreduce_us(impl, size, 2) == pytest.approx(us)
+    lo, hi = table["twoshot"][-2], table["twoshot"][-1]
+    mid = cal.allreduce_us("twoshot", int((lo[0] * hi[0]) ** 0.5), 2)
+    assert min(lo[1], hi[1]) <= mid <= max(lo[1], hi[1])
+    assert cal.allreduce_us("oneshot", table["oneshot"][-1][0] * 2, 2) is None  # never measured that large
     for impl in ("xla", "twoshot"):
-        sizes = [2**k for k in range(10, 27)]
+        # Above 1 MiB the bandwidth term dominates the measurement noise: times grow with size and GPUs.
+        sizes = [2**k for k in range(20, 27)]
         times = [cal.allreduce_us(impl, s, 8) for s in sizes]
         assert times == sorted(times)
-        assert cal.allreduce_us(impl, 2**20, 8) > cal.allreduce_us(impl, 2**20, 4) > cal.allreduce_us(impl, 2**20, 2)
+        assert cal.allreduce_us(impl, 2**22, 8) > cal.allreduce_us(impl, 2**22, 4) > cal.allreduce_us(impl, 2**22, 2)
     assert cal.best_allreduce(8192, 2, nvswitch=True)[0] in ("oneshot", "twoshot")
     assert cal.best_allreduce(8192, 2, nvswitch=False)[0] == "xla"
-    assert cal.best_allreduce(4096, 2, nvswitch=True, strategy="xla") == ("xla", 13.4)
+    size, us = table["xla"][0]
+    assert cal.best_allreduce(size, 2, nvswitch=True, strategy="xla") == ("xla", us)
 
 
 def test_calibration_regenerates_from_benchmark_results(tmp_path):
     base = json.loads(calibration.CALIBRATION_FILE.read_text())
-    results = [
-        {"command": "python benchmarks/allreduce.py", "device": "NVIDIA H200", "date": "2026-12-01",
-         "rows": [{"impl": "oneshot", "gpus": 2, "bytes": b, "dtype": "bfloat16", "us": us}
-                  for b, us in ((1024, 5.0), (1024, 5.2), (1024, 9.0), (65536, 6.0))]},
-        {"command": "python benchmarks/decode.py", "device": "NVIDIA H200", "date": "2026-12-01",
-         "rows": [{"model": "llama3-8b", "tp": 1, "batch": 1, "context": 128, "strategy": "xla",
-                   "ms_per_token": 6.0, "tokens_per_s": 166.7, "roofline_ms": 3.49, "fraction_of_roofline": 0.58}]},
-    ]
-    new = calibration.from_results(results, base)
+    allreduce = {"command": "python benchmarks/allreduce.py", "device": "2x NVIDIA H200", "date": "2026-12-01T00:00",
+                 "rows": [{"impl": "oneshot", "gpus": 2, "bytes": b, "dtype": "bfloat16", "us": us}
+                          for b, us in ((1024, 5.0), (1024, 5.2), (1024, 9.0), (65536, 6.0))]
+                 + [{"impl": "torch_nccl", "gpus": 2, "bytes": 1024, "dtype": "bfloat16", "us": 20.0},
+                    {"impl": "fused", "gpus": 2, "bytes": 1024, "dtype": "bfloat16", "us": 1.0}]}
+
+    def decode(date: str, ms: float, bandwidth: float | None = None) -> dict:
+        result = {"command": ["python benchmarks/decode.py --tp 1"], "device": "2x NVIDIA H200", "date": date,
+                  "rows": [{"model": "llama3-8b", "tp": 1, "batch": 1, "context": 128, "strategy": "xla",
+                            "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "roofline_ms": 3.5,
+                            "fraction_of_roofline": 3.5 / ms}]}
+        if bandwidth:
+            result["copy_bandwidth_bytes_per_s"] = bandwidth
+        return result
+
+    new = calibration.from_results([decode("2026-12-02", 6.0, 4.0e12), allreduce, decode("2026-11-01", 9.0)],
+                                   base, names=["new.json", "ar.json", "old.json"])
     assert new["allreduce"]["us"]["oneshot"] == [[1024, 5.2], [65536, 6.0]]  # median per size
-    assert new["allreduce"]["us"]["xla"] == base["allreduce"]["us"]["xla"]  # not re-measured: kept
-    assert "benchmarks/allreduce.py" in new["allreduce"]["source"]
+    # Only torch's NCCL was measured for xla here: it stands in, and says so.
+    assert new["allreduce"]["us"]["xla"] == [[1024, 20.0]]
+    assert "xla = torch_nccl (stand-in) from ar.json" in new["allreduce"]["source"]
+    assert new["allreduce"]["us"]["twoshot"] == base["allreduce"]["us"]["twoshot"]  # not measured: kept
+    assert new["devices"]["H200"]["hbm_bytes_per_s"] == 4.0e12 and "new.json" in new["devices"]["H200"]["source"]
+    (check,) = new["decode"]["checks"]  # the newer file supersedes the older one for this configuration
+    assert check["ms_per_token"] == 6.0 and check["source"].startswith("new.json")
     cal = calibration.Calibration(new)
-    assert cal.decode_efficiency(1)[0] == pytest.approx(3.4946 / 6.0, rel=0.01)
+    roofline_ms = preset("llama3-8b").decode_bytes_per_step(1, 128) / 4.0e12 * 1e3
+    assert cal.decode_efficiency(1)[0] == pytest.approx(roofline_ms / 6.0, rel=1e-6)
     with pytest.raises(ValueError, match="several GPU counts"):
         calibration.from_results([{"rows": [{"impl": "xla", "gpus": 2, "bytes": 1, "us": 1},
                                             {"impl": "xla", "gpus": 4, "bytes": 1, "us": 1}]}], base)
     out = tmp_path / "cal.json"
     (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "a.json").write_text(json.dumps(results[0]))
+    (tmp_path / "results" / "a.json").write_text(json.dumps(allreduce))
     assert calibration.main(["--results", str(tmp_path / "results"), "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["allreduce"]["us"]["oneshot"][0] == [1024, 5.2]
+    written = json.loads(out.read_text())
+    assert written["allreduce"]["us"]["oneshot"][0] == [1024, 5.2]
+    assert "a.json" in written["allreduce"]["source"]
+
+
+def test_stand_ins_fill_in_for_implementations_not_measured():
+    base = json.loads(calibration.CALIBRATION_FILE.read_text())
+    only_torch = {"command": "torch bench", "device": "2x NVIDIA H200", "date": "2026-12-01",
+                  "rows": [{"impl": "torch_nccl", "gpus": 2, "bytes": 4096, "dtype": "bfloat16", "us": 20.0},
+                           {"impl": "symm_mem_twoshot", "gpus": 2, "bytes": 4096, "dtype": "bf16", "us": 7.0}]}
+    new = calibration.from_results([only_torch], base, names=["t.json"])
+    assert new["allreduce"]["us"]["xla"] == [[4096, 20.0]] and new["allreduce"]["us"]["twoshot"] == [[4096, 7.0]]
+    assert "xla = torch_nccl (stand-in)" in new["allreduce"]["source"]
+    assert new["allreduce"]["us"]["oneshot"] == base["allreduce"]["us"]["oneshot"]  # nothing new: kept
