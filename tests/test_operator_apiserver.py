@@ -42,6 +42,12 @@ async def test_create_metadata_conflicts_and_optimistic_concurrency(tmp_path):
         assert status == 415
         status, lst = await c.request("GET", CM)
         assert lst["kind"] == "ConfigMapList" and lst["apiVersion"] == "v1" and lst["metadata"]["resourceVersion"]
+        status, core = await c.request("GET", "/api/v1")
+        assert status == 200 and core["kind"] == "APIResourceList"
+        kinds = {r["name"]: r["kind"] for r in core["resources"]}
+        assert kinds["pods"] == "Pod" and kinds["nodes"] == "Node" and kinds["configmaps"] == "ConfigMap"
+        status, version = await c.request("GET", "/version")
+        assert (version["major"], version["minor"]) == ("1", "31")
 
 
 async def test_crd_serves_its_resource_with_status_and_scale_subresources(tmp_path):
