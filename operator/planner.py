@@ -237,7 +237,8 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         f"({lay.batch_slots} slots x {lay.max_seq_len} tokens) of {chosen.usable_bytes / GiB:.1f} GiB usable "
         f"({1 - float(m['memory_headroom_fraction']):.0%} of {lay.memory_bytes / GiB:.0f} GiB less "
         f"{int(m['runtime_reserve_bytes']) / GiB:.0f} GiB reserve, stated model)",
-        f"HBM {device.hbm_bytes_per_s / 1e12:.1f} TB/s ({device.kind}: {device.source}); decode efficiency "
+        f"HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s ({device.kind}: {device.source.split(': ', 1)[0]}); "
+        f"decode efficiency "
         f"{eff:.3f} ({chosen.efficiency_note})",
     ]
     if lay.tp > 1:
@@ -475,7 +476,8 @@ def _alternatives(chosen: _Candidate, cands: list[_Candidate], rejected: list[Al
                    f"{_per_group_tps(c) / o.gpus_per_replica:.0f} tokens/s per GPU vs "
                    f"{_per_group_tps(chosen) / lay.gpus_per_replica:.0f}")
         out.append(Alternative(o.summary, o.ms_per_token, o.tokens_per_s, why))
-    out += _closest_misses(rejected)[:3]
+    # Groups that fit no node set even when empty say nothing once a layout was found.
+    out += [a for a in _closest_misses(rejected) if "even when empty" not in a.rejected][:3]
     return out
 
 
