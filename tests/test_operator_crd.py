@@ -52,9 +52,10 @@ def test_copies_do_not_drift_from_the_packaged_source():
         copy_path = ROOT / "manifests" / "crds" / name
         assert copy_path.read_bytes() == source.read_bytes(), \
             f"{copy_path} drifted: run python -m switchyard.operator.crd --write manifests/crds"
-    chart = ROOT / "charts" / "switchyard" / "crds" / crd.COPIES[crd.CRD_FILE]
-    if chart.exists():  # the chart (issue 6) carries the same bytes
-        assert chart.read_bytes() == crd.CRD_FILE.read_bytes()
+    chart = ROOT / "charts" / "switchyard" / "crds"
+    if chart.exists():  # the Helm chart carries the same bytes
+        for source, name in crd.COPIES.items():
+            assert (chart / name).read_bytes() == source.read_bytes(), f"{chart / name} drifted"
 
 
 def test_crd_is_a_valid_structural_crd():
