@@ -283,6 +283,11 @@ class PipelineEngine:
         bucket = next(b for b in self.prefill_buckets if b >= n)
         padded = np.zeros(bucket, np.int32)
         padded[:n] = tokens
+        return self.run_prefill(padded, n, sampling, return_logits)
+
+    def run_prefill(self, padded: np.ndarray, n: int, sampling: SamplingParams, return_logits: bool) -> Prefix:
+        """The SPMD part of :meth:`prefill` (every process of a group runs it with the same arguments)."""
+        bucket = len(padded)
         fn = self._compiled(("prefill", bucket, sampling.greedy, return_logits),
                             lambda: self._build_prefill(sampling.greedy, return_logits))
         s = sampling
@@ -300,15 +305,19 @@ class PipelineEngine:
             raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
         if self.active[slot]:
             raise ValueError(f"slot {slot} is occupied")
+        self.run_insert(prefix, slot)
+        self.active[slot] = True
+        self.generation[slot] += 1
+        self.greedy[slot] = prefix.sampling.greedy
+        self.positions[slot] = prefix.length
+
+    def run_insert(self, prefix: Prefix, slot: int) -> None:
+        """The SPMD part of :meth:`insert`."""
         s = prefix.sampling
         fn = self._compiled(("insert", prefix.bucket), self._build_insert)
         self._state = fn(self._state, prefix.k, prefix.v, np.int32(slot), np.int32(prefix.first_token),
                          np.int32(prefix.length), np.float32(s.temperature), np.int32(s.top_k),
                          np.float32(s.top_p), np.int32(s.seed))
-        self.active[slot] = True
-        self.generation[slot] += 1
-        self.greedy[slot] = s.greedy
-        self.positions[slot] = prefix.length
 
     def evict(self, slot: int) -> None:
         self.active[slot] = False
@@ -325,11 +334,7 @@ class PipelineEngine:
         g_in, g_out = t % pp, (t - (pp - 1)) % pp
         rows_in = slice(g_in * m, (g_in + 1) * m)
         self._entry[g_in] = (self.active[rows_in].copy(), self.generation[rows_in].copy())
-        occupied = np.flatnonzero(self.active)
-        greedy_only = bool(self.greedy[occupied].all()) if occupied.size else True
-        fn = self._compiled(("tick", greedy_only), lambda: self._build_tick(greedy_only))
-        self._state, tokens = fn(self.params, self._state, np.int32(t))
-        tokens.copy_to_host_async()
+        tokens = self.run_tick(t, self.greedy_only())
         active = np.zeros(self.max_slots, dtype=bool)
         generations = self.generation.copy()
         rows_out = slice(g_out * m, (g_out + 1) * m)
@@ -343,6 +348,17 @@ class PipelineEngine:
         self.step_count += 1
         return PendingStep(step=self.step_count, batch=self.max_slots, tokens=tokens, active=active,
                            generations=generations, logits=None)
+
+    def greedy_only(self) -> bool:
+        occupied = np.flatnonzero(self.active)
+        return bool(self.greedy[occupied].all()) if occupied.size else True
+
+    def run_tick(self, t: int, greedy_only: bool) -> jax.Array:
+        """The SPMD part of :meth:`dispatch`; returns the token vector (still on the device)."""
+        fn = self._compiled(("tick", greedy_only), lambda: self._build_tick(greedy_only))
+        self._state, tokens = fn(self.params, self._state, np.int32(t))
+        tokens.copy_to_host_async()
+        return tokens
 
     def collect(self, pending: PendingStep) -> StepResult:
         return StepResult(step=pending.step, batch=pending.batch, tokens=np.asarray(pending.tokens),

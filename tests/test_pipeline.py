@@ -4,9 +4,9 @@ with requests joining and leaving while micro-batches are in flight."""
 from __future__ import annotations
 
 import pytest
-from hf_reference import hf_model, save_hf
+from engine_fixtures import varied_checkpoint
 from switchyard.service.engine import Engine
-from switchyard.service.modelspec import ServingLayout, preset
+from switchyard.service.modelspec import ServingLayout
 from switchyard.service.pipeline import PipelineEngine
 from switchyard.service.sampling import SamplingParams
 from switchyard.service.scheduler import GenerationRequest, Scheduler
@@ -24,9 +24,7 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_checkpoint_dir):
-    folder = save_hf(hf_model(preset("tiny"), seed=11), tmp_path_factory.mktemp("pp-model"))
-    (folder / "tokenizer.json").write_bytes((tiny_checkpoint_dir / "tokenizer.json").read_bytes())
-    return folder
+    return varied_checkpoint(tmp_path_factory.mktemp("pp-model"), tiny_checkpoint_dir)
 
 
 def serve_all(engine) -> dict[str, list[int]]:

@@ -1,0 +1,187 @@
+"""A pipeline group across processes: one process (pod) per stage, joined with ``jax.distributed``.
+
+Every step of a pipeline is one SPMD program over all stages' devices, so every process must launch
+the same programs in the same order. The first stage owns the scheduler, the tokenizer and the gRPC
+front; before each program it launches it announces the call (operation and arguments, a small int32
+vector) to the other stages with a broadcast collective, and they run the same call. The later stages
+run headless: they answer gRPC health, and follow.
+
+If any stage dies, the others' next collective fails (or the distributed runtime's heartbeat notices
+it): the group stops as a unit and its processes exit non-zero, so the whole group is restarted
+together; there is no half-running group.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+from switchyard.service.engine import PendingStep, Prefix, StepResult
+from switchyard.service.modelspec import ServingLayout
+from switchyard.service.pipeline import PipelineEngine
+from switchyard.service.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+PREFILL, INSERT, TICK, STOP = 1, 2, 3, 4
+
+
+class GroupBrokenError(RuntimeError):
+    """A stage of the pipeline group is gone; the group must be restarted as a unit."""
+HEADER = 10  # op, a, b, c, d, temperature bits, top_k, top_p bits, seed, greedy
+
+
+def join(layout: ServingLayout, heartbeat_timeout_s: int = 10, initialization_timeout_s: int = 300) -> None:
+    """Connect this process to its pipeline group (no-op for a single-stage layout)."""
+    if layout.pp == 1:
+        return
+    if not layout.coordinator:
+        raise ValueError("a pipeline layout (pp > 1) needs layout.coordinator (host:port of stage 0)")
+    if jax.config.jax_platforms in (None, "", "cpu") and not _has_gpu_plugin():
+        # Cross-process collectives on CPU (tests, CI) go through gloo.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(layout.coordinator, num_processes=layout.pp, process_id=layout.pipeline_stage,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               initialization_timeout=initialization_timeout_s)
+
+
+def _has_gpu_plugin() -> bool:
+    try:
+        import jax_plugins.xla_cuda13
+
+        return True
+    except ImportError:
+        try:
+            import jax_plugins.xla_cuda12  # noqa: F401
+
+            return True
+        except ImportError:
+            return False
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.array([x], np.float32).view(np.int32)[0])
+
+
+def _bits_f32(x: int) -> float:
+    return float(np.array([x], np.int32).view(np.float32)[0])
+
+
+class _Channel:
+    """The command broadcast: stage 0 sends, the others receive; same shape on every process."""
+
+    def __init__(self, engine: PipelineEngine) -> None:
+        from jax.experimental import multihost_utils
+
+        self._broadcast = multihost_utils.broadcast_one_to_all
+        self.size = HEADER + engine.max_seq_len
+
+    def send(self, op: int, *fields: int, tokens: np.ndarray | None = None) -> None:
+        message = np.zeros(self.size, np.int32)
+        message[0] = op
+        message[1 : 1 + len(fields)] = fields
+        if tokens is not None:
+            message[HEADER : HEADER + len(tokens)] = tokens
+        self._broadcast(message, is_source=True)
+
+    def receive(self) -> np.ndarray:
+        return np.asarray(self._broadcast(np.zeros(self.size, np.int32), is_source=False))
+
+
+def _sampling_fields(s: SamplingParams) -> tuple[int, int, int, int, int]:
+    return _f32_bits(s.temperature), s.top_k, _f32_bits(s.top_p), s.seed, int(s.greedy)
+
+
+def _sampling_from(message: np.ndarray) -> SamplingParams:
+    return SamplingParams(temperature=_bits_f32(int(message[5])), top_k=int(message[6]),
+                          top_p=_bits_f32(int(message[7])), seed=int(message[8]))
+
+
+class LeaderEngine:
+    """Stage 0's engine: a :class:`PipelineEngine` whose every SPMD call is first announced to the group.
+
+    Offers the engine API the scheduler uses; everything else is the wrapped engine's.
+    """
+
+    def __init__(self, engine: PipelineEngine) -> None:
+        self.engine = engine
+        self._channel = _Channel(engine)
+        self.broken: BaseException | None = None  # set once a group collective has failed
+
+    def _announce(self, op: int, *fields: int, tokens: np.ndarray | None = None) -> None:
+        if self.broken is not None:
+            raise GroupBrokenError(f"the pipeline group is broken: {self.broken}")
+        try:
+            self._channel.send(op, *fields, tokens=tokens)
+        except Exception as err:
+            self.broken = err
+            raise GroupBrokenError(f"a pipeline stage did not answer: {err}") from err
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def prefill(self, tokens, sampling: SamplingParams | None = None, return_logits: bool = False) -> Prefix:
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        self.engine.validate_prompt(tokens)
+        n = len(tokens)
+        bucket = next(b for b in self.engine.prefill_buckets if b >= n)
+        padded = np.zeros(bucket, np.int32)
+        padded[:n] = tokens
+        self._announce(PREFILL, bucket, n, int(return_logits), 0, *_sampling_fields(sampling), tokens=padded)
+        return self.engine.run_prefill(padded, n, sampling, return_logits)
+
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        if not 0 <= slot < self.engine.max_slots or self.engine.active[slot]:
+            raise ValueError(f"slot {slot} is out of range or occupied")
+        self._announce(INSERT, slot, prefix.first_token, prefix.length, prefix.bucket,
+                       *_sampling_fields(prefix.sampling))
+        self.engine.insert(prefix, slot)
+
+    def dispatch(self, return_logits: bool = False) -> PendingStep:
+        self._announce(TICK, self.engine.tick, int(self.engine.greedy_only()))
+        try:
+            return self.engine.dispatch(return_logits)
+        except Exception as err:
+            self.broken = err
+            raise
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        return self.engine.collect(pending)
+
+    def generate(self) -> StepResult:
+        return self.collect(self.dispatch())
+
+    def stop(self) -> None:
+        """Release the followers (they exit their loop)."""
+        if self.broken is None:
+            self._channel.send(STOP)
+
+
+def follow(engine: PipelineEngine) -> None:
+    """A later stage's loop: run whatever stage 0 announces, until it says stop."""
+    channel = _Channel(engine)
+    prefix: Prefix | None = None
+    while True:
+        message = channel.receive()
+        op = int(message[0])
+        if op == STOP:
+            return
+        if op == PREFILL:
+            bucket, n, return_logits = int(message[1]), int(message[2]), bool(message[3])
+            padded = message[HEADER : HEADER + bucket].astype(np.int32)
+            prefix = engine.run_prefill(padded, n, _sampling_from(message), return_logits)
+        elif op == INSERT:
+            if prefix is None:
+                raise RuntimeError("insert announced before any prefill")
+            slot, first, length = int(message[1]), int(message[2]), int(message[3])
+            prefix.first_token, prefix.length = first, length  # stage 0's values
+            prefix.sampling = _sampling_from(message)
+            engine.run_insert(prefix, slot)
+        elif op == TICK:
+            tokens = engine.run_tick(int(message[1]), bool(message[2]))
+            tokens.block_until_ready()
+        else:
+            raise RuntimeError(f"unknown pipeline command {op}")

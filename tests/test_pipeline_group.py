@@ -1,0 +1,97 @@
+"""Pipeline groups of 2 and 4 stages, one process per stage joined with jax.distributed (gloo on CPU):
+the same tokens as one device, and a killed stage stops the group."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from engine_fixtures import varied_checkpoint
+from switchyard.service.engine import Engine
+from switchyard.service.modelspec import ServingLayout
+from switchyard.service.sampling import SamplingParams
+from switchyard.service.scheduler import GenerationRequest, Scheduler
+from switchyard.service.tokenizer import Tokenizer
+
+RUNNER = Path(__file__).with_name("pipeline_group_run.py")
+# prompt, max_tokens, temperature, top_k, top_p, seed
+REQUESTS = [
+    [[1, 40, 41, 42], 9, 0.0, 0, 1.0, 0],
+    [[1, 7, 300, 12, 99, 5], 12, 0.9, 0, 1.0, 3],
+    [[1, 250], 5, 1.1, 30, 1.0, 8],
+    [[1, *range(3, 30)], 7, 0.0, 0, 1.0, 0],
+    [[1, 77, 78], 11, 0.7, 0, 0.9, 1],
+    [[1, 500, 501, 502, 503], 6, 0.0, 0, 1.0, 0],
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_checkpoint_dir):
+    return varied_checkpoint(tmp_path_factory.mktemp("pp-group-model"), tiny_checkpoint_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> dict[str, list[int]]:
+    engine = Engine.from_checkpoint(checkpoint, ServingLayout(tp=1, batch_slots=4, max_seq_len=64), progress=False)
+    sched = Scheduler(engine, Tokenizer.from_dir(checkpoint), max_queue=16)
+    out: dict[str, list[int]] = {}
+    for i, (prompt, n, t, k, p, seed) in enumerate(REQUESTS):
+        sched.submit(GenerationRequest(f"r{i}", prompt, n, SamplingParams(t, k, p, seed), ignore_eos=True,
+                                       on_event=lambda e: e.token_id is not None and out.setdefault(
+                                           e.request_id, []).append(e.token_id)))
+    while sched.step() or sched.in_flight:
+        pass
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_group(pp: int, checkpoint: Path, out: Path, requests: list) -> list[subprocess.Popen]:
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               PYTHONUNBUFFERED="1")
+    return [subprocess.Popen([sys.executable, str(RUNNER), str(stage), str(pp), "1", coordinator, str(checkpoint),
+                              str(out), json.dumps(requests)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+            for stage in range(pp)]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_group_of_processes_gives_the_tokens_of_one_device(checkpoint, reference, tmp_path, pp):
+    out = tmp_path / "tokens.json"
+    procs = start_group(pp, checkpoint, out, REQUESTS)
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * pp, "\n".join(log[-1500:] for log in logs)
+    result = json.loads(out.read_text())
+    assert result["tokens"] == reference
+    assert set(result["finish"].values()) == {"length"}
+
+
+def test_a_killed_stage_stops_the_group(checkpoint, tmp_path):
+    long = [[[1, 5 + i, 6], 60, 0.0, 0, 1.0, 0] for i in range(40)]  # far more work than the kill leaves time for
+    procs = start_group(2, checkpoint, tmp_path / "never.json", long)
+    leader, follower = procs
+    deadline = time.monotonic() + 120
+    seen = ""
+    while "ready" not in seen and time.monotonic() < deadline:  # the follower has joined and loaded
+        seen += follower.stdout.readline()
+    time.sleep(2.0)
+    follower.kill()
+    try:
+        log = leader.communicate(timeout=90)[0]
+    except subprocess.TimeoutExpired:
+        leader.kill()
+        pytest.fail("stage 0 kept running after stage 1 died")
+    follower.communicate()
+    assert leader.returncode != 0, log[-2000:]
+    assert not (tmp_path / "never.json").exists()
