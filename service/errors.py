@@ -11,3 +11,7 @@ class OutOfRangeError(InvalidRequestError):
 
 class QueueFullError(RuntimeError):
     """The admission queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class FatalEngineError(RuntimeError):
+    """The engine can no longer run (a pipeline stage is gone): the process must stop and be restarted."""

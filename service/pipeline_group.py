@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 from switchyard.service.engine import PendingStep, Prefix, StepResult
+from switchyard.service.errors import FatalEngineError
 from switchyard.service.modelspec import ServingLayout
 from switchyard.service.pipeline import PipelineEngine
 from switchyard.service.sampling import SamplingParams
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 PREFILL, INSERT, TICK, STOP = 1, 2, 3, 4
 
 
-class GroupBrokenError(RuntimeError):
+class GroupBrokenError(FatalEngineError):
     """A stage of the pipeline group is gone; the group must be restarted as a unit."""
 HEADER = 10  # op, a, b, c, d, temperature bits, top_k, top_p bits, seed, greedy
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 from switchyard.service.engine import Engine, PendingStep, StepResult
-from switchyard.service.errors import InvalidRequestError, OutOfRangeError, QueueFullError
+from switchyard.service.errors import FatalEngineError, InvalidRequestError, OutOfRangeError, QueueFullError
 from switchyard.service.sampling import SamplingParams
 from switchyard.service.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -249,10 +249,12 @@ class Scheduler:
             try:
                 prefix = self.engine.prefill(live.req.prompt_ids, live.req.sampling)
                 self.engine.insert(prefix, slot)
-            except Exception:  # engine failure: fail this request, keep serving
+            except Exception as err:  # engine failure: fail this request, keep serving
                 log.exception("prefill failed for %s", live.req.request_id)
                 self._finish(live, "error", time.monotonic(), token_id=None)
                 free.insert(0, slot)
+                if isinstance(err, FatalEngineError):
+                    self._fail_all(err)
                 continue
             live.slot = slot
             live.generation = int(self.engine.generation[slot])
@@ -266,21 +268,35 @@ class Scheduler:
     def _dispatch(self) -> PendingStep | None:
         try:
             return self.engine.dispatch()
-        except Exception:
+        except Exception as err:
             self._fail_active("engine step failed")
+            if isinstance(err, FatalEngineError):
+                self._fail_all(err)
             return None
 
     def _stream(self, pending: PendingStep) -> None:
         try:
             result: StepResult = self.engine.collect(pending)
-        except Exception:
+        except Exception as err:
             self._fail_active("engine step failed")
+            if isinstance(err, FatalEngineError):
+                self._fail_all(err)
             return
         now = time.monotonic()
         batch = int(result.active.sum())
         for slot, live in list(self._slots.items()):
             if slot < result.batch and result.active[slot] and result.generations[slot] == live.generation:
                 self._emit_token(live, int(result.tokens[slot]), step=result.step, batch=batch, now=now)
+
+    def _fail_all(self, err: FatalEngineError) -> None:
+        """The engine is gone for good: fail everything queued too, then stop the loop (the server
+        reports NOT_SERVING and exits, so the pod, or the pipeline group, restarts)."""
+        now = time.monotonic()
+        with self._lock:
+            queued, self._queue = list(self._queue), collections.deque()
+        for live in queued:
+            self._finish(live, "error", now, token_id=None)
+        raise err
 
     def _fail_active(self, what: str) -> None:
         log.exception("%s; failing the %d active requests", what, len(self._slots))

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import types
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,12 @@ def resolve_layout(args: argparse.Namespace) -> Any:
         from_file = ServingLayout.from_json(text)  # validates, rejects unknown fields
         given = json.loads(text)
         layout = dataclasses.replace(layout, **{k: getattr(from_file, k) for k in given})
+    if layout.pp > 1:
+        # One layout file serves a whole pipeline group; each pod learns its stage from its environment
+        # (the operator maps the StatefulSet pod index into it).
+        variable = str(layout.extra.get("pipeline_stage_env") or "SWITCHYARD_PIPELINE_STAGE")
+        if variable in os.environ:
+            layout = dataclasses.replace(layout, pipeline_stage=int(os.environ[variable]))
     return layout
 
 
@@ -170,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     model_name = layout.model_name or Path(model_path).resolve().name
     if args.tiny and not layout.model_name:
         model_name = "tiny"
+    if layout.pp > 1 and layout.pipeline_stage > 0:
+        return run_pipeline_follower(layout, model_path, args, log)
 
     from switchyard.service.server import DecodeApp, ServeOptions, serve, tune_interpreter
     from switchyard.service.tracing import RequestRecorder, Telemetry
@@ -201,18 +210,72 @@ def run(args: argparse.Namespace) -> int:
             layout.batch_slots,
             layout.max_seq_len,
         )
-        engine = Engine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
-        if not args.no_warmup:
-            log.info("warm-up: compiled every step in %.1f s", engine.warmup())
+        if layout.pp > 1:
+            from switchyard.service.pipeline import PipelineEngine
+            from switchyard.service.pipeline_group import LeaderEngine
+
+            engine = leader.engine = LeaderEngine(PipelineEngine.from_checkpoint(
+                model_path, layout, dtype=args.dtype, progress=False))
+            # Steps compile on first use: a warm-up would have to run on every stage in step.
+        else:
+            engine = Engine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+            if not args.no_warmup:
+                log.info("warm-up: compiled every step in %.1f s", engine.warmup())
         tokenizer = Tokenizer.from_dir(model_path)
         scheduler = Scheduler(
             engine, tokenizer, max_queue=args.max_queue, on_finish=recorder.on_finish, model_name=model_name
         )
         return scheduler, tokenizer
 
+    leader = types.SimpleNamespace(engine=None)
+    if layout.pp > 1:
+        from switchyard.service.pipeline_group import join
+
+        # Join before serving: the distributed runtime installs its own SIGTERM handler, which the
+        # server's (drain, then release the other stages) must replace.
+        log.info("joining pipeline group of %d stages at %s as stage 0", layout.pp, layout.coordinator)
+        join(layout)
     tune_interpreter(args.switch_interval)
     try:
-        return asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))
+        code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))
+        if leader.engine is not None and code == 0:
+            leader.engine.stop()  # release the other stages of the group
+        return code
     finally:
         if scratch is not None:
             scratch.cleanup()
+
+
+def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace, log: logging.Logger) -> int:
+    """A later pipeline stage: no Decode API, only gRPC health (SERVING while it follows stage 0)."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from switchyard.service.pipeline import PipelineEngine
+    from switchyard.service.pipeline_group import follow, join
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if server.add_insecure_port(f"{args.host}:{args.port}") == 0:
+        log.error("could not listen on %s:%s", args.host, args.port)
+        return 1
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        log.info("joining pipeline group of %d stages at %s as stage %d", layout.pp, layout.coordinator,
+                 layout.pipeline_stage)
+        join(layout)
+        engine = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("stage %d ready: following stage 0", layout.pipeline_stage)
+        follow(engine)
+        log.info("stage 0 released the group")
+        return 0
+    except Exception:
+        log.exception("pipeline stage %d failed: stopping so that the group restarts", layout.pipeline_stage)
+        return 1
+    finally:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.stop(0)
