@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The top-level folder operator/ would shadow Python's standard `operator` module for any
+# `python -m ...` run from here; never put the working directory first on sys.path (Python >= 3.11).
+export PYTHONSAFEPATH := 1
 
 .PHONY: demo test lint venv helm manifests locks
 
