@@ -58,9 +58,10 @@ def run(args: argparse.Namespace) -> int:
     target = f"127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="switchyard-demo-") as scratch:
         trace_file = Path(scratch) / "traces.jsonl"
-        command = [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--host", "127.0.0.1",
+        # -P: the working directory may be a checkout whose operator/ would shadow the standard library.
+        command = [sys.executable, "-P", "-m", "switchyard.cli.main", "serve", "--tiny", "--host", "127.0.0.1",
                    "--port", str(port), "--trace-file", str(trace_file)]
-        print("$ switchyard " + " ".join(command[3:]), flush=True)
+        print("$ switchyard " + " ".join(command[4:]), flush=True)
         env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY=os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "100"))
         server = subprocess.Popen(command, env=env)
         try:

@@ -98,7 +98,87 @@ def _buckets(limit: int, start: int) -> list[int]:
     return out
 
 
-class Engine:
+class SlotBook:
+    """Host-side bookkeeping shared by the engines: slots, their occupancy and insert counts, prompt
+    checks and bucketing, and the table of compiled programs."""
+
+    def __init__(self, spec: ModelSpec, batch_slots: int, max_seq_len: int) -> None:
+        if batch_slots < 1:
+            raise ValueError(f"batch_slots must be at least 1, got {batch_slots}")
+        if not 2 <= max_seq_len <= spec.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len must be in [2, {spec.max_position_embeddings}] for {spec.name}, got {max_seq_len}")
+        self.spec = spec
+        self.max_slots = batch_slots
+        self.max_seq_len = max_seq_len
+        self.prefill_buckets = _buckets(max_seq_len, min(MIN_PREFILL_BUCKET, max_seq_len))
+        self._jits: dict[tuple, Any] = {}
+        self.active = np.zeros(batch_slots, dtype=bool)
+        self.greedy = np.ones(batch_slots, dtype=bool)
+        self.positions = np.zeros(batch_slots, dtype=np.int64)  # host mirror: next position to write
+        self.generation = np.zeros(batch_slots, dtype=np.int64)  # inserts per slot
+        self.step_count = 0
+
+    def validate_prompt(self, tokens: Sequence[int]) -> None:
+        if len(tokens) == 0:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        if len(tokens) >= self.max_seq_len:
+            raise OutOfRangeError(
+                f"prompt has {len(tokens)} tokens; this deployment's context is {self.max_seq_len} tokens, "
+                f"so a prompt may have at most {self.max_seq_len - 1}")
+        bad = [t for t in tokens if not 0 <= int(t) < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids must be in [0, {self.spec.vocab_size}); got {bad[:5]}{'...' if len(bad) > 5 else ''}")
+
+    def padded_prompt(self, tokens: Sequence[int], sampling: SamplingParams) -> np.ndarray:
+        """Validate a request and pad its prompt to the smallest prefill bucket that holds it."""
+        sampling.validate()
+        self.validate_prompt(tokens)
+        bucket = next(b for b in self.prefill_buckets if b >= len(tokens))
+        padded = np.zeros(bucket, np.int32)
+        padded[: len(tokens)] = tokens
+        return padded
+
+    def free_slots(self) -> list[int]:
+        return [int(i) for i in np.flatnonzero(~self.active)]
+
+    def check_free(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
+        if self.active[slot]:
+            raise ValueError(f"slot {slot} is occupied")
+
+    def mark_inserted(self, prefix: Prefix, slot: int) -> None:
+        self.active[slot] = True
+        self.generation[slot] += 1
+        self.greedy[slot] = prefix.sampling.greedy
+        self.positions[slot] = prefix.length
+
+    def evict(self, slot: int) -> None:
+        """Free a slot; its stale cache is overwritten by the next insert."""
+        self.active[slot] = False
+
+    def room(self, slot: int) -> int:
+        """How many more tokens the slot can generate before its context is full."""
+        return int(self.max_seq_len - self.positions[slot])
+
+    def greedy_only(self) -> bool:
+        occupied = np.flatnonzero(self.active)
+        return bool(self.greedy[occupied].all()) if occupied.size else True
+
+    def _compiled(self, key: tuple, build) -> Any:
+        fn = self._jits.get(key)
+        if fn is None:
+            fn = self._jits[key] = build()
+        return fn
+
+    def compiled_count(self) -> int:
+        """Compiled executables across all program tables (tests assert it stays flat after warm-up)."""
+        return sum(fn._cache_size() for fn in self._jits.values())
+
+
+class Engine(SlotBook):
     def __init__(
         self,
         spec: ModelSpec,
@@ -115,17 +195,10 @@ class Engine:
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown all-reduce strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
-        if batch_slots < 1:
-            raise ValueError(f"batch_slots must be at least 1, got {batch_slots}")
-        if not 2 <= max_seq_len <= spec.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len must be in [2, {spec.max_position_embeddings}] for {spec.name}, got {max_seq_len}")
-        self.spec = spec
+        super().__init__(spec, batch_slots, max_seq_len)
         self.params = params
         self.mesh = mesh
         self.tp = mesh.shape[AXIS]
-        self.max_slots = batch_slots
-        self.max_seq_len = max_seq_len
         self.strategy = strategy
         self.dtype = dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp)
@@ -134,18 +207,11 @@ class Engine:
         # A step for one sequence can run as two rows: XLA on GPU compiles some [1, K] x [K, N] products
         # as a broadcast-multiply plus reduce that writes a K x N temporary (see benchmarks/NOTES.md).
         self.batch_buckets = _buckets(batch_slots, min(max(1, min_batch_bucket), batch_slots))
-        self.prefill_buckets = _buckets(max_seq_len, min(MIN_PREFILL_BUCKET, max_seq_len))
-        self._jits: dict[tuple, Any] = {}
         if strategy != "xla" and self.tp > 1:
             # Workspaces and peer access for the custom all-reduce, on exactly this mesh's GPUs and
             # before any step is compiled (no-op, with the reason in kernels.status(), off GPU).
             kernels.init(list(mesh.devices.flat))
         self._state = self._new_state(cache_init)
-        self.active = np.zeros(batch_slots, dtype=bool)
-        self.greedy = np.ones(batch_slots, dtype=bool)
-        self.positions = np.zeros(batch_slots, dtype=np.int64)  # host mirror: next position to write
-        self.generation = np.zeros(batch_slots, dtype=np.int64)  # inserts per slot
-        self.step_count = 0
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -221,12 +287,6 @@ class Engine:
         return {key: ([cache] * self.spec.num_layers if key in ("k", "v") else rep) for key in self._state}
 
     # ---- compiled functions ------------------------------------------------------------------------
-    def _compiled(self, key: tuple, build) -> Any:
-        fn = self._jits.get(key)
-        if fn is None:
-            fn = self._jits[key] = build()
-        return fn
-
     def _step_fn(self, batch: int, greedy_only: bool, return_logits: bool):
         return self._compiled(("step", batch, greedy_only, return_logits),
                               lambda: self._build_step(batch, greedy_only, return_logits))
@@ -297,58 +357,25 @@ class Engine:
         return jax.jit(insert, donate_argnums=(0,), out_shardings=self._state_shardings)
 
     # ---- the API ---------------------------------------------------------------------------------
-    def validate_prompt(self, tokens: Sequence[int]) -> None:
-        if len(tokens) == 0:
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        if len(tokens) >= self.max_seq_len:
-            raise OutOfRangeError(
-                f"prompt has {len(tokens)} tokens; this deployment's context is {self.max_seq_len} tokens, "
-                f"so a prompt may have at most {self.max_seq_len - 1}")
-        bad = [t for t in tokens if not 0 <= int(t) < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token ids must be in [0, {self.spec.vocab_size}); got {bad[:5]}{'...' if len(bad) > 5 else ''}")
-
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams | None = None,
                 return_logits: bool = False) -> Prefix:
         """Run a prompt (no slot needed yet) and sample its first output token."""
         sampling = sampling or SamplingParams()
-        sampling.validate()
-        self.validate_prompt(tokens)
-        n = len(tokens)
-        bucket = next(b for b in self.prefill_buckets if b >= n)
-        padded = np.zeros(bucket, np.int32)
-        padded[:n] = tokens
+        padded = self.padded_prompt(tokens, sampling)
+        n, bucket = len(tokens), len(padded)
         fn = self._prefill_fn(bucket, sampling.greedy, return_logits)
         tok, logits, ks, vs = fn(self.params, padded, np.int32(n), *_sampling_arrays([sampling]))
         return Prefix(first_token=int(tok), length=n, bucket=bucket, sampling=sampling, k=ks, v=vs,
                       logits=logits if return_logits else None)
 
-    def free_slots(self) -> list[int]:
-        return [int(i) for i in np.flatnonzero(~self.active)]
-
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Place a prefilled prompt into a free slot; it joins the batch at the next ``generate``."""
-        if not 0 <= slot < self.max_slots:
-            raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
-        if self.active[slot]:
-            raise ValueError(f"slot {slot} is occupied")
+        self.check_free(slot)
         s = prefix.sampling
         self._state = self._insert_fn(prefix.bucket)(
             self._state, prefix.k, prefix.v, np.int32(slot), np.int32(prefix.first_token), np.int32(prefix.length),
             np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p), np.int32(s.seed))
-        self.active[slot] = True
-        self.generation[slot] += 1
-        self.greedy[slot] = s.greedy
-        self.positions[slot] = prefix.length
-
-    def evict(self, slot: int) -> None:
-        """Free a slot; its stale cache is overwritten by the next insert."""
-        self.active[slot] = False
-
-    def room(self, slot: int) -> int:
-        """How many more tokens the slot can generate before its context is full."""
-        return int(self.max_seq_len - self.positions[slot])
+        self.mark_inserted(prefix, slot)
 
     def dispatch(self, return_logits: bool = False) -> PendingStep:
         """Launch one decode step for the active slots and return without waiting for it.
@@ -360,8 +387,7 @@ class Engine:
         if occupied.size == 0:
             raise RuntimeError("dispatch() with no active slot")
         batch = next(b for b in self.batch_buckets if b > occupied[-1])
-        greedy_only = bool(self.greedy[occupied].all())
-        fn = self._step_fn(batch, greedy_only, return_logits)
+        fn = self._step_fn(batch, self.greedy_only(), return_logits)
         self._state, tok, logits = fn(self.params, self._state)
         tok.copy_to_host_async()
         self.positions[occupied] += 1
@@ -399,10 +425,6 @@ class Engine:
         jax.block_until_ready(self._state)
         self.positions[:] = 0
         return time.perf_counter() - t0
-
-    def compiled_count(self) -> int:
-        """Compiled executables across all step tables (tests assert it stays flat after warm-up)."""
-        return sum(fn._cache_size() for fn in self._jits.values())
 
     # ---- benchmarks ------------------------------------------------------------------------------
     def occupy_slots(self, context: int, count: int | None = None, sampling: SamplingParams | None = None) -> None:

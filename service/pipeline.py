@@ -32,8 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import rmsnorm
 from switchyard.service.checkpoint import NP_DTYPES, load_params
-from switchyard.service.engine import CACHE_ALIGN, MIN_PREFILL_BUCKET, PendingStep, Prefix, StepResult, _buckets
-from switchyard.service.errors import InvalidRequestError, OutOfRangeError
+from switchyard.service.engine import CACHE_ALIGN, PendingStep, Prefix, SlotBook, StepResult
 from switchyard.service.model import (
     AXIS,
     ForwardConfig,
@@ -59,7 +58,7 @@ def make_pipeline_mesh(pp: int, tp: int, devices: Sequence[jax.Device] | None = 
     return Mesh(np.array(devices[: pp * tp]).reshape(pp, tp), (PP, AXIS))
 
 
-class PipelineEngine:
+class PipelineEngine(SlotBook):
     def __init__(
         self,
         spec: ModelSpec,
@@ -72,7 +71,7 @@ class PipelineEngine:
         dtype: str | None = None,
         prefill_chunk: int = 1024,
     ) -> None:
-        self.spec = spec
+        super().__init__(spec, batch_slots, max_seq_len)
         self.params = params
         self.mesh = mesh
         self.pp, self.tp = mesh.shape[PP], mesh.shape[AXIS]
@@ -80,23 +79,12 @@ class PipelineEngine:
             raise ValueError(f"batch_slots ({batch_slots}) must be a multiple of the {self.pp} pipeline stages")
         if spec.num_layers % self.pp:
             raise ValueError(f"{self.pp} pipeline stages must divide the {spec.num_layers} layers")
-        if not 2 <= max_seq_len <= spec.max_position_embeddings:
-            raise ValueError(f"max_seq_len must be in [2, {spec.max_position_embeddings}], got {max_seq_len}")
-        self.max_slots = batch_slots
         self.group = batch_slots // self.pp
-        self.max_seq_len = max_seq_len
         self.strategy = strategy
         self.dtype = dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp, vocab_shards=self.pp * self.tp)
         self._cfg = ForwardConfig(self.shape, strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk)
-        self.prefill_buckets = _buckets(max_seq_len, min(MIN_PREFILL_BUCKET, max_seq_len))
-        self._jits: dict[tuple, Any] = {}
         self._state = self._new_state()
-        self.active = np.zeros(batch_slots, dtype=bool)
-        self.greedy = np.ones(batch_slots, dtype=bool)
-        self.positions = np.zeros(batch_slots, dtype=np.int64)
-        self.generation = np.zeros(batch_slots, dtype=np.int64)
-        self.step_count = 0
         self.tick = 0
         self._entry: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (active, generation) at entry
 
@@ -149,12 +137,6 @@ class PipelineEngine:
         def layer_spec(a: jax.Array) -> P:
             return a.sharding.spec
         return jax.tree.map(layer_spec, self.params)
-
-    def _compiled(self, key: tuple, build) -> Any:
-        fn = self._jits.get(key)
-        if fn is None:
-            fn = self._jits[key] = build()
-        return fn
 
     # ---- compiled programs ----------------------------------------------------------------------
     def _build_tick(self, greedy_only: bool):
@@ -263,27 +245,10 @@ class PipelineEngine:
         return jax.jit(insert, donate_argnums=(0,), out_shardings=self._state_shardings())
 
     # ---- the API (as Engine) --------------------------------------------------------------------
-    def validate_prompt(self, tokens: Sequence[int]) -> None:
-        if len(tokens) == 0:
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        if len(tokens) >= self.max_seq_len:
-            raise OutOfRangeError(
-                f"prompt has {len(tokens)} tokens; this deployment's context is {self.max_seq_len} tokens, "
-                f"so a prompt may have at most {self.max_seq_len - 1}")
-        bad = [t for t in tokens if not 0 <= int(t) < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids must be in [0, {self.spec.vocab_size}); got {bad[:5]}")
-
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams | None = None,
                 return_logits: bool = False) -> Prefix:
         sampling = sampling or SamplingParams()
-        sampling.validate()
-        self.validate_prompt(tokens)
-        n = len(tokens)
-        bucket = next(b for b in self.prefill_buckets if b >= n)
-        padded = np.zeros(bucket, np.int32)
-        padded[:n] = tokens
-        return self.run_prefill(padded, n, sampling, return_logits)
+        return self.run_prefill(self.padded_prompt(tokens, sampling), len(tokens), sampling, return_logits)
 
     def run_prefill(self, padded: np.ndarray, n: int, sampling: SamplingParams, return_logits: bool) -> Prefix:
         """The SPMD part of :meth:`prefill` (every process of a group runs it with the same arguments)."""
@@ -297,19 +262,10 @@ class PipelineEngine:
         return Prefix(first_token=int(tok), length=n, bucket=bucket, sampling=sampling, k=ks, v=vs,
                       logits=logits if return_logits else None)
 
-    def free_slots(self) -> list[int]:
-        return [int(i) for i in np.flatnonzero(~self.active)]
-
     def insert(self, prefix: Prefix, slot: int) -> None:
-        if not 0 <= slot < self.max_slots:
-            raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
-        if self.active[slot]:
-            raise ValueError(f"slot {slot} is occupied")
+        self.check_free(slot)
         self.run_insert(prefix, slot)
-        self.active[slot] = True
-        self.generation[slot] += 1
-        self.greedy[slot] = prefix.sampling.greedy
-        self.positions[slot] = prefix.length
+        self.mark_inserted(prefix, slot)
 
     def run_insert(self, prefix: Prefix, slot: int) -> None:
         """The SPMD part of :meth:`insert`."""
@@ -318,12 +274,6 @@ class PipelineEngine:
         self._state = fn(self._state, prefix.k, prefix.v, np.int32(slot), np.int32(prefix.first_token),
                          np.int32(prefix.length), np.float32(s.temperature), np.int32(s.top_k),
                          np.float32(s.top_p), np.int32(s.seed))
-
-    def evict(self, slot: int) -> None:
-        self.active[slot] = False
-
-    def room(self, slot: int) -> int:
-        return int(self.max_seq_len - self.positions[slot])
 
     def dispatch(self, return_logits: bool = False) -> PendingStep:
         """Launch one pipeline tick: micro-batch ``tick mod pp`` enters, ``(tick - pp + 1) mod pp`` leaves
@@ -348,10 +298,6 @@ class PipelineEngine:
         self.step_count += 1
         return PendingStep(step=self.step_count, batch=self.max_slots, tokens=tokens, active=active,
                            generations=generations, logits=None)
-
-    def greedy_only(self) -> bool:
-        occupied = np.flatnonzero(self.active)
-        return bool(self.greedy[occupied].all()) if occupied.size else True
 
     def run_tick(self, t: int, greedy_only: bool) -> jax.Array:
         """The SPMD part of :meth:`dispatch`; returns the token vector (still on the device)."""
@@ -383,6 +329,3 @@ class PipelineEngine:
         jax.block_until_ready(self._state)
         self.positions[:] = 0
         return time.perf_counter() - t0
-
-    def compiled_count(self) -> int:
-        return sum(fn._cache_size() for fn in self._jits.values())

@@ -125,18 +125,13 @@ class LeaderEngine:
 
     def prefill(self, tokens, sampling: SamplingParams | None = None, return_logits: bool = False) -> Prefix:
         sampling = sampling or SamplingParams()
-        sampling.validate()
-        self.engine.validate_prompt(tokens)
-        n = len(tokens)
-        bucket = next(b for b in self.engine.prefill_buckets if b >= n)
-        padded = np.zeros(bucket, np.int32)
-        padded[:n] = tokens
+        padded = self.engine.padded_prompt(tokens, sampling)
+        n, bucket = len(tokens), len(padded)
         self._announce(PREFILL, bucket, n, int(return_logits), 0, *_sampling_fields(sampling), tokens=padded)
         return self.engine.run_prefill(padded, n, sampling, return_logits)
 
     def insert(self, prefix: Prefix, slot: int) -> None:
-        if not 0 <= slot < self.engine.max_slots or self.engine.active[slot]:
-            raise ValueError(f"slot {slot} is out of range or occupied")
+        self.engine.check_free(slot)
         self._announce(INSERT, slot, prefix.first_token, prefix.length, prefix.bucket,
                        *_sampling_fields(prefix.sampling))
         self.engine.insert(prefix, slot)
