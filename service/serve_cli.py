@@ -216,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
 
             engine = leader.engine = LeaderEngine(PipelineEngine.from_checkpoint(
                 model_path, layout, dtype=args.dtype, progress=False))
-            # Steps compile on first use: a warm-up would have to run on every stage in step.
+            if not args.no_warmup:
+                log.info("warm-up: compiled every program on every stage in %.1f s", engine.warmup())
         else:
             engine = Engine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
             if not args.no_warmup:
