@@ -364,7 +364,7 @@ class Engine(SlotBook):
         padded = self.padded_prompt(tokens, sampling)
         n, bucket = len(tokens), len(padded)
         fn = self._prefill_fn(bucket, sampling.greedy, return_logits)
-        tok, logits, ks, vs = fn(self.params, padded, np.int32(n), *_sampling_arrays([sampling]))
+        tok, logits, ks, vs = fn(self.params, padded, np.int32(n), *sampling_arrays([sampling]))
         return Prefix(first_token=int(tok), length=n, bucket=bucket, sampling=sampling, k=ks, v=vs,
                       logits=logits if return_logits else None)
 
@@ -449,7 +449,7 @@ class Engine(SlotBook):
         self.positions[:] = context
 
 
-def _sampling_arrays(params: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
+def sampling_arrays(params: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
     return (np.array([p.temperature for p in params], np.float32), np.array([p.top_k for p in params], np.int32),
             np.array([p.top_p for p in params], np.float32), np.array([p.seed for p in params], np.int32))
 

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import rmsnorm
 from switchyard.service.checkpoint import NP_DTYPES, load_params
-from switchyard.service.engine import CACHE_ALIGN, PendingStep, Prefix, SlotBook, StepResult
+from switchyard.service.engine import CACHE_ALIGN, PendingStep, Prefix, SlotBook, StepResult, sampling_arrays
 from switchyard.service.model import (
     AXIS,
     ForwardConfig,
@@ -255,10 +255,7 @@ class PipelineEngine(SlotBook):
         bucket = len(padded)
         fn = self._compiled(("prefill", bucket, sampling.greedy, return_logits),
                             lambda: self._build_prefill(sampling.greedy, return_logits))
-        s = sampling
-        tok, logits, ks, vs = fn(self.params, padded, np.int32(n), np.array([s.temperature], np.float32),
-                                 np.array([s.top_k], np.int32), np.array([s.top_p], np.float32),
-                                 np.array([s.seed], np.int32))
+        tok, logits, ks, vs = fn(self.params, padded, np.int32(n), *sampling_arrays([sampling]))
         return Prefix(first_token=int(tok), length=n, bucket=bucket, sampling=sampling, k=ks, v=vs,
                       logits=logits if return_logits else None)
 
