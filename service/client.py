@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -92,12 +92,18 @@ class DecodeClient:
         for message in self.stub.Generate(request, timeout=timeout, metadata=metadata):
             yield message, time.perf_counter()
 
-    def generate(self, request: Any, *, timeout: float | None = None, metadata: Any = None) -> StreamResult:
+    def generate(
+        self, request: Any, *, timeout: float | None = None, metadata: Any = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> StreamResult:
+        """Stream a generation to its end; ``on_text`` sees each text delta as it arrives."""
         result = StreamResult(sent=time.perf_counter())
         pieces = []
         for message, at in self.stream(request, timeout=timeout, metadata=metadata):
             result.request_id = message.request_id
             pieces.append(message.text)
+            if on_text is not None:
+                on_text(message.text)
             if message.token_ids:
                 result.token_ids.extend(message.token_ids)
                 result.arrivals.append(at)

@@ -56,10 +56,8 @@ def latency_report(result: StreamResult, rows: int = 0) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import time
-
     import grpc
-    from switchyard.service.client import FINISH_NAMES, DecodeClient, StreamResult, make_request
+    from switchyard.service.client import DecodeClient, make_request
 
     request = make_request(
         args.prompt,
@@ -71,21 +69,14 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         request_id=args.request_id,
     )
-    result = StreamResult(sent=time.perf_counter())
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     with DecodeClient(args.target) as client:
         try:
-            for message, at in client.stream(request, timeout=args.timeout):
-                result.request_id = message.request_id
-                sys.stdout.write(message.text)
-                sys.stdout.flush()
-                if message.token_ids:
-                    result.token_ids.extend(message.token_ids)
-                    result.arrivals.append(at)
-                    result.steps.append(message.step)
-                    result.batch_sizes.append(message.batch_size)
-                if message.finish_reason:
-                    result.finish_reason = FINISH_NAMES.get(message.finish_reason, "")
-                    result.input_tokens = message.usage.input_tokens
+            result = client.generate(request, timeout=args.timeout, on_text=show)
         except grpc.RpcError as err:
             sys.stdout.write("\n")
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)

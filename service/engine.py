@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -405,26 +405,14 @@ class Engine(SlotBook):
         return self.collect(self.dispatch(return_logits))
 
     def warmup(self) -> float:
-        """Run every step this engine will use once, so serving never compiles. Returns seconds.
+        """Run every step this engine will use once, so serving never compiles. Returns seconds."""
 
-        Runs them for real (not ahead-of-time lowering) so that the dispatch caches are warm; with no
-        active slot, the steps only touch free slots' state, which the next insert overwrites.
-        """
-        if self.active.any():
-            raise RuntimeError("warm up before inserting requests")
-        t0 = time.perf_counter()
-        for greedy in (True, False):
-            sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
-            for bucket in self.prefill_buckets:
-                prefix = self.prefill([0] * min(bucket, self.max_seq_len - 1), sampling)
-                if greedy:
-                    self.insert(prefix, 0)
-                    self.evict(0)
+        def steps(greedy: bool) -> None:
             for batch in self.batch_buckets:
                 self._state, _, _ = self._step_fn(batch, greedy, False)(self.params, self._state)
-        jax.block_until_ready(self._state)
-        self.positions[:] = 0
-        return time.perf_counter() - t0
+            jax.block_until_ready(self._state)
+
+        return warm_up(self, steps)
 
     # ---- benchmarks ------------------------------------------------------------------------------
     def occupy_slots(self, context: int, count: int | None = None, sampling: SamplingParams | None = None) -> None:
@@ -447,6 +435,29 @@ class Engine(SlotBook):
         self.active[:count] = True
         self.greedy[:] = s.greedy
         self.positions[:] = context
+
+
+def warm_up(engine: Any, steps: Callable[[bool], None]) -> float:
+    """Compile every program an engine serves with, by running each once: every prefill bucket
+    (greedy and sampled), an insert per bucket, then ``steps(greedy)`` for the decode programs.
+
+    Runs them for real (not ahead-of-time lowering) so that the dispatch caches are warm; with no
+    active slot they only touch free slots' state, which the next insert overwrites. ``engine`` is
+    anything with the engine API (a pipeline leader passes itself, so every call is announced).
+    """
+    if engine.active.any():
+        raise RuntimeError("warm up before inserting requests")
+    t0 = time.perf_counter()
+    for greedy in (True, False):
+        sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
+        for bucket in engine.prefill_buckets:
+            prefix = engine.prefill([0] * min(bucket, engine.max_seq_len - 1), sampling)
+            if greedy:
+                engine.insert(prefix, 0)
+                engine.evict(0)
+        steps(greedy)
+    engine.positions[:] = 0
+    return time.perf_counter() - t0
 
 
 def sampling_arrays(params: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:

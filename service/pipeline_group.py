@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from switchyard.service.engine import PendingStep, Prefix, StepResult
+from switchyard.service.engine import PendingStep, Prefix, StepResult, warm_up
 from switchyard.service.errors import FatalEngineError
 from switchyard.service.modelspec import ServingLayout
 from switchyard.service.pipeline import PipelineEngine
@@ -152,24 +152,12 @@ class LeaderEngine:
 
     def warmup(self) -> float:
         """Compile every program the group will run, on every stage (each call is announced)."""
-        import time
 
-        engine = self.engine
-        if engine.active.any():
-            raise RuntimeError("warm up before inserting requests")
-        t0 = time.perf_counter()
-        for greedy in (True, False):
-            sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
-            for bucket in engine.prefill_buckets:
-                prefix = self.prefill([0] * min(bucket, engine.max_seq_len - 1), sampling)
-                if greedy:
-                    self.insert(prefix, 0)
-                    engine.evict(0)
-            # Tick 0 again afterwards: only the pipeline-fill guard sees it, nothing is emitted.
-            self._announce(TICK, 0, int(greedy))
-            engine.run_tick(0, greedy).block_until_ready()
-        engine.positions[:] = 0
-        return time.perf_counter() - t0
+        def tick(greedy: bool) -> None:
+            self._announce(TICK, 0, int(greedy))  # tick 0 again: the pipeline-fill guard drops its output
+            self.engine.run_tick(0, greedy).block_until_ready()
+
+        return warm_up(self, tick)
 
     def stop(self) -> None:
         """Release the followers (they exit their loop)."""

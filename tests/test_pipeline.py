@@ -63,7 +63,10 @@ def test_pipeline_stages_give_the_tokens_of_one_device(checkpoint, reference, pp
     engine = PipelineEngine.from_checkpoint(checkpoint, ServingLayout(tp=tp, pp=pp, batch_slots=4, max_seq_len=64),
                                             progress=False)
     _FOLDERS[id(engine)] = checkpoint
+    engine.warmup()
+    compiled = engine.compiled_count()
     assert serve_all(engine) == reference
+    assert engine.compiled_count() == compiled, "serving compiled a program the warm-up missed"
 
 
 def test_pipeline_prefill_logits_match_one_device(checkpoint):
