@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from switchyard import kernels
-from switchyard.kernels import STRATEGIES
+from switchyard.kernels.selection import check_strategy
 from switchyard.service.checkpoint import NP_DTYPES, load_params
 from switchyard.service.errors import InvalidRequestError, OutOfRangeError
 from switchyard.service.model import (
@@ -193,8 +193,7 @@ class Engine(SlotBook):
         min_batch_bucket: int = 2,
         prefill_chunk: int = 1024,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown all-reduce strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+        check_strategy(strategy)
         super().__init__(spec, batch_slots, max_seq_len)
         self.params = params
         self.mesh = mesh
