@@ -177,6 +177,28 @@ class SlotBook:
         """Compiled executables across all program tables (tests assert it stays flat after warm-up)."""
         return sum(fn._cache_size() for fn in self._jits.values())
 
+    # ---- benchmarks ------------------------------------------------------------------------------
+    def occupy_slots(self, context: int, count: int | None = None, sampling: SamplingParams | None = None) -> None:
+        """Benchmarks: mark the first ``count`` slots (all by default) active at ``context`` tokens of
+        whatever the cache holds, without prefill."""
+        if not 1 <= context < self.max_seq_len:
+            raise ValueError(f"context must be in [1, {self.max_seq_len})")
+        count = self.max_slots if count is None else count
+        s = sampling or SamplingParams()
+        n = self.max_slots
+        rep = NamedSharding(self.mesh, P())
+        self._state = dict(self._state)
+        for key, value in (("positions", np.full(n, context, np.int32)), ("counters", np.ones(n, np.int32)),
+                           ("temperature", np.full(n, s.temperature, np.float32)),
+                           ("top_k", np.full(n, s.top_k, np.int32)), ("top_p", np.full(n, s.top_p, np.float32)),
+                           ("seeds", np.full(n, s.seed, np.int32)),
+                           ("tokens", np.arange(n, dtype=np.int32) % self.spec.vocab_size)):
+            self._state[key] = jax.device_put(value, rep)
+        self.active[:] = False
+        self.active[:count] = True
+        self.greedy[:] = s.greedy
+        self.positions[:] = context
+
 
 class Engine(SlotBook):
     def __init__(
@@ -233,19 +255,7 @@ class Engine(SlotBook):
     ) -> Engine:
         """Random weights made on the devices, shard by shard (for benchmarks of large shapes)."""
         mesh = make_mesh(layout.tp, devices)
-        shape = ShardShape(spec, layout.tp)
-        jdtype = jnp.dtype(NP_DTYPES[dtype])
-        shapes, specs = param_shapes(shape), param_specs(spec)
-        leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-        spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-        arrays, inits = [], {}
-        for n, (shp, ps) in enumerate(zip(leaves, spec_leaves, strict=True)):
-            if (shp, ps) not in inits:  # one compile per distinct shape, not per layer
-                inits[shp, ps] = jax.jit(
-                    functools.partial(_random_tensor, shape=shp, dtype=jdtype, is_norm=len(shp) == 1),
-                    out_shardings=NamedSharding(mesh, ps))
-            arrays.append(inits[shp, ps](jax.random.fold_in(jax.random.PRNGKey(seed), n)))
-        params = jax.tree.unflatten(treedef, arrays)
+        params = random_params(param_shapes(ShardShape(spec, layout.tp)), param_specs(spec), mesh, dtype, seed)
         return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
                    strategy=layout.strategy, dtype=dtype, cache_init=cache_init, min_batch_bucket=min_batch_bucket)
 
@@ -254,17 +264,7 @@ class Engine(SlotBook):
         # Round the cache length up so attention's matrix products need no padded copy of the cache.
         cache_len = -(-self.max_seq_len // CACHE_ALIGN) * CACHE_ALIGN
         cache_shape = (self.max_slots, s.num_kv_heads, cache_len, s.head_dim)
-        jdtype = jnp.dtype(NP_DTYPES[self.dtype])
-        sharding = NamedSharding(self.mesh, CACHE_SPEC)
-        if cache_init == "random":  # benchmarks: never time on zeros
-            make = jax.jit(lambda key: (jax.random.normal(key, cache_shape, jnp.float32) * 0.5).astype(jdtype),
-                           out_shardings=sharding)
-            k = [make(jax.random.PRNGKey(2 * i)) for i in range(s.num_layers)]
-            v = [make(jax.random.PRNGKey(2 * i + 1)) for i in range(s.num_layers)]
-        else:
-            make = jax.jit(lambda: jnp.zeros(cache_shape, jdtype), out_shardings=sharding)
-            k = [make() for _ in range(s.num_layers)]
-            v = [make() for _ in range(s.num_layers)]
+        k, v = new_cache(cache_shape, NamedSharding(self.mesh, CACHE_SPEC), self.dtype, s.num_layers, cache_init)
         rep = NamedSharding(self.mesh, P())
         n = self.max_slots
 
@@ -413,28 +413,6 @@ class Engine(SlotBook):
 
         return warm_up(self, steps)
 
-    # ---- benchmarks ------------------------------------------------------------------------------
-    def occupy_slots(self, context: int, count: int | None = None, sampling: SamplingParams | None = None) -> None:
-        """Benchmarks: mark the first ``count`` slots (all by default) active at ``context`` tokens of
-        whatever the cache holds, without prefill."""
-        if not 1 <= context < self.max_seq_len:
-            raise ValueError(f"context must be in [1, {self.max_seq_len})")
-        count = self.max_slots if count is None else count
-        s = sampling or SamplingParams()
-        n = self.max_slots
-        rep = NamedSharding(self.mesh, P())
-        self._state = dict(self._state)
-        for key, value in (("positions", np.full(n, context, np.int32)), ("counters", np.ones(n, np.int32)),
-                           ("temperature", np.full(n, s.temperature, np.float32)),
-                           ("top_k", np.full(n, s.top_k, np.int32)), ("top_p", np.full(n, s.top_p, np.float32)),
-                           ("seeds", np.full(n, s.seed, np.int32)),
-                           ("tokens", np.arange(n, dtype=np.int32) % self.spec.vocab_size)):
-            self._state[key] = jax.device_put(value, rep)
-        self.active[:] = False
-        self.active[:count] = True
-        self.greedy[:] = s.greedy
-        self.positions[:] = context
-
 
 def warm_up(engine: Any, steps: Callable[[bool], None]) -> float:
     """Compile every program an engine serves with, by running each once: every prefill bucket
@@ -462,6 +440,39 @@ def warm_up(engine: Any, steps: Callable[[bool], None]) -> float:
 def sampling_arrays(params: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
     return (np.array([p.temperature for p in params], np.float32), np.array([p.top_k for p in params], np.int32),
             np.array([p.top_p for p in params], np.float32), np.array([p.seed for p in params], np.int32))
+
+
+def new_cache(shape: tuple[int, ...], sharding: NamedSharding, dtype: str, layers: int,
+              cache_init: str) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per-layer K and V caches, made on the devices: zeros, or random values (benchmarks never time
+    on zeros)."""
+    if cache_init not in ("zeros", "random"):
+        raise ValueError(f"cache_init must be 'zeros' or 'random', got {cache_init!r}")
+    jdtype = jnp.dtype(NP_DTYPES[dtype])
+    if cache_init == "random":
+        make = jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * 0.5).astype(jdtype),
+                       out_shardings=sharding)
+        return ([make(jax.random.PRNGKey(2 * i)) for i in range(layers)],
+                [make(jax.random.PRNGKey(2 * i + 1)) for i in range(layers)])
+    zeros = jax.jit(lambda: jnp.zeros(shape, jdtype), out_shardings=sharding)
+    return [zeros() for _ in range(layers)], [zeros() for _ in range(layers)]
+
+
+def random_params(shapes: Any, specs: Any, mesh: Mesh, dtype: str, seed: int) -> Any:
+    """A parameter tree of random tensors (scaled like a trained model's), each made on the devices
+    already sharded, so no host or single device ever holds a whole tensor."""
+    jdtype = jnp.dtype(NP_DTYPES[dtype])
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    arrays, inits = [], {}
+    for n, ((path, shp), ps) in enumerate(zip(leaves, spec_leaves, strict=True)):
+        is_norm = str(getattr(path[-1], "key", "")).endswith("norm")
+        if (shp, ps, is_norm) not in inits:  # one compile per distinct shape, not per layer
+            inits[shp, ps, is_norm] = jax.jit(
+                functools.partial(_random_tensor, shape=shp, dtype=jdtype, is_norm=is_norm),
+                out_shardings=NamedSharding(mesh, ps))
+        arrays.append(inits[shp, ps, is_norm](jax.random.fold_in(jax.random.PRNGKey(seed), n)))
+    return jax.tree.unflatten(treedef, arrays)
 
 
 def _random_tensor(key: jax.Array, *, shape: tuple[int, ...], dtype: Any, is_norm: bool) -> jax.Array:

@@ -31,12 +31,24 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import rmsnorm
 from switchyard.service.checkpoint import NP_DTYPES, load_params
-from switchyard.service.engine import CACHE_ALIGN, PendingStep, Prefix, SlotBook, StepResult, sampling_arrays, warm_up
+from switchyard.service.engine import (
+    CACHE_ALIGN,
+    PendingStep,
+    Prefix,
+    SlotBook,
+    StepResult,
+    new_cache,
+    random_params,
+    sampling_arrays,
+    warm_up,
+)
 from switchyard.service.model import (
     AXIS,
     ForwardConfig,
     ShardShape,
     decode_attention,
+    param_shapes,
+    param_specs,
     prefill_layers,
     rope_inv_freq,
     run_layers,
@@ -69,6 +81,7 @@ class PipelineEngine(SlotBook):
         strategy: str = "xla",
         dtype: str | None = None,
         prefill_chunk: int = 1024,
+        cache_init: str = "zeros",
     ) -> None:
         super().__init__(spec, batch_slots, max_seq_len)
         self.params = params
@@ -83,7 +96,7 @@ class PipelineEngine(SlotBook):
         self.dtype = dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp, vocab_shards=self.pp * self.tp)
         self._cfg = ForwardConfig(self.shape, strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk)
-        self._state = self._new_state()
+        self._state = self._new_state(cache_init)
         self.tick = 0
         self._entry: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (active, generation) at entry
 
@@ -100,15 +113,33 @@ class PipelineEngine(SlotBook):
         return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
                    strategy=layout.strategy, dtype=dtype)
 
+    @classmethod
+    def from_random(
+        cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
+        devices: Sequence[jax.Device] | None = None, cache_init: str = "random",
+    ) -> PipelineEngine:
+        """Random weights made on the devices, each stage's layers on its own (benchmarks)."""
+        mesh = make_pipeline_mesh(layout.pp, layout.tp, devices)
+        pp = layout.pp
+        if spec.num_layers % pp:
+            raise ValueError(f"{pp} pipeline stages must divide the {spec.num_layers} layers")
+        shapes = param_shapes(ShardShape(spec, layout.tp, vocab_shards=pp * layout.tp))
+        specs = param_specs(spec)
+        per_stage = spec.num_layers // pp
+        shapes["layers"] = [{k: (pp, *v) for k, v in layer.items()} for layer in shapes["layers"][:per_stage]]
+        specs["layers"] = [{k: P(PP, *v) for k, v in layer.items()} for layer in specs["layers"][:per_stage]]
+        specs["lm_head"] = P(None, VOCAB_AXES)
+        params = random_params(shapes, specs, mesh, dtype, seed)
+        return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
+                   strategy=layout.strategy, dtype=dtype, cache_init=cache_init)
+
     # ---- state ------------------------------------------------------------------------------------
-    def _new_state(self) -> dict[str, Any]:
+    def _new_state(self, cache_init: str) -> dict[str, Any]:
         s, pp = self.spec, self.pp
         per_stage = s.num_layers // pp
         cache_len = -(-self.max_seq_len // CACHE_ALIGN) * CACHE_ALIGN
-        jdtype = jnp.dtype(NP_DTYPES[self.dtype])
-        cache = NamedSharding(self.mesh, CACHE_SPEC)
-        zeros = jax.jit(lambda: jnp.zeros((pp, self.max_slots, s.num_kv_heads, cache_len, s.head_dim), jdtype),
-                        out_shardings=cache)
+        k, v = new_cache((pp, self.max_slots, s.num_kv_heads, cache_len, s.head_dim),
+                         NamedSharding(self.mesh, CACHE_SPEC), self.dtype, per_stage, cache_init)
         rep = NamedSharding(self.mesh, P())
         n = self.max_slots
 
@@ -116,7 +147,7 @@ class PipelineEngine(SlotBook):
             return jax.device_put(value, rep)
 
         return {
-            "k": [zeros() for _ in range(per_stage)], "v": [zeros() for _ in range(per_stage)],
+            "k": k, "v": v,
             "act": jax.device_put(np.zeros((pp, self.group, s.hidden_size), NP_DTYPES[self.dtype]),
                                   NamedSharding(self.mesh, P(PP))),
             "act_epoch": jax.device_put(np.zeros((pp, self.group), np.int32), NamedSharding(self.mesh, P(PP))),

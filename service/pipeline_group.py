@@ -3,17 +3,19 @@
 Every step of a pipeline is one SPMD program over all stages' devices, so every process must launch
 the same programs in the same order. The first stage owns the scheduler, the tokenizer and the gRPC
 front; before each program it launches it announces the call (operation and arguments, a small int32
-vector) to the other stages with a broadcast collective, and they run the same call. The later stages
+vector) to the other stages over a command channel (TCP), and they run the same call. The later stages
 run headless: they answer gRPC health, and follow.
 
-If any stage dies, the others' next collective fails (or the distributed runtime's heartbeat notices
-it): the group stops as a unit and its processes exit non-zero, so the whole group is restarted
-together; there is no half-running group.
+If any stage dies, the others' next collective or command fails (or the distributed runtime's
+heartbeat notices it): the group stops as a unit and its processes exit non-zero, so the whole group
+is restarted together; there is no half-running group.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import struct
 from typing import Any
 
 import jax
@@ -31,6 +33,8 @@ PREFILL, INSERT, TICK, STOP = 1, 2, 3, 4
 
 class GroupBrokenError(FatalEngineError):
     """A stage of the pipeline group is gone; the group must be restarted as a unit."""
+
+
 HEADER = 10  # op, a, b, c, d, temperature bits, top_k, top_p bits, seed, greedy
 
 
@@ -70,25 +74,76 @@ def _bits_f32(x: int) -> float:
     return float(np.array([x], np.int32).view(np.float32)[0])
 
 
-class _Channel:
-    """The command broadcast: stage 0 sends, the others receive; same shape on every process."""
+class CommandChannel:
+    """Stage 0's announcements to the other stages: length-prefixed int32 frames over TCP.
 
-    def __init__(self, engine: PipelineEngine) -> None:
+    A host channel, not a device collective, so that announcing tick n+1 never waits for tick n to
+    finish on the devices: the stages' hosts run ahead exactly as one engine's host does, and the
+    devices meet only inside the programs' own collectives. Stage 0 listens on an ephemeral port and
+    tells the others with one broadcast collective at set-up; they connect to the coordinator's host
+    (stage 0's pod). A closed connection is a lost stage.
+    """
+
+    def __init__(self, sockets: list[socket.socket]) -> None:
+        self._sockets = sockets
+
+    @classmethod
+    def open(cls, layout: ServingLayout, timeout_s: float = 300.0) -> CommandChannel:
+        """Stage 0 accepts every other stage; a later stage connects to stage 0. Every process of the
+        group calls this once, at the same point of its program order."""
         from jax.experimental import multihost_utils
 
-        self._broadcast = multihost_utils.broadcast_one_to_all
-        self.size = HEADER + engine.max_seq_len
+        if layout.pipeline_stage == 0:
+            server = socket.create_server(("", 0))
+            port = server.getsockname()[1]
+            multihost_utils.broadcast_one_to_all(np.array([port], np.int32), is_source=True)
+            server.settimeout(timeout_s)
+            peers = []
+            try:
+                for _ in range(layout.pp - 1):
+                    conn, _ = server.accept()
+                    conn.settimeout(None)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    peers.append(conn)
+            except TimeoutError as err:
+                raise GroupBrokenError(f"only {len(peers)} of {layout.pp - 1} later stages connected "
+                                       f"within {timeout_s:.0f} s") from err
+            finally:
+                server.close()
+            return cls(peers)
+        port = int(multihost_utils.broadcast_one_to_all(np.zeros(1, np.int32), is_source=False)[0])
+        host = layout.coordinator.rsplit(":", 1)[0].strip("[]")
+        conn = socket.create_connection((host, port), timeout=timeout_s)
+        conn.settimeout(None)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls([conn])
 
     def send(self, op: int, *fields: int, tokens: np.ndarray | None = None) -> None:
-        message = np.zeros(self.size, np.int32)
+        message = np.zeros(HEADER + (0 if tokens is None else len(tokens)), np.int32)
         message[0] = op
         message[1 : 1 + len(fields)] = fields
         if tokens is not None:
-            message[HEADER : HEADER + len(tokens)] = tokens
-        self._broadcast(message, is_source=True)
+            message[HEADER:] = tokens
+        frame = struct.pack("<I", len(message)) + message.tobytes()
+        for conn in self._sockets:
+            conn.sendall(frame)
 
     def receive(self) -> np.ndarray:
-        return np.asarray(self._broadcast(np.zeros(self.size, np.int32), is_source=False))
+        (count,) = struct.unpack("<I", self._read(4))
+        return np.frombuffer(self._read(4 * count), np.int32)
+
+    def _read(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = self._sockets[0].recv(n - len(data))
+            if not chunk:
+                raise GroupBrokenError("stage 0 closed the command channel without releasing this stage")
+            data += chunk
+        return bytes(data)
+
+    def close(self) -> None:
+        for conn in self._sockets:
+            conn.close()
 
 
 def _sampling_fields(s: SamplingParams) -> tuple[int, int, int, int, int]:
@@ -106,9 +161,9 @@ class LeaderEngine:
     Offers the engine API the scheduler uses; everything else is the wrapped engine's.
     """
 
-    def __init__(self, engine: PipelineEngine) -> None:
+    def __init__(self, engine: PipelineEngine, channel: CommandChannel) -> None:
         self.engine = engine
-        self._channel = _Channel(engine)
+        self._channel = channel
         self.broken: BaseException | None = None  # set once a group collective has failed
 
     def _announce(self, op: int, *fields: int, tokens: np.ndarray | None = None) -> None:
@@ -165,14 +220,19 @@ class LeaderEngine:
             self._channel.send(STOP)
 
 
-def follow(engine: PipelineEngine) -> None:
-    """A later stage's loop: run whatever stage 0 announces, until it says stop."""
-    channel = _Channel(engine)
+def follow(engine: PipelineEngine, channel: CommandChannel) -> None:
+    """A later stage's loop: run whatever stage 0 announces, until it says stop.
+
+    Like stage 0 it keeps one tick in flight: it waits for tick n-1 only after launching tick n, so a
+    failed program surfaces here while the devices stay busy."""
     prefix: Prefix | None = None
+    in_flight: jax.Array | None = None
     while True:
         message = channel.receive()
         op = int(message[0])
         if op == STOP:
+            if in_flight is not None:
+                in_flight.block_until_ready()
             return
         if op == PREFILL:
             bucket, n, return_logits = int(message[1]), int(message[2]), bool(message[3])
@@ -187,6 +247,8 @@ def follow(engine: PipelineEngine) -> None:
             engine.run_insert(prefix, slot)
         elif op == TICK:
             tokens = engine.run_tick(int(message[1]), bool(message[2]))
-            tokens.block_until_ready()
+            if in_flight is not None:
+                in_flight.block_until_ready()
+            in_flight = tokens
         else:
             raise RuntimeError(f"unknown pipeline command {op}")

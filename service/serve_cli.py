@@ -212,10 +212,10 @@ def run(args: argparse.Namespace) -> int:
         )
         if layout.pp > 1:
             from switchyard.service.pipeline import PipelineEngine
-            from switchyard.service.pipeline_group import LeaderEngine
+            from switchyard.service.pipeline_group import CommandChannel, LeaderEngine
 
-            engine = leader.engine = LeaderEngine(PipelineEngine.from_checkpoint(
-                model_path, layout, dtype=args.dtype, progress=False))
+            pipeline = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+            engine = leader.engine = LeaderEngine(pipeline, CommandChannel.open(layout))
             if not args.no_warmup:
                 log.info("warm-up: compiled every program on every stage in %.1f s", engine.warmup())
         else:
@@ -254,7 +254,7 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from switchyard.service.pipeline import PipelineEngine
-    from switchyard.service.pipeline_group import follow, join
+    from switchyard.service.pipeline_group import CommandChannel, follow, join
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
@@ -269,9 +269,10 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
                  layout.pipeline_stage)
         join(layout)
         engine = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+        channel = CommandChannel.open(layout)
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("stage %d ready: following stage 0", layout.pipeline_stage)
-        follow(engine)
+        follow(engine, channel)
         log.info("stage 0 released the group")
         return 0
     except Exception:

@@ -11,7 +11,7 @@ import sys
 
 from switchyard.service.modelspec import ServingLayout
 from switchyard.service.pipeline import PipelineEngine
-from switchyard.service.pipeline_group import LeaderEngine, follow, join
+from switchyard.service.pipeline_group import CommandChannel, LeaderEngine, follow, join
 from switchyard.service.sampling import SamplingParams
 from switchyard.service.scheduler import GenerationRequest, Scheduler
 from switchyard.service.tokenizer import Tokenizer
@@ -25,10 +25,11 @@ def main() -> int:
     join(layout, heartbeat_timeout_s=5)
     engine = PipelineEngine.from_checkpoint(checkpoint, layout, progress=False)
     print(f"stage {stage}: {len(engine.mesh.devices.flat)} devices, ready", flush=True)
+    channel = CommandChannel.open(layout)
     if stage:
-        follow(engine)
+        follow(engine, channel)
         return 0
-    leader = LeaderEngine(engine)
+    leader = LeaderEngine(engine, channel)
     sched = Scheduler(leader, Tokenizer.from_dir(checkpoint), max_queue=64)
     tokens: dict[str, list[int]] = {}
     finish: dict[str, str] = {}

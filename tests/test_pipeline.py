@@ -88,3 +88,35 @@ def test_bad_pipeline_shapes_are_refused(checkpoint):
     with pytest.raises(ValueError, match="3 pipeline stages must divide the 4 layers"):
         PipelineEngine.from_checkpoint(checkpoint, ServingLayout(tp=1, pp=3, batch_slots=3, max_seq_len=64),
                                        progress=False)
+
+
+def test_random_weights_are_laid_out_as_a_loaded_checkpoint(checkpoint):
+    """Benchmarks build pipelines from random weights: same tree, shapes, dtypes and shardings as a load."""
+    import jax
+    from switchyard.service.modelspec import ModelSpec
+
+    layout = ServingLayout(tp=2, pp=2, batch_slots=4, max_seq_len=64)
+    loaded = PipelineEngine.from_checkpoint(checkpoint, layout, progress=False)
+    spec = ModelSpec.from_file(checkpoint)
+    made = PipelineEngine.from_random(spec, layout, dtype=loaded.dtype)
+
+    def described(engine):
+        return jax.tree.map(lambda a: (a.shape, str(a.dtype), a.sharding.spec), engine.params)
+
+    assert described(made) == described(loaded)
+    norms = [float(layer["attn_norm"].mean()) for layer in made.params["layers"]]
+    assert all(0.9 < n < 1.1 for n in norms), "norm weights should sit near 1, as a trained model's"
+    assert float(abs(made.params["lm_head"]).mean()) < 0.1
+
+
+def test_occupied_slots_get_a_token_every_pp_ticks(checkpoint):
+    import numpy as np
+    from switchyard.service.modelspec import ModelSpec
+
+    spec = ModelSpec.from_file(checkpoint)
+    engine = PipelineEngine.from_random(spec, ServingLayout(tp=1, pp=2, batch_slots=4, max_seq_len=64))
+    engine.occupy_slots(10, count=3)  # micro-batches {0, 1} (both active) and {2, 3} (slot 3 idle)
+    emitted = [engine.generate().active for _ in range(5)]
+    assert not emitted[0].any(), "tick 0 only fills the pipeline"
+    assert [np.flatnonzero(a).tolist() for a in emitted[1:]] == [[0, 1], [2], [0, 1], [2]]
+    assert engine.positions.tolist() == [12, 12, 12, 10]
