@@ -49,9 +49,9 @@ def plan(kind: str, strategy: str, x: jax.Array, axis: str) -> str:
     """The implementation that ``all_reduce`` (kind ``allreduce``) or the fused op (``fused``)
     will stage for ``x`` (the per-device shard) over ``axis``. Must run inside shard_map."""
     check_strategy(strategy)
-    if strategy == "xla":
-        return "xla"
     world = jax.lax.axis_size(axis)
+    if strategy == "xla" or world == 1:  # a sum over one device moves nothing: no kernel, no workspace
+        return "xla"
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
     cap = native.capability()
     if _vma_checked():

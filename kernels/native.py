@@ -111,8 +111,9 @@ def _register(lib: ctypes.CDLL) -> None:
 
 
 def _gpu_devices() -> list[jax.Device]:
+    """This process's GPUs (in a multi-process group, the others' GPUs are not ours to map)."""
     try:
-        return list(jax.devices("gpu"))
+        return list(jax.local_devices(backend="gpu"))
     except RuntimeError:
         return []
 
@@ -133,6 +134,8 @@ def init(
     devs = list(devices) if devices is not None else _gpu_devices()
     if not devs or any(d.platform != "gpu" for d in devs):
         cap = Capability.unavailable("no GPU devices")
+    elif any(d.process_index != jax.process_index() for d in devs):
+        cap = Capability.unavailable("the tensor-parallel group spans processes; the kernels need its GPUs in one")
     elif (lib := load()) is None:
         cap = Capability.unavailable(_state.load_error or "library not loaded")
     else:
