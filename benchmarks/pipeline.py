@@ -324,7 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
-        ROLES[args.role](args)
+        try:
+            ROLES[args.role](args)
+        except BaseException:
+            if args.role.endswith("stage"):  # a group member: no shutdown barrier with a broken group
+                import traceback
+
+                from switchyard.service.pipeline_group import exit_now
+
+                traceback.print_exc()
+                exit_now(1)
+            raise
         return 0
     return drive(args)
 

@@ -201,12 +201,12 @@ def decode_attention(
     q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
     k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0].astype(k_cache.dtype)
     v = v.astype(v_cache.dtype)
-    if write is not None:
-        k = jnp.where(write[:, None, None], k, k_cache[rows, :, positions, :])
-        v = jnp.where(write[:, None, None], v, v_cache[rows, :, positions, :])
-    # Write the new K/V in place (the cache is donated), then attend over positions <= pos.
-    k_cache = k_cache.at[rows, :, positions, :].set(k)
-    v_cache = v_cache.at[rows, :, positions, :].set(v)
+    # Write the new K/V in place (the cache is donated), then attend over positions <= pos. Rows that
+    # must not write aim past the cache's end and the scatter drops them: keeping their old values
+    # instead would read the cache inside the scatter, and XLA would copy the whole cache to do that.
+    at = positions if write is None else jnp.where(write, positions, k_cache.shape[2])
+    k_cache = k_cache.at[rows, :, at, :].set(k, mode="drop")
+    v_cache = v_cache.at[rows, :, at, :].set(v, mode="drop")
     kc, vc = (k_cache[:n], v_cache[:n]) if prefix_rows is not None else (k_cache[rows], v_cache[rows])
     visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]
     group = shape.q_heads // shape.kv_heads

@@ -9,6 +9,11 @@ devices) and samples; the micro-batch's new tokens re-enter stage 0 at the next 
 busy at every tick, each reading only its own layers' weights, so throughput scales with the stage
 count while one sequence gets a token every ``pp`` ticks.
 
+Each stage keeps the KV cache of every micro-batch in its own arrays, stored rotated by the stage
+index: stage s keeps micro-batch g in array (g + s) mod pp. At tick t every stage then works on its
+array t mod pp, the same on every stage, so each of the pp tick programs reads and writes whole
+arrays known when it is compiled: no gather of a micro-batch's rows, no copy of a cache.
+
 A request inserted into a slot whose micro-batch is in flight must not receive the stale work: each
 slot has an insert count (``epoch``) that travels with its row through the pipeline; rows whose
 epoch changed on the way neither write KV nor emit tokens.
@@ -135,11 +140,12 @@ class PipelineEngine(SlotBook):
 
     # ---- state ------------------------------------------------------------------------------------
     def _new_state(self, cache_init: str) -> dict[str, Any]:
-        s, pp = self.spec, self.pp
+        s, pp, m = self.spec, self.pp, self.group
         per_stage = s.num_layers // pp
         cache_len = -(-self.max_seq_len // CACHE_ALIGN) * CACHE_ALIGN
-        k, v = new_cache((pp, self.max_slots, s.num_kv_heads, cache_len, s.head_dim),
-                         NamedSharding(self.mesh, CACHE_SPEC), self.dtype, per_stage, cache_init)
+        # k[j][r]: layer j of this stage, local micro-batch array r (see the module docstring).
+        k, v = new_cache((pp, m, s.num_kv_heads, cache_len, s.head_dim), NamedSharding(self.mesh, CACHE_SPEC),
+                         self.dtype, per_stage * pp, cache_init)
         rep = NamedSharding(self.mesh, P())
         n = self.max_slots
 
@@ -147,10 +153,11 @@ class PipelineEngine(SlotBook):
             return jax.device_put(value, rep)
 
         return {
-            "k": k, "v": v,
-            "act": jax.device_put(np.zeros((pp, self.group, s.hidden_size), NP_DTYPES[self.dtype]),
+            "k": [k[j * pp : (j + 1) * pp] for j in range(per_stage)],
+            "v": [v[j * pp : (j + 1) * pp] for j in range(per_stage)],
+            "act": jax.device_put(np.zeros((pp, m, s.hidden_size), NP_DTYPES[self.dtype]),
                                   NamedSharding(self.mesh, P(PP))),
-            "act_epoch": jax.device_put(np.zeros((pp, self.group), np.int32), NamedSharding(self.mesh, P(PP))),
+            "act_epoch": jax.device_put(np.zeros((pp, m), np.int32), NamedSharding(self.mesh, P(PP))),
             "tokens": small(np.zeros(n, np.int32)), "positions": small(np.zeros(n, np.int32)),
             "counters": small(np.zeros(n, np.int32)), "temperature": small(np.zeros(n, np.float32)),
             "top_k": small(np.zeros(n, np.int32)), "top_p": small(np.ones(n, np.float32)),
@@ -158,10 +165,10 @@ class PipelineEngine(SlotBook):
         }
 
     def _state_shardings(self) -> dict[str, Any]:
-        out = {}
-        for key, value in self._state.items():
-            out[key] = [x.sharding for x in value] if isinstance(value, list) else value.sharding
-        return out
+        return jax.tree.map(lambda a: a.sharding, self._state)
+
+    def _state_specs(self) -> dict[str, Any]:
+        return jax.tree.map(lambda a: a.sharding.spec, self._state)
 
     def _param_specs(self) -> Any:
         def layer_spec(a: jax.Array) -> P:
@@ -169,11 +176,12 @@ class PipelineEngine(SlotBook):
         return jax.tree.map(layer_spec, self.params)
 
     # ---- compiled programs ----------------------------------------------------------------------
-    def _build_tick(self, greedy_only: bool):
+    def _build_tick(self, greedy_only: bool, local: int):
+        """The tick program for ticks t with t mod pp == ``local``: every stage's micro-batch array."""
         cfg, vocab, pp, m = self._cfg, self.spec.vocab_size, self.pp, self.group
         eps, last_pos = self.spec.rms_norm_eps, self.max_seq_len - 1
-        state_specs = {k: ([CACHE_SPEC] * len(v) if isinstance(v, list) else (P(PP) if k.startswith("act") else P()))
-                       for k, v in self._state.items()}
+        state_specs = self._state_specs()
+        cache_rows = jnp.arange(m)
 
         def shard_fn(params, state, t):
             stage = jax.lax.axis_index(PP)
@@ -185,13 +193,12 @@ class PipelineEngine(SlotBook):
             entry_epoch = jnp.where(stage == 0, state["epoch"][rows], state["act_epoch"][0])
             write = entry_epoch == state["epoch"][rows]
             pos = state["positions"][rows]
-            new_k, new_v = [], []
+            new_k, new_v = [list(c) for c in state["k"]], [list(c) for c in state["v"]]
 
             def attention(j: int, h: jax.Array) -> jax.Array:
-                out, kc, vc = decode_attention(layers[j], h, state["k"][j][0], state["v"][j][0], rows, pos, cfg,
-                                               write=write)
-                new_k.append(kc[None])
-                new_v.append(vc[None])
+                out, kc, vc = decode_attention(layers[j], h, state["k"][j][local][0], state["v"][j][local][0],
+                                               cache_rows, pos, cfg, prefix_rows=m, write=write)
+                new_k[j][local], new_v[j][local] = kc[None], vc[None]
                 return out
 
             residual, _ = run_layers(x, layers, cfg, attention, final_norm=None)
@@ -260,19 +267,37 @@ class PipelineEngine(SlotBook):
         return jax.jit(mapped)
 
     def _build_insert(self):
-        def insert(state, ks, vs, slot, first, length, temp, top_k, top_p, seed):
+        pp, m = self.pp, self.group
+        state_specs = self._state_specs()
+        kv_spec = P(PP, None, AXIS, None, None)  # prefill's [stages, layers_per_stage, kv_heads, T, head_dim]
+
+        def shard_fn(state, ks, vs, slot, first, length, temp, top_k, top_p, seed):
+            stage = jax.lax.axis_index(PP)
+            g, row = slot // m, slot % m
+            target = (g + stage) % pp  # this stage's array for the slot's micro-batch
+
+            def put(arrays: list[jax.Array], new: jax.Array) -> list[jax.Array]:
+                out = []
+                for r, c in enumerate(arrays):
+                    start = (0, row, 0, 0, 0)
+                    old = jax.lax.dynamic_slice(c, start, (1, 1, *new.shape))
+                    # Only the window is chosen, never the array, so the update stays in place.
+                    out.append(jax.lax.dynamic_update_slice(c, jnp.where(r == target, new[None, None], old), start))
+                return out
+
             new = dict(state)
-            new["k"] = [jax.lax.dynamic_update_slice(c, ks[:, j][:, None], (0, slot, 0, 0, 0))
-                        for j, c in enumerate(state["k"])]
-            new["v"] = [jax.lax.dynamic_update_slice(c, vs[:, j][:, None], (0, slot, 0, 0, 0))
-                        for j, c in enumerate(state["v"])]
+            new["k"] = [put(arrays, ks[0, j]) for j, arrays in enumerate(state["k"])]
+            new["v"] = [put(arrays, vs[0, j]) for j, arrays in enumerate(state["v"])]
             for key, value in (("tokens", first), ("positions", length), ("counters", 1), ("temperature", temp),
                                ("top_k", top_k), ("top_p", top_p), ("seeds", seed)):
                 new[key] = state[key].at[slot].set(value)
             new["epoch"] = state["epoch"].at[slot].add(1)
             return new
 
-        return jax.jit(insert, donate_argnums=(0,), out_shardings=self._state_shardings())
+        scalars = (P(),) * 7  # slot, first, length, temperature, top_k, top_p, seed
+        mapped = jax.shard_map(shard_fn, mesh=self.mesh, in_specs=(state_specs, kv_spec, kv_spec, *scalars),
+                               out_specs=state_specs, check_vma=False)
+        return jax.jit(mapped, donate_argnums=(0,), out_shardings=self._state_shardings())
 
     # ---- the API (as Engine) --------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams | None = None,
@@ -328,7 +353,8 @@ class PipelineEngine(SlotBook):
 
     def run_tick(self, t: int, greedy_only: bool) -> jax.Array:
         """The SPMD part of :meth:`dispatch`; returns the token vector (still on the device)."""
-        fn = self._compiled(("tick", greedy_only), lambda: self._build_tick(greedy_only))
+        local = t % self.pp
+        fn = self._compiled(("tick", greedy_only, local), lambda: self._build_tick(greedy_only, local))
         self._state, tokens = fn(self.params, self._state, np.int32(t))
         tokens.copy_to_host_async()
         return tokens
@@ -341,5 +367,9 @@ class PipelineEngine(SlotBook):
         return self.collect(self.dispatch())
 
     def warmup(self) -> float:
-        # Tick 0 again: only the pipeline-fill guard sees its output, nothing is emitted.
-        return warm_up(self, lambda greedy: self.run_tick(0, greedy).block_until_ready())
+        # With no slot active (and the epochs guarding every later insert) nothing is emitted.
+        def ticks(greedy: bool) -> None:
+            for t in range(self.pp):  # one program per local micro-batch array
+                self.run_tick(t, greedy).block_until_ready()
+
+        return warm_up(self, ticks)

@@ -14,8 +14,10 @@ is restarted together; there is no half-running group.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
+import sys
 from typing import Any
 
 import jax
@@ -178,29 +180,36 @@ class LeaderEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
+    def _run(self, call: Any, *args: Any) -> Any:
+        """Stage 0's part of an announced call. The other stages run it too, so a failure here
+        leaves them in an unknown state (or waiting in a collective): the group is broken."""
+        try:
+            return call(*args)
+        except Exception as err:
+            self.broken = err
+            raise GroupBrokenError(f"stage 0 failed a call the whole group runs: {err!r}") from err
+
     def prefill(self, tokens, sampling: SamplingParams | None = None, return_logits: bool = False) -> Prefix:
         sampling = sampling or SamplingParams()
-        padded = self.engine.padded_prompt(tokens, sampling)
+        padded = self.engine.padded_prompt(tokens, sampling)  # bad requests are refused before any announce
         n, bucket = len(tokens), len(padded)
         self._announce(PREFILL, bucket, n, int(return_logits), 0, *_sampling_fields(sampling), tokens=padded)
-        return self.engine.run_prefill(padded, n, sampling, return_logits)
+        return self._run(self.engine.run_prefill, padded, n, sampling, return_logits)
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         self.engine.check_free(slot)
         self._announce(INSERT, slot, prefix.first_token, prefix.length, prefix.bucket,
                        *_sampling_fields(prefix.sampling))
-        self.engine.insert(prefix, slot)
+        self._run(self.engine.insert, prefix, slot)
 
     def dispatch(self, return_logits: bool = False) -> PendingStep:
+        if return_logits:
+            raise NotImplementedError("a pipeline tick does not return logits; use prefill logits to check")
         self._announce(TICK, self.engine.tick, int(self.engine.greedy_only()))
-        try:
-            return self.engine.dispatch(return_logits)
-        except Exception as err:
-            self.broken = err
-            raise
+        return self._run(self.engine.dispatch)
 
     def collect(self, pending: PendingStep) -> StepResult:
-        return self.engine.collect(pending)
+        return self._run(self.engine.collect, pending)
 
     def generate(self) -> StepResult:
         return self.collect(self.dispatch())
@@ -208,16 +217,27 @@ class LeaderEngine:
     def warmup(self) -> float:
         """Compile every program the group will run, on every stage (each call is announced)."""
 
-        def tick(greedy: bool) -> None:
-            self._announce(TICK, 0, int(greedy))  # tick 0 again: the pipeline-fill guard drops its output
-            self.engine.run_tick(0, greedy).block_until_ready()
+        def ticks(greedy: bool) -> None:
+            for t in range(self.engine.pp):  # one program per local micro-batch array
+                self._announce(TICK, t, int(greedy))
+                self.engine.run_tick(t, greedy).block_until_ready()
 
-        return warm_up(self, tick)
+        return warm_up(self, ticks)
 
     def stop(self) -> None:
         """Release the followers (they exit their loop)."""
         if self.broken is None:
             self._channel.send(STOP)
+
+
+def exit_now(code: int) -> None:
+    """End this stage's process at once. A normal exit would first wait in the distributed runtime's
+    shutdown barrier for every other stage, which a broken group may never reach; gone at once, this
+    process stops heartbeating and the runtime stops the others within its heartbeat timeout."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def follow(engine: PipelineEngine, channel: CommandChannel) -> None:

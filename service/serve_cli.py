@@ -239,8 +239,15 @@ def run(args: argparse.Namespace) -> int:
     tune_interpreter(args.switch_interval)
     try:
         code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))
-        if leader.engine is not None and code == 0:
-            leader.engine.stop()  # release the other stages of the group
+        if leader.engine is not None:
+            if leader.engine.broken is not None:
+                from switchyard.service.pipeline_group import exit_now
+
+                log.error("the pipeline group is broken (%s): exiting so that it restarts as a unit",
+                          leader.engine.broken)
+                exit_now(code or 1)
+            if code == 0:
+                leader.engine.stop()  # release the other stages of the group
         return code
     finally:
         if scratch is not None:
@@ -254,7 +261,7 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from switchyard.service.pipeline import PipelineEngine
-    from switchyard.service.pipeline_group import CommandChannel, follow, join
+    from switchyard.service.pipeline_group import CommandChannel, exit_now, follow, join
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
@@ -277,7 +284,10 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         return 0
     except Exception:
         log.exception("pipeline stage %d failed: stopping so that the group restarts", layout.pipeline_stage)
-        return 1
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.stop(0)
+        exit_now(1)
+        raise  # not reached
     finally:
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         server.stop(0)
