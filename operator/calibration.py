@@ -7,7 +7,8 @@ benchmark JSON files under ``benchmarks/results/`` once they land:
     {"command": ..., "device": "NVIDIA H200", "date": ..., "rows": [...]}
 
 with decode rows ``model,tp,batch,context,strategy,ms_per_token,tokens_per_s,roofline_ms,
-fraction_of_roofline`` and all-reduce rows ``impl,gpus,bytes,dtype,us``. Pure except for the file
+fraction_of_roofline``, all-reduce rows ``impl,gpus,bytes,dtype,us`` and pipeline rows
+``layout (PP<n>),streams,batch_slots,step_ms,ms_per_token`` (model and context from the file). Pure except for the file
 loaders at the edges.
 """
 
@@ -101,6 +102,37 @@ class Calibration:
     @property
     def models(self) -> Mapping[str, Any]:
         return self.raw["models"]
+
+    def stage_ms(self, spec: Any, micro_batch: int, context: int, tp: int, pp: int, device: Device,
+                 strategy: str = "auto") -> float:
+        """Predicted time of one pipeline stage's share of a decode step (its layers' weights and KV,
+        its tensor-parallel all-reduces), without the hop to the next stage."""
+        eff, _ = self.decode_efficiency(tp)
+        mem_ms = spec.decode_bytes_per_step(micro_batch, context) / (tp * pp) / (device.hbm_bytes_per_s * eff) * 1e3
+        ar = self.best_allreduce(spec.allreduce_bytes(micro_batch), tp, nvswitch=True, strategy=strategy)
+        return mem_ms + 2 * (spec.num_layers / pp) * (ar[1] if ar else 0.0) / 1e3
+
+    @functools.cached_property
+    def pipeline_hop(self) -> tuple[float, str]:
+        """(µs, provenance) a pipeline tick costs beyond its stage's work: the hand-over of the
+        activations and the tick's own overhead. Measured where pipeline checks exist: each tick's
+        measured time less the stage time this calibration predicts, median over the checks."""
+        from switchyard.service.modelspec import PRESETS
+
+        section = self.raw.get("pipeline") or {}
+        hops = []
+        for check in section.get("checks", []):
+            spec = PRESETS.get(check["model"])
+            if spec is None:
+                continue
+            pp, tp = int(check["pp"]), int(check["tp"])
+            micro_batch = max(int(check["batch_slots"]) // pp, 1)
+            stage = self.stage_ms(spec, micro_batch, int(check["context"]), tp, pp, self.device(check["device"]))
+            hops.append((float(check["step_ms"]) - stage) * 1e3)
+        if not hops:
+            return float(self.models["pipeline_hop_us"]), "stated model"
+        return max(statistics.median(hops), 0.0), (f"measured: median over {len(hops)} pipeline checks "
+                                                   f"(stages on one node), {section.get('source', '?')}")
 
     def prefill_flops(self, device: Device) -> float:
         table = self.models["prefill_flops_per_s"]
@@ -238,6 +270,15 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 gpus_seen.add(int(row["gpus"]))
                 tables.setdefault(impl, {}).setdefault(int(row["bytes"]), []).append(float(row["us"]))
                 table_source[impl] = where
+            elif "step_ms" in row and str(row.get("layout", "")).startswith("PP"):
+                pp = int(str(row["layout"])[2:])
+                check = {"model": row.get("model", result.get("model")), "pp": pp, "tp": int(row.get("tp", 1)),
+                         "streams": int(row["streams"]), "batch_slots": int(row["batch_slots"]),
+                         "context": int(row.get("context", result.get("context", 0))),
+                         "step_ms": float(row["step_ms"]), "ms_per_token": float(row["ms_per_token"]),
+                         "device": device, "source": where}
+                key = ("pipeline", check["model"], pp, check["tp"], check["streams"], check["context"])
+                newest_check[key] = (where, [check])
             elif "ms_per_token" in row and "model" in row:
                 key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
@@ -260,10 +301,21 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
         sources.append(f"{label} from {table_source[chosen]}")
     if sources:
         out["allreduce"].update(gpus=next(iter(gpus_seen)), kind="measured", source="; ".join(sources))
-    checks = [c for _, (_, rows) in sorted(newest_check.items(), key=lambda kv: str(kv[0])) for c in rows]
+    ordered_checks = sorted(newest_check.items(), key=lambda kv: str(kv[0]))
+    checks = [c for key, (_, rows) in ordered_checks if key[0] != "pipeline" for c in rows]
     if checks:
         out["decode"]["checks"] = checks
         out["decode"]["kind"] = "measured"
+    pipeline = [c for key, (_, rows) in ordered_checks if key[0] == "pipeline" for c in rows]
+    if pipeline:
+        out["pipeline"] = {
+            "kind": "measured",
+            "source": "; ".join(sorted({c["source"] for c in pipeline})),
+            "note": "pipeline ticks as benchmarked (benchmarks/pipeline.py, one process per stage); the planner "
+                    "derives the cost of a hop between stages from these: measured tick time less the stage "
+                    "time it predicts",
+            "checks": pipeline,
+        }
     return out
 
 

@@ -248,9 +248,11 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
             f"stage step; {cal.raw['allreduce']['kind']} at {cal.raw['allreduce']['gpus']} GPUs"
             + (", scaled to more GPUs by the stated model)" if lay.tp > int(cal.raw['allreduce']['gpus']) else ")"))
     if lay.pp > 1:
+        hop_us, hop_note = cal.pipeline_hop
         reasons.append(f"{lay.pp} pipeline stages of {model.num_layers // lay.pp} layers, "
-                       f"{lay.pp} micro-batches in flight; hop {float(m['pipeline_hop_us']):.0f} us + activations "
-                       f"at {float(m['pipeline_hop_bytes_per_s']) / 1e9:.0f} GB/s (stated model)")
+                       f"{lay.pp} micro-batches in flight; hop {hop_us:.0f} us ({hop_note.split(', ', 1)[0]}) "
+                       f"+ activations at {float(m['pipeline_hop_bytes_per_s']) / 1e9:.0f} GB/s over the network "
+                       f"between nodes (stated model)")
     if chosen.slo_note:
         reasons.append(chosen.slo_note)
     if status != "Planned":
@@ -320,7 +322,7 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
     eff, eff_note = cal.decode_efficiency(tp)
     bw = device.hbm_bytes_per_s * eff
     flops = cal.prefill_flops(device)
-    hop_us, hop_bw = float(m["pipeline_hop_us"]), float(m["pipeline_hop_bytes_per_s"])
+    hop_us, hop_bw = cal.pipeline_hop[0], float(m["pipeline_hop_bytes_per_s"])
 
     def step(batch: int) -> tuple[float, str, float, int] | None:
         """(ms per token, all-reduce impl, µs per all-reduce, all-reduce bytes) at ``batch`` per replica."""

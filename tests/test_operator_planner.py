@@ -229,6 +229,25 @@ def test_calibration_records_provenance_and_reproduces_the_measured_decode():
     assert "stated model" in provenance
 
 
+def test_calibration_reproduces_the_measured_pipeline():
+    """The hop cost comes from our pipeline benchmark, and with it the planner's estimate for those
+    pipeline layouts lands on the measured ms/token."""
+    cal = calibration.load()
+    hop_us, provenance = cal.pipeline_hop
+    assert provenance.startswith("measured") and "benchmarks/results/pipeline" in provenance
+    assert 0.0 <= hop_us < 2000.0
+    checks = cal.raw["pipeline"]["checks"]
+    assert {c["streams"] for c in checks} >= {1, 64}
+    ratios = []
+    for check in checks:
+        p = plan(check["model"], h200(1), objective="latency", tp=check["tp"], pp=check["pp"], replicas=1,
+                 concurrency=check["streams"], input_tokens=check["context"], output_tokens=1)
+        ratios.append(p.layout.ms_per_token / check["ms_per_token"])
+        assert any("hop" in r and "measured" in r for r in p.reasons)
+    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.1), ratios
+    assert all(0.8 <= r <= 1.2 for r in ratios), ratios
+
+
 def test_allreduce_table_interpolates_and_scales_as_stated():
     cal = calibration.load()
     table = cal.raw["allreduce"]["us"]
@@ -270,8 +289,15 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
             result["copy_bandwidth_bytes_per_s"] = bandwidth
         return result
 
-    new = calibration.from_results([decode("2026-12-02", 6.0, 4.0e12), allreduce, decode("2026-11-01", 9.0)],
-                                   base, names=["new.json", "ar.json", "old.json"])
+    pipeline = {"command": "python benchmarks/pipeline.py", "device": "2x NVIDIA H200", "date": "2026-12-03",
+                "model": "llama3-8b", "context": 1024,
+                "rows": [{"layout": "PP2", "streams": 64, "batch_slots": 64, "ms_per_token": 9.0, "step_ms": 4.5},
+                         {"layout": "TP2", "streams": 64, "batch_slots": 64, "ms_per_token": 5.0, "step_ms": 5.0}]}
+    new = calibration.from_results([decode("2026-12-02", 6.0, 4.0e12), allreduce, decode("2026-11-01", 9.0),
+                                    pipeline], base, names=["new.json", "ar.json", "old.json", "pp.json"])
+    (pp_check,) = new["pipeline"]["checks"]  # the TP row is the comparison, not a pipeline figure
+    assert pp_check["pp"] == 2 and pp_check["tp"] == 1 and pp_check["context"] == 1024
+    assert pp_check["step_ms"] == 4.5 and pp_check["source"].startswith("pp.json")
     assert new["allreduce"]["us"]["oneshot"] == [[1024, 5.2], [65536, 6.0]]  # median per size
     # Only torch's NCCL was measured for xla here: it stands in, and says so.
     assert new["allreduce"]["us"]["xla"] == [[1024, 20.0]]
@@ -283,6 +309,8 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
     cal = calibration.Calibration(new)
     roofline_ms = preset("llama3-8b").decode_bytes_per_step(1, 128) / 4.0e12 * 1e3
     assert cal.decode_efficiency(1)[0] == pytest.approx(roofline_ms / 6.0, rel=1e-6)
+    stage = cal.stage_ms(preset("llama3-8b"), 32, 1024, 1, 2, cal.device("H200"))
+    assert cal.pipeline_hop[0] == pytest.approx((4.5 - stage) * 1e3) and cal.pipeline_hop[0] > 0
     with pytest.raises(ValueError, match="several GPU counts"):
         calibration.from_results([{"rows": [{"impl": "xla", "gpus": 2, "bytes": 1, "us": 1},
                                             {"impl": "xla", "gpus": 4, "bytes": 1, "us": 1}]}], base)
