@@ -280,6 +280,8 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 key = ("pipeline", check["model"], pp, check["tp"], check["streams"], check["context"])
                 newest_check[key] = (where, [check])
             elif "ms_per_token" in row and "model" in row:
+                if row.get("xla_flags"):
+                    continue  # a compiler-flag experiment, not the engine as shipped
                 key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
                          if k in row}

@@ -293,8 +293,11 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
                 "model": "llama3-8b", "context": 1024,
                 "rows": [{"layout": "PP2", "streams": 64, "batch_slots": 64, "ms_per_token": 9.0, "step_ms": 4.5},
                          {"layout": "TP2", "streams": 64, "batch_slots": 64, "ms_per_token": 5.0, "step_ms": 5.0}]}
+    flagged = decode("2026-12-04", 3.0)
+    flagged["rows"][0]["xla_flags"] = "--xla_gpu_enable_triton_gemm=false"  # an experiment, not the engine
     new = calibration.from_results([decode("2026-12-02", 6.0, 4.0e12), allreduce, decode("2026-11-01", 9.0),
-                                    pipeline], base, names=["new.json", "ar.json", "old.json", "pp.json"])
+                                    pipeline, flagged], base,
+                                   names=["new.json", "ar.json", "old.json", "pp.json", "flags.json"])
     (pp_check,) = new["pipeline"]["checks"]  # the TP row is the comparison, not a pipeline figure
     assert pp_check["pp"] == 2 and pp_check["tp"] == 1 and pp_check["context"] == 1024
     assert pp_check["step_ms"] == 4.5 and pp_check["source"].startswith("pp.json")

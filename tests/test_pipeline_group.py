@@ -95,3 +95,53 @@ def test_a_killed_stage_stops_the_group(checkpoint, tmp_path):
     follower.communicate()
     assert leader.returncode != 0, log[-2000:]
     assert not (tmp_path / "never.json").exists()
+
+
+def test_commands_round_trip_and_a_closed_channel_is_a_lost_stage():
+    import numpy as np
+    from switchyard.service.pipeline_group import HEADER, PREFILL, TICK, CommandChannel, GroupBrokenError
+
+    a, b = socket.socketpair()
+    leader, follower = CommandChannel([a]), CommandChannel([b])
+    leader.send(TICK, 41, 1)
+    leader.send(PREFILL, 3, 2, tokens=np.array([7, 8, 9], np.int32))
+    tick, prefill = follower.receive(), follower.receive()
+    assert tick.tolist() == [TICK, 41, 1] + [0] * (HEADER - 3)
+    assert prefill[:3].tolist() == [PREFILL, 3, 2] and prefill[HEADER:].tolist() == [7, 8, 9]
+    leader.close()
+    with pytest.raises(GroupBrokenError, match="closed the command channel"):
+        follower.receive()
+    follower.close()
+
+
+def test_a_failed_call_on_stage_0_breaks_the_group_and_nothing_more_is_announced():
+    import numpy as np
+    from switchyard.service.pipeline_group import PREFILL, GroupBrokenError, LeaderEngine
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.ops: list[int] = []
+
+        def send(self, op: int, *fields: int, tokens=None) -> None:
+            self.ops.append(op)
+
+    class DeviceLost:
+        tick, pp = 0, 2
+
+        def padded_prompt(self, tokens, sampling):
+            return np.zeros(16, np.int32)
+
+        def run_prefill(self, *args):
+            raise RuntimeError("device lost")
+
+        def greedy_only(self) -> bool:
+            return True
+
+    channel = Recorder()
+    leader = LeaderEngine(DeviceLost(), channel)
+    with pytest.raises(GroupBrokenError, match="device lost"):
+        leader.prefill([1, 2, 3])
+    assert leader.broken is not None
+    with pytest.raises(GroupBrokenError, match="broken"):
+        leader.dispatch()
+    assert channel.ops == [PREFILL]
