@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--strategy", nargs="+", default=["xla"])
+    parser.add_argument("--attention", nargs="+", default=["xla"], choices=["kernel", "xla"],
+                        help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--out", help="result JSON path")
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         mesh_devices = jax.devices()[:tp]
         make_mesh(tp, mesh_devices)
         base = None
-        for strategy, min_bucket in itertools.product(args.strategy, args.min_batch_bucket):
+        for strategy, min_bucket, attn in itertools.product(args.strategy, args.min_batch_bucket, args.attention):
             for context in args.context:
                 for batch in args.batch:
                     slots = max(batch, min_bucket)
@@ -193,17 +195,19 @@ def main(argv: list[str] | None = None) -> int:
                                            max_seq_len=context + args.steps + args.warmup + 1)
                     t0 = time.perf_counter()
                     if base is None:
-                        engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket)
+                        engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket,
+                                                    attention_kernel=attn == "kernel")
                         base = engine.params
                     else:
                         engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
                                         max_seq_len=layout.max_seq_len, strategy=strategy, dtype="bfloat16",
-                                        cache_init="random", min_batch_bucket=min_bucket)
+                                        cache_init="random", min_batch_bucket=min_bucket,
+                                        attention_kernel=attn == "kernel")
                     engine.occupy_slots(context, count=batch)
                     if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
                         summary = hlo_summary(engine, batch)
                         Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-                        hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}.hlo.txt")
+                        hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}-{attn}.hlo.txt")
                         hlo_file.write_text(summary.pop("hlo_text"))
                         print("  hlo:", summary, flush=True)
                     if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
@@ -216,13 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                     per_gpu = spec.decode_bytes_per_step(batch, context) / tp
                     roofline_ms = 1000 * per_gpu / bandwidth
                     row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
-                           "min_batch_bucket": min_bucket, "ms_per_token": round(ms, 4),
+                           "attention": attn, "min_batch_bucket": min_bucket, "ms_per_token": round(ms, 4),
                            "tokens_per_s": round(batch * 1000 / ms, 1),
                            "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
                            "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
                            "synchronous_ms_per_token": round(sync_ms, 4)}
                     rows.append(row)
-                    print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} min-bucket {min_bucket} "
+                    print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
+                          f"min-bucket {min_bucket} "
                           f"{ms:8.3f} ms/token "
                           f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
                           f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)

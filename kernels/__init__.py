@@ -1,4 +1,5 @@
-"""Collective layer of the engine: all-reduce and all-reduce fused with residual add + RMSNorm.
+"""Collective layer of the engine (all-reduce, and all-reduce fused with residual add + RMSNorm) and
+its decode-attention kernel (``switchyard.kernels.attention``).
 
 Both functions are called inside ``jax.shard_map`` over a mesh axis. Strategies: ``xla`` (psum,
 NCCL on GPU), and the custom CUDA kernels of ``kernels/csrc`` (``oneshot``, ``twoshot``, and
@@ -6,6 +7,7 @@ NCCL on GPU), and the custom CUDA kernels of ``kernels/csrc`` (``oneshot``, ``tw
 up the GPUs (workspaces, peer access); the first custom all-reduce does it lazily otherwise.
 """
 
+from switchyard.kernels import attention
 from switchyard.kernels.collectives import (
     STRATEGIES,
     all_reduce,
@@ -20,6 +22,7 @@ __all__ = [
     "KernelError",
     "all_reduce",
     "all_reduce_residual_rmsnorm",
+    "attention",
     "check_errors",
     "init",
     "plan",

@@ -28,6 +28,7 @@ TARGETS = {
     "switchyard_twoshot": "SyTwoShot",
     "switchyard_fused_rmsnorm": "SyFusedRmsNorm",
     "switchyard_timestamp": "SyTimestamp",
+    "switchyard_decode_attention": "SyDecodeAttention",
 }
 
 
@@ -42,6 +43,7 @@ class _State:
     registered: bool = False
     capability: Capability = field(default_factory=lambda: Capability.unavailable("not initialised"))
     init_tried: bool = False
+    attention: bool | None = None  # decode-attention kernel usable (None: not checked yet)
 
 
 _state = _State()
@@ -66,6 +68,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_host_calls.restype = ctypes.c_ulonglong
     lib.sy_set_timeout_ns.argtypes = [ctypes.c_ulonglong]
     lib.sy_oneshot_bytes.restype = ctypes.c_longlong
+    lib.sy_preload_attention.argtypes = [ctypes.c_int]
+    lib.sy_preload_attention.restype = ctypes.c_int
     lib.sy_twoshot_bytes.restype = ctypes.c_longlong
 
 
@@ -160,6 +164,24 @@ def init(
     if not cap.available and devs and devs[0].platform == "gpu":
         warnings.warn(f"switchyard kernels unavailable, using XLA psum: {cap.reason}", stacklevel=2)
     return cap
+
+
+def attention_ready() -> bool:
+    """Whether the decode-attention kernel can run here: the library is loaded, its handlers are
+    registered and its kernels are loaded on this process's GPUs (it needs no workspace, so no
+    ``init()``). False without GPUs or library; the reference path runs instead."""
+    if _state.attention is None:
+        devs = _gpu_devices()
+        lib = load() if devs else None
+        ok = False
+        if lib is not None:
+            with _lock:
+                _register(lib)
+                ok = all(lib.sy_preload_attention(int(d.local_hardware_id)) == 0 for d in devs)
+            if not ok:
+                warnings.warn(f"switchyard decode attention unavailable: {lib.sy_last_error().decode()}", stacklevel=2)
+        _state.attention = ok
+    return _state.attention
 
 
 def capability() -> Capability:

@@ -31,6 +31,8 @@ CALIBRATION_FILE = Path(__file__).resolve().parent / "calibration.json"
 IMPLS = ("xla", "oneshot", "twoshot")
 # What stands in for one of our implementations where it was not measured (torch on the same GPUs).
 STAND_INS = {"xla": "torch_nccl", "oneshot": "symm_mem_oneshot", "twoshot": "symm_mem_twoshot"}
+# Decode attention of the engine as shipped (rows measured with another are experiments).
+SHIPPED_ATTENTION = "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,8 +282,8 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 key = ("pipeline", check["model"], pp, check["tp"], check["streams"], check["context"])
                 newest_check[key] = (where, [check])
             elif "ms_per_token" in row and "model" in row:
-                if row.get("xla_flags"):
-                    continue  # a compiler-flag experiment, not the engine as shipped
+                if row.get("xla_flags") or row.get("attention", SHIPPED_ATTENTION) != SHIPPED_ATTENTION:
+                    continue  # a compiler-flag or attention-kernel experiment, not the engine as shipped
                 key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
                          if k in row}

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, rmsnorm
+from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, attention, rmsnorm
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
@@ -132,10 +132,15 @@ class ForwardConfig:
     # Prompts longer than this attend in query blocks of this many tokens, so the score matrix of a
     # long prompt never exists whole (an 8k prompt's would be 8.6 GB per layer for Llama-3-8B).
     prefill_chunk: int = 1024
+    # Decode attention through the CUDA kernel where it can run (switchyard.kernels.attention). Off
+    # by default: measured so far it is slower than XLA's own ops (benchmarks/NOTES.md).
+    attention_kernel: bool = False
 
     @classmethod
-    def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024) -> ForwardConfig:
-        return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk)
+    def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024,
+             attention_kernel: bool = False) -> ForwardConfig:
+        return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk,
+                   attention_kernel)
 
 
 def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -185,13 +190,12 @@ def _layer_loop(x: jax.Array, params: Params, cfg: ForwardConfig, attention) -> 
 
 
 def decode_attention(
-    layer: Params, h: jax.Array, k_cache: jax.Array, v_cache: jax.Array, rows: jax.Array, positions: jax.Array,
-    cfg: ForwardConfig, *, prefix_rows: int | None = None, write: jax.Array | None = None,
+    layer: Params, h: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+    cfg: ForwardConfig, *, write: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One token of attention for each of ``rows`` (slots) at ``positions``; returns the partial
-    output [rows, q_heads * head_dim] and the caches with the new K/V written.
+    """One token of attention for each of the first n rows (slots) of the caches at ``positions``;
+    returns the partial output [n, q_heads * head_dim] and the caches with the new K/V written.
 
-    ``prefix_rows``: the rows are 0..n-1, read as a static slice; otherwise they are gathered.
     ``write``: per-row mask; rows where it is False leave the cache unchanged.
     """
     shape = cfg.shape
@@ -199,22 +203,11 @@ def decode_attention(
     inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
     q, k, v = _split_qkv(h @ layer["wqkv"], shape)  # [n, heads, hd]
     q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
-    k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0].astype(k_cache.dtype)
-    v = v.astype(v_cache.dtype)
-    # Write the new K/V in place (the cache is donated), then attend over positions <= pos. Rows that
-    # must not write aim past the cache's end and the scatter drops them: keeping their old values
-    # instead would read the cache inside the scatter, and XLA would copy the whole cache to do that.
+    k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0]
+    # Rows that must not write aim past the cache's end: the write is dropped.
     at = positions if write is None else jnp.where(write, positions, k_cache.shape[2])
-    k_cache = k_cache.at[rows, :, at, :].set(k, mode="drop")
-    v_cache = v_cache.at[rows, :, at, :].set(v, mode="drop")
-    kc, vc = (k_cache[:n], v_cache[:n]) if prefix_rows is not None else (k_cache[rows], v_cache[rows])
-    visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]
-    group = shape.q_heads // shape.kv_heads
-    qg = q.reshape(n, shape.kv_heads, group, shape.spec.head_dim)
-    scores = jnp.einsum("bkgd,bksd->bkgs", qg, kc, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible[:, None, None, :], scores / math.sqrt(shape.spec.head_dim), -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
-    out = jnp.einsum("bkgs,bksd->bkgd", probs, vc)
+    out, k_cache, v_cache = attention.decode_attention(q, k, v, k_cache, v_cache, positions, at,
+                                                       use_kernel=cfg.attention_kernel)
     return out.reshape(n, shape.q_heads * shape.spec.head_dim).astype(h.dtype), k_cache, v_cache
 
 
@@ -231,17 +224,14 @@ def decode_forward(
     tokens, positions: [batch]; caches: per layer [slots, kv_heads_local, max_seq, head_dim].
     Returns local logits [batch, padded_vocab / tp] (float32) and the updated caches.
     """
-    batch = tokens.shape[0]
-    rows = jnp.arange(batch)
     new_k, new_v = list(k_cache), list(v_cache)
 
-    def attention(i: int, h: jax.Array) -> jax.Array:
-        out, new_k[i], new_v[i] = decode_attention(params["layers"][i], h, k_cache[i], v_cache[i], rows, positions,
-                                                   cfg, prefix_rows=batch)
+    def layer_attention(i: int, h: jax.Array) -> jax.Array:
+        out, new_k[i], new_v[i] = decode_attention(params["layers"][i], h, k_cache[i], v_cache[i], positions, cfg)
         return out
 
     x = params["embed"][tokens]
-    h = _layer_loop(x, params, cfg, attention)
+    h = _layer_loop(x, params, cfg, layer_attention)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, new_k, new_v
 

@@ -181,7 +181,6 @@ class PipelineEngine(SlotBook):
         cfg, vocab, pp, m = self._cfg, self.spec.vocab_size, self.pp, self.group
         eps, last_pos = self.spec.rms_norm_eps, self.max_seq_len - 1
         state_specs = self._state_specs()
-        cache_rows = jnp.arange(m)
 
         def shard_fn(params, state, t):
             stage = jax.lax.axis_index(PP)
@@ -197,7 +196,7 @@ class PipelineEngine(SlotBook):
 
             def attention(j: int, h: jax.Array) -> jax.Array:
                 out, kc, vc = decode_attention(layers[j], h, state["k"][j][local][0], state["v"][j][local][0],
-                                               cache_rows, pos, cfg, prefix_rows=m, write=write)
+                                               pos, cfg, write=write)
                 new_k[j][local], new_v[j][local] = kc[None], vc[None]
                 return out
 

@@ -1,6 +1,7 @@
 // XLA FFI handlers for the Switchyard all-reduce kernels, and the small C API the Python side
 // uses to set them up (init / reset / error query). Algorithms live in the headers:
-//   oneshot.cuh, twoshot.cuh, fused_rmsnorm.cuh; shared barrier and packs in common.cuh.
+//   oneshot.cuh, twoshot.cuh, fused_rmsnorm.cuh; shared barrier and packs in common.cuh. The
+//   decode-attention handler (decode_attention.cuh) needs no workspace and no init.
 //
 // Command-buffer safety (XLA captures jitted steps into CUDA graphs): handlers only read the
 // registry (built once at init), pick a launch configuration from buffer sizes and launch one
@@ -15,6 +16,7 @@
 #include <string>
 
 #include "common.cuh"
+#include "decode_attention.cuh"
 #include "fused_rmsnorm.cuh"
 #include "layout.cuh"
 #include "oneshot.cuh"
@@ -214,6 +216,92 @@ ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer, ffi::Result<ffi::A
   return launched();
 }
 
+// ---- decode attention -------------------------------------------------------------------------
+// Merge counters of the decode-attention kernel, one array per GPU (allocated zeroed at preload).
+constexpr int kAttnCounters = 1 << 16;
+int* g_attn_counters[kMaxOrdinals] = {};
+
+template <typename A, typename B>
+bool same_dims(const A& a, const B& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+template <typename T, int D, int G>
+void launch_attention(const AttnArgs& a, cudaStream_t stream) {
+  attn_split_kernel<T, D, G><<<dim3(a.n * a.kv, a.S), kAttnWarps * 32, 0, stream>>>(a);
+}
+
+template <typename T, int D>
+bool launch_attention_group(const AttnArgs& a, cudaStream_t stream) {
+  switch (a.G) {
+    case 1: launch_attention<T, D, 1>(a, stream); return true;
+    case 2: launch_attention<T, D, 2>(a, stream); return true;
+    case 4: launch_attention<T, D, 4>(a, stream); return true;
+    case 8: launch_attention<T, D, 8>(a, stream); return true;
+    default: return false;
+  }
+}
+
+template <typename T>
+bool launch_attention_dtype(const AttnArgs& a, int head_dim, cudaStream_t stream) {
+  if (head_dim == 128) return launch_attention_group<T, 128>(a, stream);
+  if (head_dim == 64) return launch_attention_group<T, 64>(a, stream);
+  return false;
+}
+
+ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                         ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> write_at,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_cache,
+                         ffi::Result<ffi::AnyBuffer> v_cache, ffi::Result<ffi::Buffer<ffi::F32>> partials,
+                         float scale, int32_t splits) {
+  // k_cache / v_cache results alias the cache operands (input_output_aliases): read and write them.
+  const auto qd = q.dimensions(), kd = k_new.dimensions(), cd = k_cache->dimensions();
+  auto bad = [](const char* why) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, why); };
+  if (qd.size() != 3 || kd.size() != 3 || cd.size() != 4) return bad("decode attention: q [n,H,D], k/v [n,kv,D], cache [slots,kv,L,D]");
+  const int64_t n = qd[0], hq = qd[1], d = qd[2], kv = kd[1], len = cd[2];
+  if (kd[0] != n || kd[2] != d || !same_dims(v_new.dimensions(), kd) || cd[0] < n || cd[1] != kv || cd[3] != d ||
+      !same_dims(v_cache->dimensions(), cd) || !same_dims(out->dimensions(), qd))
+    return bad("decode attention: shapes of q, k, v and the caches do not agree");
+  if (kv == 0 || hq % kv != 0) return bad("decode attention: query heads must be a multiple of KV heads");
+  if (static_cast<int64_t>(pos.element_count()) != n || static_cast<int64_t>(write_at.element_count()) != n)
+    return bad("decode attention: positions and write positions need one entry per row");
+  const auto dt = q.element_type();
+  if (k_new.element_type() != dt || v_new.element_type() != dt || k_cache->element_type() != dt ||
+      v_cache->element_type() != dt || out->element_type() != dt)
+    return bad("decode attention: q, k, v, caches and output must share one dtype");
+  if (splits < 1 || splits > kAttnMaxSplits ||
+      static_cast<int64_t>(partials->element_count()) < (splits > 1 ? n * hq * splits * (d + 2) : 0))
+    return bad("decode attention: splits out of range, or partials buffer too small for them");
+  if (n * kv > kAttnCounters) return bad("decode attention: more (row, KV head) pairs than merge counters");
+  if (device < 0 || device >= kMaxOrdinals || g_attn_counters[device] == nullptr)
+    return bad("decode attention: kernels not loaded on this GPU (switchyard.kernels.native.attention_ready)");
+  if (n == 0) return ffi::Error::Success();
+  AttnArgs a{q.untyped_data(), k_new.untyped_data(), v_new.untyped_data(), k_cache->untyped_data(),
+             v_cache->untyped_data(), pos.typed_data(), write_at.typed_data(), out->untyped_data(),
+             partials->typed_data(), g_attn_counters[device], static_cast<int>(n), static_cast<int>(kv), static_cast<int>(hq / kv),
+             static_cast<int>(len), static_cast<int>(splits), scale};
+  bool ok = false;
+  if (dt == ffi::DataType::BF16) ok = launch_attention_dtype<__nv_bfloat16>(a, static_cast<int>(d), stream);
+  else if (dt == ffi::DataType::F16) ok = launch_attention_dtype<__half>(a, static_cast<int>(d), stream);
+  if (!ok) return bad("decode attention: supports bf16/fp16, head_dim 64 or 128, 1/2/4/8 query heads per KV head");
+  return launched();
+}
+
+template <typename T, int D>
+cudaError_t preload_attention_dtype_dim() {
+  cudaFuncAttributes f;
+  cudaError_t e;
+  if ((e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, 1>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, 2>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, 4>)) != cudaSuccess) return e;
+  if ((e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, 8>)) != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
+
 }  // namespace
 
 // Exported symbols (the library is built with -fvisibility=hidden so that the statically linked
@@ -246,6 +334,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyFusedRmsNorm, FusedImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // q
+                                  .Arg<ffi::AnyBuffer>()           // k_new
+                                  .Arg<ffi::AnyBuffer>()           // v_new
+                                  .Arg<ffi::AnyBuffer>()           // k_cache (aliased to result 1)
+                                  .Arg<ffi::AnyBuffer>()           // v_cache (aliased to result 2)
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // write positions
+                                  .Ret<ffi::AnyBuffer>()           // out
+                                  .Ret<ffi::AnyBuffer>()           // k_cache
+                                  .Ret<ffi::AnyBuffer>()           // v_cache
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // partials (scratch)
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("splits"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SyTimestamp, TimestampImpl,
@@ -284,6 +391,27 @@ static cudaError_t preload_all_kernels() {
 extern "C" {
 
 const char* sy_last_error() { return g_last_error.c_str(); }
+
+// Load the decode-attention kernels into GPU `ordinal`'s context now (see preload_all_kernels).
+int sy_preload_attention(int ordinal) {
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaError_t e = cudaSetDevice(ordinal);
+  if (e == cudaSuccess && ordinal >= 0 && ordinal < kMaxOrdinals && g_attn_counters[ordinal] == nullptr) {
+    int* counters = nullptr;
+    e = cudaMalloc(&counters, kAttnCounters * sizeof(int));
+    if (e == cudaSuccess) e = cudaMemset(counters, 0, kAttnCounters * sizeof(int));
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) g_attn_counters[ordinal] = counters;
+  }
+  if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 128>();
+  if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 64>();
+  if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 128>();
+  if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 64>();
+  cudaSetDevice(prev);
+  if (e != cudaSuccess) return fail(std::string("preload attention kernels: ") + cudaGetErrorString(e));
+  return 0;
+}
 int sy_is_ready() { return g.ready ? 1 : 0; }
 int sy_world() { return g.world; }
 long long sy_oneshot_bytes() { return g.oneshot_bytes; }

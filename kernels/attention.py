@@ -1,0 +1,92 @@
+"""Decode attention for the engine: each row's new token against its KV cache, the new K/V written in.
+
+``decode_attention`` runs the CUDA kernel of ``csrc/decode_attention.cuh`` on GPUs where the kernel
+library is loaded (one launch; the sequence is split across blocks when the batch is small), and
+otherwise the pure-JAX reference below, with the same semantics. Called inside ``jax.shard_map``
+on one device's shard: rows are the first ``n`` rows of the caches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from switchyard.kernels import native
+
+KERNEL_DTYPES = ("bfloat16", "float16")
+KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_GROUPS = (1, 2, 4, 8)
+# Blocks the kernel aims for: about two per SM of an H100/H200 (132 SMs).
+TARGET_BLOCKS = 264
+MIN_SLICE = 64  # positions per block below which splitting the sequence further does not pay
+MAX_SPLITS = 64  # kAttnMaxSplits in csrc/decode_attention.cuh
+MAX_PAIRS = 1 << 16  # (row, KV head) pairs: the kernel's merge counters per GPU
+
+
+def splits_for(n: int, kv_heads: int, cache_len: int) -> int:
+    """How many slices of the sequence each (row, KV head) is split into."""
+    return max(1, min(math.ceil(TARGET_BLOCKS / max(n * kv_heads, 1)), math.ceil(cache_len / MIN_SLICE),
+                      MAX_SPLITS))
+
+
+def kernel_supports(dtype: jnp.dtype, head_dim: int, group: int) -> bool:
+    return jnp.dtype(dtype).name in KERNEL_DTYPES and head_dim in KERNEL_HEAD_DIMS and group in KERNEL_GROUPS
+
+
+def reference_decode_attention(
+    q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+    positions: jax.Array, write_at: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [n, H, D]; k_new, v_new [n, kv, D]; caches [slots, kv, L, D]; positions, write_at [n].
+
+    Writes row b's new K/V at ``write_at[b]`` (dropped when outside the cache) and attends over
+    positions ``[0, positions[b]]``. Returns (out [n, H, D], k_cache, v_cache).
+    """
+    n, heads, d = q.shape
+    kv = k_new.shape[1]
+    rows = jnp.arange(n)
+    # The scatter drops writes aimed past the cache's end; it never reads the cache (reading it would
+    # make XLA copy the whole cache to scatter in place).
+    k_cache = k_cache.at[rows, :, write_at, :].set(k_new.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, :, write_at, :].set(v_new.astype(v_cache.dtype), mode="drop")
+    kc, vc = k_cache[:n], v_cache[:n]
+    visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]
+    qg = q.reshape(n, kv, heads // kv, d)
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg, kc, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible[:, None, None, :], scores / math.sqrt(d), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
+    out = jnp.einsum("bkgs,bksd->bkgd", probs, vc)
+    return out.reshape(n, heads, d), k_cache, v_cache
+
+
+def _kernel(q, k_new, v_new, k_cache, v_cache, positions, write_at):
+    n, heads, d = q.shape
+    kv = k_new.shape[1]
+    splits = splits_for(n, kv, k_cache.shape[2])
+    partial_elems = n * heads * splits * (d + 2) if splits > 1 else 1
+    out, k_cache, v_cache, _ = jax.ffi.ffi_call(
+        "switchyard_decode_attention",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((partial_elems,), jnp.float32)),
+        input_output_aliases={3: 1, 4: 2},
+    )(q, k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), k_cache, v_cache,
+      positions.astype(jnp.int32), write_at.astype(jnp.int32), scale=np.float32(1.0 / math.sqrt(d)),
+      splits=np.int32(splits))
+    return out, k_cache, v_cache
+
+
+def decode_attention(
+    q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+    positions: jax.Array, write_at: jax.Array, *, use_kernel: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """As :func:`reference_decode_attention`; on CUDA with the kernel library, one fused kernel."""
+    args = (q, k_new, v_new, k_cache, v_cache, positions, write_at)
+    group = q.shape[1] // max(k_new.shape[1], 1)
+    usable = (use_kernel and q.dtype == k_cache.dtype and kernel_supports(q.dtype, q.shape[2], group)
+              and q.shape[1] % k_new.shape[1] == 0 and q.shape[0] * k_new.shape[1] <= MAX_PAIRS
+              and native.attention_ready())
+    if not usable:
+        return reference_decode_attention(*args)
+    return jax.lax.platform_dependent(*args, default=reference_decode_attention, cuda=_kernel)
