@@ -376,6 +376,16 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
                 batch = lo
                 if pinned is None and request.objective != "throughput":
                     dp = max(min(groups_free, math.ceil(request.concurrency / batch)), 1)
+    if pp > 1:
+        # The pipeline engine needs whole micro-batches (a multiple of pp slots), and micro-batches of
+        # one row run the slow one-row products: at least two rows each where the KV room allows.
+        whole = max_slots // pp * pp
+        if whole == 0:
+            return None, f"KV room for {max_slots} sequence(s): fewer than one per pipeline stage"
+        batch = min(batch, whole)
+        slots = min(-(-max(batch, 2 * pp) // pp) * pp, whole)
+    else:
+        slots = batch
     res = step(batch)
     assert res is not None  # batch <= a size that already had a figure
     ms, impl, ar_us, ar_bytes = res
@@ -404,9 +414,9 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
     layout = Layout(
         tp=tp, pp=pp, dp=len(placed), product=pool.product, memory_bytes=pool.memory_bytes,
         nvswitch=pool.nvswitch, strategy=strategy, allreduce_impl=impl if tp > 1 else "none",
-        batch_slots=batch, active_batch=batch, max_seq_len=max_seq,
-        kv_budget_tokens=batch * max_seq,
-        kv_bytes_per_gpu=math.ceil(batch * max_seq * kv_token_gpu), weight_bytes_per_gpu=weights,
+        batch_slots=slots, active_batch=batch, max_seq_len=max_seq,
+        kv_budget_tokens=slots * max_seq,
+        kv_bytes_per_gpu=math.ceil(slots * max_seq * kv_token_gpu), weight_bytes_per_gpu=weights,
         ms_per_token=round(ms, 3), tokens_per_s=round(group_tps * len(placed), 1),
         ttft_ms=round(ttft, 1), placement=tuple(placed),
     )

@@ -229,6 +229,20 @@ def test_calibration_records_provenance_and_reproduces_the_measured_decode():
     assert "stated model" in provenance
 
 
+@pytest.mark.parametrize(("concurrency", "objective"),
+                         [(1, "latency"), (3, "latency"), (7, "balanced"), (0, "throughput")])
+def test_pipeline_layouts_get_whole_micro_batches_of_two_rows_or_more(concurrency, objective):
+    request = {"objective": objective, "tp": 1, "pp": 4, "replicas": 1}
+    if concurrency:
+        request["concurrency"] = concurrency
+    p = plan("llama3-70b", h200(1), **request)
+    lay = p.layout
+    assert lay is not None and lay.pp == 4
+    assert lay.batch_slots % lay.pp == 0 and lay.batch_slots >= 2 * lay.pp
+    assert lay.batch_slots >= lay.active_batch
+    assert lay.kv_budget_tokens == lay.batch_slots * lay.max_seq_len
+
+
 def test_calibration_reproduces_the_measured_pipeline():
     """The hop cost comes from our pipeline benchmark, and with it the planner's estimate for those
     pipeline layouts lands on the measured ms/token."""
