@@ -154,8 +154,9 @@ def role_speed_stage(args: argparse.Namespace) -> None:
     from switchyard.service.pipeline_group import CommandChannel, LeaderEngine, follow, join
 
     spec = preset(args.model)
-    join(group_layout(args, batch_slots=PP, max_seq_len=args.context + 2))
-    channel = CommandChannel.open(group_layout(args, batch_slots=PP, max_seq_len=args.context + 2))
+    group = group_layout(args, batch_slots=PP, max_seq_len=args.context + 2)
+    join(group)
+    channel = CommandChannel.open(group)
     rows = []
     for streams in args.streams:
         t0 = time.perf_counter()

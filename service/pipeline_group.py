@@ -18,7 +18,7 @@ import os
 import socket
 import struct
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -230,7 +230,7 @@ class LeaderEngine:
             self._channel.send(STOP)
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """End this stage's process at once. A normal exit would first wait in the distributed runtime's
     shutdown barrier for every other stage, which a broken group may never reach; gone at once, this
     process stops heartbeating and the runtime stops the others within its heartbeat timeout."""

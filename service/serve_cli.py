@@ -284,10 +284,7 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         return 0
     except Exception:
         log.exception("pipeline stage %d failed: stopping so that the group restarts", layout.pipeline_stage)
-        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        server.stop(0)
         exit_now(1)
-        raise  # not reached
     finally:
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         server.stop(0)

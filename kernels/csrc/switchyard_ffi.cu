@@ -297,10 +297,8 @@ cudaError_t preload_attention_dtype_dim() {
   if ((e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, 1>)) != cudaSuccess) return e;
   if ((e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, 2>)) != cudaSuccess) return e;
   if ((e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, 4>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, 8>)) != cudaSuccess) return e;
-  return cudaSuccess;
+  return cudaFuncGetAttributes(&f, attn_split_kernel<T, D, 8>);
 }
-
 
 }  // namespace
 
