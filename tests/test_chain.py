@@ -207,7 +207,12 @@ async def test_install_apply_generate_trace(tmp_path):
                 example = yaml.safe_load(EXAMPLE.read_text())
                 name, ns = example["metadata"]["name"], example["metadata"]["namespace"]
                 await c.api.apply_objects([example])
-                await eventually(lambda: condition(c.ds(name, ns), "Planned"), timeout=30, what="Planned")
+                try:
+                    await eventually(lambda: condition(c.ds(name, ns), "Planned"), timeout=30, what="Planned")
+                except AssertionError as err:  # say what the operators were doing
+                    logs = "\n".join(f"--- operator-{i}.log\n{(tmp_path / f'operator-{i}.log').read_text()[-3000:]}"
+                                      for i in range(2))
+                    raise AssertionError(f"{err}\n{logs}") from None
                 ds = c.ds(name, ns)
                 assert condition(ds, "Planned")["status"] == "True", ds["status"]
                 sts = await eventually(lambda: next(s for s in c.objects("StatefulSet", ns)
