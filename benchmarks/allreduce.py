@@ -4,14 +4,17 @@
 One run, one timing method for every implementation: K dependent calls of the operation are
 chained inside one jitted program (XLA command buffers on, so the chain is replayed as CUDA
 graphs) and bracketed by two device-side %globaltimer stamps (``native.timestamp``), taken on
-every GPU; a sample is max over GPUs of (t_end - t_start) / K; the figure is the median of
-``--reps`` samples. PyTorch (NCCL and symm_mem one-shot/two-shot, one process per GPU) is timed
+every GPU; a sample is min over GPUs of (t_end - t_start) / K (the GPU that starts first also
+times its wait for the others); the implementations of one size are sampled in turn, and the
+figure is the median of ``--reps`` samples. PyTorch (NCCL and symm_mem one-shot/two-shot, one process per GPU) is timed
 the same way: K calls captured in one CUDA graph, device events around each replay, median.
 
 Implementations (``impl`` in the rows): xla (psum -> NCCL), oneshot, twoshot, auto (after the
 table is rewritten), fused (all-reduce + residual + RMSNorm in one kernel), xla_norm (psum, then
 residual add and RMSNorm in XLA), twoshot_norm (two-shot kernel, then XLA), torch_nccl,
-symm_mem_oneshot, symm_mem_twoshot. bf16; message sizes are bytes per GPU, 1 KB .. 64 MB.
+symm_mem_oneshot, symm_mem_twoshot; floor_empty_kernel (a chain of one-thread kernels: the cost of
+a dependent kernel node in a command buffer); oneshot_again/twoshot_again (sampled in turn with
+auto, after the table is written). bf16; message sizes are bytes per GPU, 1 KB .. 64 MB.
 
 Writes benchmarks/results/allreduce-<tag>.json ``{"command","device","date","rows"}`` and
 kernels/auto_table.json (fastest of xla/oneshot/twoshot and of fused/twoshot_norm/xla_norm per size).
@@ -112,9 +115,10 @@ def _torch_worker(rank: int, world: int, port: int, sizes: list[int], reps: int,
                     end.record()
                     end.synchronize()
                     samples.append(start.elapsed_time(end) * 1000.0 / k)
-                # every rank's median; the slowest rank is what a step waits for
+                # min over ranks, as for our chains: the rank whose replay started first also
+                # times its wait for the others
                 med = torch.tensor([statistics.median(samples)], device=dev)
-                dist.all_reduce(med, op=dist.ReduceOp.MAX)
+                dist.all_reduce(med, op=dist.ReduceOp.MIN)
                 rows.append({"impl": impl, "gpus": world, "bytes": nbytes, "dtype": "bfloat16", "us": med.item()})
                 del graph
             except Exception as exc:
@@ -180,19 +184,30 @@ class JaxBench:
         t = self.np.asarray(t).astype(self.np.uint64)
         return [int(lo) | (int(hi) << 32) for lo, hi in t.reshape(-1, 2)]
 
-    def _time(self, fn, args, k: int) -> tuple[float, object]:
-        out = fn(*args)  # compile + record command buffers
-        self.jax.block_until_ready(out)
-        samples = []
-        for _ in range(self.reps):
-            t0, t1, y = fn(*args)
-            s0, s1 = self._stamps(t0), self._stamps(t1)
-            samples.append(max(b - a for a, b in zip(s0, s1, strict=True)) / k / 1000.0)
-        self.kernels.check_errors()
-        return statistics.median(samples), y
+    def _sample(self, fn, args, k: int) -> tuple[float, object]:
+        """One sample: µs per call of the chain on the GPU that started last (min over GPUs of
+        elapsed / K). The GPU that starts first waits in its first call for the others, so its
+        elapsed time includes the skew between the GPUs' program starts, which is not the op's."""
+        t0, t1, y = fn(*args)
+        s0, s1 = self._stamps(t0), self._stamps(t1)
+        return min(b - a for a, b in zip(s0, s1, strict=True)) / k / 1000.0, y
 
-    def plain(self, strategy: str, nbytes: int) -> tuple[float, float]:
-        """(us per call, relative error of the chain's result vs float64)."""
+    def measure(self, chains: dict[str, tuple]) -> dict[str, tuple[float, object]]:
+        """Median µs per call for each chain ``name -> (fn, args, k)``, samples interleaved
+        (chain A, B, C, A, B, C, ...) so that drift of the machine hits every chain alike."""
+        samples: dict[str, list[float]] = {name: [] for name in chains}
+        last: dict[str, object] = {}
+        for fn, args, _ in chains.values():  # compile + record command buffers
+            self.jax.block_until_ready(fn(*args))
+        for _ in range(self.reps):
+            for name, (fn, args, k) in chains.items():
+                us, last[name] = self._sample(fn, args, k)
+                samples[name].append(us)
+        self.kernels.check_errors()
+        return {name: (statistics.median(v), last[name]) for name, v in samples.items()}
+
+    def plain(self, strategy: str, nbytes: int) -> tuple:
+        """Chain of K all-reduces ``(fn, args, k)`` and a check of its result against float64."""
         from jax.sharding import PartitionSpec as P
         from switchyard.kernels import native
 
@@ -210,13 +225,33 @@ class JaxBench:
         fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P("tp"), out_specs=(P("tp"),) * 3, check_vma=False))
         xs = self.rng.standard_normal((world, n)).astype(np.float32) * 2.0**-80
         x = self._put(xs, P("tp"))
-        us, y = self._time(fn, (x,), k)
-        got = np.asarray(y[0].astype(jax.numpy.float32), np.float64) / float(world) ** (k - 1)
-        ref = np.asarray(x.astype(jax.numpy.float32), np.float64).sum(0)
-        err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        return us, err
 
-    def fused(self, strategy: str, nbytes: int) -> tuple[float, object]:
+        def check(y) -> float:
+            got = np.asarray(y[0].astype(jax.numpy.float32), np.float64) / float(world) ** (k - 1)
+            ref = np.asarray(x.astype(jax.numpy.float32), np.float64).sum(0)
+            return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+        return (fn, (x,), k), check
+
+    def floor(self) -> tuple:
+        """The method's floor: a chain of K one-thread kernels (timestamps) in the same command
+        buffer, i.e. what launching one dependent kernel node costs before it does any work."""
+        from jax.sharding import PartitionSpec as P
+        from switchyard.kernels import native
+
+        jax, k = self.jax, 100
+
+        def body(x):
+            v, t0 = native.timestamp(x[0])
+            for _ in range(k):
+                v, _ = native.timestamp(v)
+            v, t1 = native.timestamp(v)
+            return t0[None], t1[None], v[None]
+
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P("tp"), out_specs=(P("tp"),) * 3, check_vma=False))
+        return fn, (self._put(self.np.zeros((self.world, 8)), P("tp")),), k
+
+    def fused(self, strategy: str, nbytes: int) -> tuple:
         from jax.sharding import PartitionSpec as P
         from switchyard.kernels import native
 
@@ -242,7 +277,7 @@ class JaxBench:
         x = self._put(rng.standard_normal((world, rows, hidden)), P("tp"))
         res = self._put(rng.standard_normal((rows, hidden)), P())
         w = self._put(rng.uniform(0.5, 1.5, hidden), P())
-        return self._time(fn, (x, res, w), k)
+        return fn, (x, res, w), k
 
 
 def main() -> int:
@@ -296,40 +331,46 @@ def main() -> int:
         print(f"{impl:>14} {nbytes:>10} B {us:9.2f} us" + (f"  err {err:.1e}" if err is not None else ""), flush=True)
 
     cap = bench.kernels.status()
-    for nbytes in sizes:
-        for impl in ("xla", "oneshot", "twoshot"):
+    us, _ = bench.measure({"floor": bench.floor()})["floor"]
+    record("floor_empty_kernel", 0, us)
+
+    def run_size(nbytes: int, plain_impls: tuple[str, ...], with_fused: bool) -> None:
+        chains, checks_of, fused_impls = {}, {}, []
+        for impl in plain_impls:
             if impl == "oneshot" and nbytes > cap["oneshot_bytes"]:
                 continue
-            try:
-                us, err = bench.plain(impl, nbytes)
-                if not err < 2e-2:
-                    notes.append(f"CHECK FAILED {impl} {nbytes}: rel err {err}")
-                record(impl, nbytes, us, err)
-            except Exception as exc:
-                notes.append(f"{impl} {nbytes}: {exc!r}"[:400])
-                print(notes[-1], flush=True)
-        if nbytes <= FUSED_MAX:
-            outs = {}
+            chains[impl], checks_of[impl] = bench.plain(impl, nbytes)
+        if with_fused and nbytes <= FUSED_MAX:
             for impl, strategy in (("fused", "oneshot"), ("twoshot_norm", "twoshot"), ("xla_norm", "xla")):
                 if impl == "fused" and nbytes > cap["oneshot_bytes"]:
                     continue
-                try:
-                    us, outs[impl] = bench.fused(strategy, nbytes)
-                    record(impl, nbytes, us)
-                except Exception as exc:
-                    notes.append(f"{impl} {nbytes}: {exc!r}"[:400])
-                    print(notes[-1], flush=True)
-            ref = outs.get("xla_norm")
-            for impl in ("fused", "twoshot_norm"):
-                if impl in outs and ref is not None:
-                    import numpy as np
+                chains[impl] = bench.fused(strategy, nbytes)
+                fused_impls.append(impl)
+        try:
+            results = bench.measure(chains)
+        except Exception as exc:
+            notes.append(f"{nbytes}: {exc!r}"[:400])
+            print(notes[-1], flush=True)
+            return
+        for impl, (us, y) in results.items():
+            err = checks_of[impl](y) if impl in checks_of else None
+            if err is not None and not err < 2e-2:
+                notes.append(f"CHECK FAILED {impl} {nbytes}: rel err {err}")
+            record(impl, nbytes, us, err)
+        ref = results.get("xla_norm")
+        for impl in ("fused", "twoshot_norm"):
+            if impl in results and ref is not None:
+                import numpy as np
 
-                    a = np.asarray(outs[impl].astype("float32"), np.float64)
-                    b = np.asarray(ref.astype("float32"), np.float64)
-                    err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-                    checks.append({"impl": impl, "bytes": nbytes, "rel_err_vs_xla_chain": err})
-                    if not err < 5e-2:
-                        notes.append(f"CHECK FAILED {impl} {nbytes}: chain differs from xla_norm by {err}")
+                a = np.asarray(results[impl][1].astype("float32"), np.float64)
+                b = np.asarray(ref[1].astype("float32"), np.float64)
+                err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                checks.append({"impl": impl, "bytes": nbytes, "rel_err_vs_xla_chain": err})
+                if not err < 5e-2:
+                    notes.append(f"CHECK FAILED {impl} {nbytes}: chain differs from xla_norm by {err}")
+
+    for nbytes in sizes:
+        run_size(nbytes, ("xla", "oneshot", "twoshot"), with_fused=True)
 
     from switchyard.kernels import selection
 
@@ -337,12 +378,22 @@ def main() -> int:
     if not args.no_table:
         selection.TABLE_PATH.write_text(json.dumps(table, indent=2) + "\n")
         selection.load_table.cache_clear()
-    for nbytes in sizes:  # auto, with the table just written
+    # auto, with the table just written, interleaved with what it chose from so that "within 5%
+    # of the best" compares samples of one sitting (rows named *_again)
+    for nbytes in sizes:
+        chains, checks_of = {}, {}
+        chains["auto"], checks_of["auto"] = bench.plain("auto", nbytes)
+        for impl in ("oneshot", "twoshot"):
+            if impl == "oneshot" and nbytes > cap["oneshot_bytes"]:
+                continue
+            chains[f"{impl}_again"], _ = bench.plain(impl, nbytes)
         try:
-            us, err = bench.plain("auto", nbytes)
-            record("auto", nbytes, us, err)
+            results = bench.measure(chains)
         except Exception as exc:
             notes.append(f"auto {nbytes}: {exc!r}"[:400])
+            continue
+        for impl, (us, y) in results.items():
+            record(impl, nbytes, us, checks_of["auto"](y) if impl == "auto" else None)
 
     result = {
         "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -350,7 +401,8 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "method": "median of per-call time over reps; K chained calls per sample between device timestamps "
-        "(JAX: %globaltimer custom calls inside command buffers; torch: CUDA graph + events)",
+        "(JAX: %globaltimer custom calls inside command buffers, min over GPUs of elapsed / K, "
+        "implementations of one size interleaved; torch: CUDA graph + events, min over ranks of the median)",
         "rows": rows,
         "checks": checks,
         "notes": notes,

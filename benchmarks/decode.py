@@ -12,6 +12,7 @@ ms/token against the roofline (weight + KV bytes per GPU per step over the measu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import itertools
@@ -129,6 +130,32 @@ def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
     }
 
 
+@contextlib.contextmanager
+def without_communication(enabled: bool):
+    """The engine's two all-reduce call sites with the sum left out (each GPU keeps its own partial
+    result; residual add and RMSNorm stay, in XLA): the ``none`` strategy, a timing-only variant
+    whose outputs are meaningless, measured to find the all-reduces' share of a step."""
+    if not enabled:
+        yield
+        return
+    from switchyard.kernels import rmsnorm
+    from switchyard.service import model
+
+    def all_reduce(x, axis, strategy="xla"):
+        return x
+
+    def all_reduce_residual_rmsnorm(x, residual, weight, eps, axis, strategy="xla"):
+        new_residual = residual + x.astype(residual.dtype)
+        return new_residual, rmsnorm(new_residual, weight, eps)
+
+    saved = model.all_reduce, model.all_reduce_residual_rmsnorm
+    model.all_reduce, model.all_reduce_residual_rmsnorm = all_reduce, all_reduce_residual_rmsnorm
+    try:
+        yield
+    finally:
+        model.all_reduce, model.all_reduce_residual_rmsnorm = saved
+
+
 def time_serving_loop(engine: Engine, steps: int, warmup: int) -> list[float]:
     """Per-token times of the serving loop: launch step n+1, then bring step n's tokens to the host
     (what the scheduler does), so host work overlaps the device's."""
@@ -163,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, nargs="+", default=[1])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--strategy", nargs="+", default=["xla"])
+    parser.add_argument("--strategy", nargs="+", default=["xla"],
+                        help="all-reduce strategies to compare; 'none' times the step without communication")
     parser.add_argument("--attention", nargs="+", default=["xla"], choices=["kernel", "xla"],
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
     parser.add_argument("--steps", type=int, default=64)
@@ -191,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             for context in args.context:
                 for batch in args.batch:
                     slots = max(batch, min_bucket)
-                    layout = ServingLayout(tp=tp, strategy=strategy, batch_slots=slots,
+                    silent = strategy == "none"
+                    engine_strategy = "xla" if silent else strategy
+                    patch = without_communication(silent)
+                    patch.__enter__()
+                    layout = ServingLayout(tp=tp, strategy=engine_strategy, batch_slots=slots,
                                            max_seq_len=context + args.steps + args.warmup + 1)
                     t0 = time.perf_counter()
                     if base is None:
@@ -200,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                         base = engine.params
                     else:
                         engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
-                                        max_seq_len=layout.max_seq_len, strategy=strategy, dtype="bfloat16",
+                                        max_seq_len=layout.max_seq_len, strategy=engine_strategy, dtype="bfloat16",
                                         cache_init="random", min_batch_bucket=min_bucket,
                                         attention_kernel=attn == "kernel")
                     engine.occupy_slots(context, count=batch)
@@ -210,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                         hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}-{attn}.hlo.txt")
                         hlo_file.write_text(summary.pop("hlo_text"))
                         print("  hlo:", summary, flush=True)
+                    prof = None
                     if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
-                        prof = profile_steps(engine, 8, f"{args.profile_dir}/tp{tp}-{strategy}")
+                        prof = profile_steps(engine, 8, f"{args.profile_dir}/tp{tp}-{strategy}-{attn}")
                         print("  profile:", json.dumps(prof, indent=1), flush=True)
                     times = time_serving_loop(engine, args.steps, args.warmup)
                     sync_ms = 1000 * statistics.median(time_synchronous(engine, args.steps // 2, 2))
@@ -225,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                            "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
                            "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
                            "synchronous_ms_per_token": round(sync_ms, 4)}
+                    if prof is not None:
+                        row["profile"] = prof
                     rows.append(row)
                     print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
                           f"min-bucket {min_bucket} "
@@ -233,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)
                     del engine
                     gc.collect()
+                    patch.__exit__(None, None, None)
         del base
         gc.collect()
 

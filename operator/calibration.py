@@ -33,6 +33,9 @@ IMPLS = ("xla", "oneshot", "twoshot")
 STAND_INS = {"xla": "torch_nccl", "oneshot": "symm_mem_oneshot", "twoshot": "symm_mem_twoshot"}
 # Decode attention of the engine as shipped (rows measured with another are experiments).
 SHIPPED_ATTENTION = "xla"
+# The engine's all-reduce strategies (switchyard.kernels.STRATEGIES; the operator does not import
+# the kernels). Benchmark rows with any other (``none``: no communication) are not the engine.
+ENGINE_STRATEGIES = ("xla", "oneshot", "twoshot", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,8 +285,9 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 key = ("pipeline", check["model"], pp, check["tp"], check["streams"], check["context"])
                 newest_check[key] = (where, [check])
             elif "ms_per_token" in row and "model" in row:
-                if row.get("xla_flags") or row.get("attention", SHIPPED_ATTENTION) != SHIPPED_ATTENTION:
-                    continue  # a compiler-flag or attention-kernel experiment, not the engine as shipped
+                if (row.get("xla_flags") or row.get("attention", SHIPPED_ATTENTION) != SHIPPED_ATTENTION
+                        or row.get("strategy", "xla") not in ENGINE_STRATEGIES):
+                    continue  # a compiler-flag, attention-kernel or no-communication experiment
                 key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
                          if k in row}

@@ -309,9 +309,11 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
                          {"layout": "TP2", "streams": 64, "batch_slots": 64, "ms_per_token": 5.0, "step_ms": 5.0}]}
     flagged = decode("2026-12-04", 3.0)
     flagged["rows"][0]["xla_flags"] = "--xla_gpu_enable_triton_gemm=false"  # an experiment, not the engine
+    silent = decode("2026-12-05", 2.0)
+    silent["rows"][0]["strategy"] = "none"  # timing without communication: not the engine either
     new = calibration.from_results([decode("2026-12-02", 6.0, 4.0e12), allreduce, decode("2026-11-01", 9.0),
-                                    pipeline, flagged], base,
-                                   names=["new.json", "ar.json", "old.json", "pp.json", "flags.json"])
+                                    pipeline, flagged, silent], base,
+                                   names=["new.json", "ar.json", "old.json", "pp.json", "flags.json", "none.json"])
     (pp_check,) = new["pipeline"]["checks"]  # the TP row is the comparison, not a pipeline figure
     assert pp_check["pp"] == 2 and pp_check["tp"] == 1 and pp_check["context"] == 1024
     assert pp_check["step_ms"] == 4.5 and pp_check["source"].startswith("pp.json")

@@ -155,20 +155,24 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
-// Epoch of this launch: calls + 1. Read by thread 0 of every block before the block finishes.
+// Epoch of this launch: calls + 1. Every thread reads it itself (one L2 line, broadcast within a
+// warp), so no block-wide synchronisation sits before the first store of a launch.
 __device__ __forceinline__ uint32_t read_epoch(const Peers& P) {
-  __shared__ uint32_t epoch;
-  if (threadIdx.x == 0) epoch = *reinterpret_cast<volatile uint32_t*>(&P.self->calls) + 1u;
-  __syncthreads();
-  return epoch;
+  return *reinterpret_cast<volatile uint32_t*>(&P.self->calls) + 1u;
 }
 
 // Called by every block at its very end. The last block to finish publishes calls = epoch; all
-// other blocks have read `calls` already (they read it before their own atomicAdd), so no block
-// of this launch can see the new value, and the next launch (stream order) sees it.
+// other blocks have read `calls` already (every thread reads it before its block's
+// __syncthreads here, and thread 0's atomicAdd follows that), so no block of this launch can see
+// the new value, and the next launch (stream order) sees it. A one-block launch is its own last
+// block and skips the counter.
 __device__ __forceinline__ void finish_launch(const Peers& P, uint32_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (gridDim.x == 1) {
+      *reinterpret_cast<volatile uint32_t*>(&P.self->calls) = epoch;
+      return;
+    }
     __threadfence();
     if (atomicAdd(&P.self->done, 1u) == gridDim.x - 1) {
       P.self->done = 0;
@@ -176,6 +180,18 @@ __device__ __forceinline__ void finish_launch(const Peers& P, uint32_t epoch) {
       __threadfence();
     }
   }
+}
+
+// A bounded wait gave up: record it where the host sees it without a sync, and make every later
+// wait on this GPU give up at once (see State::error).
+__device__ __forceinline__ void record_timeout(const Peers& P) {
+  atomicExch(&P.self->error, kErrTimeout);
+  *reinterpret_cast<volatile uint32_t*>(P.host_error) = kErrTimeout;
+  __threadfence_system();
+}
+
+__device__ __forceinline__ bool timed_out_before(const Peers& P) {
+  return *reinterpret_cast<volatile uint32_t*>(&P.self->error) != 0;
 }
 
 // Barrier `bar` for this block across all ranks.
@@ -201,15 +217,11 @@ __device__ __forceinline__ void block_barrier(const Peers& P, int bar, uint32_t 
   if (t < P.world) {
     st_release_sys(&P.state[t]->flags[bar][blockIdx.x][P.rank], epoch);
     const uint32_t* mine = &P.self->flags[bar][blockIdx.x][t];
-    if (*reinterpret_cast<volatile uint32_t*>(&P.self->error) == 0) {
+    if (!timed_out_before(P)) {
       const unsigned long long start = globaltimer();
       while (static_cast<int32_t>(ld_acquire_sys(mine) - epoch) < 0) {
         if (globaltimer() - start > P.timeout_ns) {
-          // Give up: record the error where the host can see it without a sync, and stop
-          // waiting in every later barrier on this GPU (see State::error).
-          atomicExch(&P.self->error, kErrTimeout);
-          *reinterpret_cast<volatile uint32_t*>(P.host_error) = kErrTimeout;
-          __threadfence_system();
+          record_timeout(P);
           break;
         }
       }

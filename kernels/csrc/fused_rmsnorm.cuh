@@ -5,16 +5,19 @@
 // (Llama/Hugging Face convention: statistics in float32, scale applied in T.)
 //
 // x, residual: [M, H] row-major; weight: [H]. Rows are the unit of work: block b owns rows
-// b, b + gridDim, ... in both phases and on every rank.
-//   1. push: the block stores its rows of x into slot[rank] of every GPU's one-shot area;
-//   2. one barrier per block (block_barrier, common.cuh);
-//   3. per row: sum the slots in float32 in rank order (bitwise identical on every rank), add the
-//      residual, write new_residual, accumulate sum of squares, block-reduce it, then write
+// b, b + gridDim, ... in both phases.
+//   1. push: the block stores its rows of x into slot[rank] of every peer's one-shot area;
+//   2. per row: take the peers' packs as they arrive (flag-free, lamport.cuh) and sum all
+//      contributions in float32 in rank order (bitwise identical on every rank), add the
+//      residual, write new_residual, accumulate the sum of squares, block-reduce it, then write
 //      normed. The reduced row never goes back to HBM before the norm except as the
-//      new_residual output, which has to be written anyway.
-// Workspace reuse is the one-shot argument (two halves selected by epoch parity), see oneshot.cuh.
+//      new_residual output, which has to be written anyway (and is read back only for rows
+//      longer than kKeep packs per thread).
+// With world == 1 nothing is exchanged: the kernel is a one-pass residual add + RMSNorm.
+// Workspace reuse is the one-shot argument (two halves selected by epoch parity), see lamport.cuh.
 #pragma once
 #include "common.cuh"
+#include "lamport.cuh"
 #include "layout.cuh"
 #include "oneshot.cuh"
 
@@ -54,53 +57,74 @@ __global__ void __launch_bounds__(1024) fused_rmsnorm_kernel(
   const PackT* xp = reinterpret_cast<const PackT*>(x);
 
   // Phase 1: push this block's rows.
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    for (int64_t p = threadIdx.x; p < hp; p += blockDim.x) {
-      const PackT v = xp[row * hp + p];
-      for (int k = 0; k < P.world; ++k) {
-        const int gpu = (P.rank + k) % P.world;
-        oneshot_slot<T, W>(P, L, gpu, half, P.rank)[row * hp + p] = v;
+  if (P.world > 1) {
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+      for (int64_t p = threadIdx.x; p < hp; p += blockDim.x) {
+        const PackT v = canonical_pack(xp[row * hp + p]);
+        for (int k = 1; k < P.world; ++k) {
+          const int gpu = (P.rank + k) % P.world;
+          st_volatile(oneshot_slot<T, W>(P, L, gpu, half, P.rank) + row * hp + p, v);
+        }
       }
     }
   }
-
-  block_barrier(P, 0, epoch);
 
   const PackT* rp = reinterpret_cast<const PackT*>(residual);
   const PackT* wp = reinterpret_cast<const PackT*>(weight);
   PackT* nrp = reinterpret_cast<PackT*>(new_residual);
   PackT* np = reinterpret_cast<PackT*>(normed);
+  // Reduce one pack of a row, add the residual, write and return new_residual.
+  auto reduce_add = [&](int64_t row, int64_t p, float& sumsq) -> PackT {
+    const PackT res = rp[row * hp + p];
+    float acc[W];
+    for (int q = 0; q < P.world; ++q) {
+      const PackT v = q == P.rank ? canonical_pack(xp[row * hp + p])
+                                  : take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + row * hp + p, P);
+      accumulate<T, W>(acc, v, q == 0);
+    }
+    const PackT reduced = to_pack<T, W>(acc);
+    PackT nr;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      nr.v[i] = from_f32<T>(to_f32(res.v[i]) + to_f32(reduced.v[i]));
+      const float f = to_f32(nr.v[i]);
+      sumsq += f * f;
+    }
+    nrp[row * hp + p] = nr;
+    return nr;
+  };
+  auto write_normed = [&](int64_t row, int64_t p, const PackT& nr, float rstd) {
+    const PackT w = wp[p];
+    PackT o;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      const T scaled = from_f32<T>(to_f32(nr.v[i]) * rstd);
+      o.v[i] = from_f32<T>(to_f32(w.v[i]) * to_f32(scaled));
+    }
+    np[row * hp + p] = o;
+  };
+
+  // The first kKeep packs of each thread stay in registers between the two passes (a row of up
+  // to kKeep x blockDim packs: every Llama hidden size); packs beyond that are re-read from
+  // new_residual, which this same thread wrote.
+  constexpr int kKeep = 2;
+  const int64_t bd = blockDim.x;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     float sumsq = 0.f;
-    for (int64_t p = threadIdx.x; p < hp; p += blockDim.x) {
-      float acc[W];
-      for (int q = 0; q < P.world; ++q)
-        accumulate<T, W>(acc, load_ws<T, W>(oneshot_slot<T, W>(P, L, P.rank, half, q) + row * hp + p),
-                         q == 0);
-      const PackT reduced = to_pack<T, W>(acc);
-      const PackT res = rp[row * hp + p];
-      PackT nr;
+    PackT keep[kKeep];
 #pragma unroll
-      for (int i = 0; i < W; ++i) {
-        nr.v[i] = from_f32<T>(to_f32(res.v[i]) + to_f32(reduced.v[i]));
-        const float f = to_f32(nr.v[i]);
-        sumsq += f * f;
-      }
-      nrp[row * hp + p] = nr;
+    for (int j = 0; j < kKeep; ++j) {
+      const int64_t p = threadIdx.x + j * bd;
+      if (p < hp) keep[j] = reduce_add(row, p, sumsq);
     }
+    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) reduce_add(row, p, sumsq);
     const float rstd = rsqrtf(block_sum(sumsq) / static_cast<float>(hidden) + eps);
-    // Second pass re-reads new_residual: each thread reads only packs it wrote itself above.
-    for (int64_t p = threadIdx.x; p < hp; p += blockDim.x) {
-      const PackT nr = nrp[row * hp + p];
-      const PackT w = wp[p];
-      PackT o;
 #pragma unroll
-      for (int i = 0; i < W; ++i) {
-        const T scaled = from_f32<T>(to_f32(nr.v[i]) * rstd);
-        o.v[i] = from_f32<T>(to_f32(w.v[i]) * to_f32(scaled));
-      }
-      np[row * hp + p] = o;
+    for (int j = 0; j < kKeep; ++j) {
+      const int64_t p = threadIdx.x + j * bd;
+      if (p < hp) write_normed(row, p, keep[j], rstd);
     }
+    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) write_normed(row, p, nrp[row * hp + p], rstd);
   }
 
   finish_launch(P, epoch);

@@ -7,7 +7,8 @@ namespace switchyard {
 
 struct Layout {
   // One-shot (and fused): 2 halves x world slots x oneshot_slot bytes. Launch `epoch` uses half
-  // epoch & 1 (see oneshot.cuh for why two halves are needed and enough).
+  // epoch & 1 (see lamport.cuh for why two halves are needed and enough). Empty words hold
+  // all ones (lamport.cuh): filled so at init and at reset.
   int64_t oneshot_off;
   int64_t oneshot_slot;   // bytes per slot = the largest one-shot message per rank
   // Two-shot: scatter area [world][slice] and gather area [world][slice], slice packs each.

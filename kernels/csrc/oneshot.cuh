@@ -1,25 +1,21 @@
 // One-shot all-reduce.
 //
 // Algorithm (one kernel per GPU, `world` GPUs):
-//   1. push: every rank stores its whole input into slot[rank] of EVERY rank's workspace
-//      (its own included) with plain NVLink peer stores;
-//   2. one barrier (block_barrier, common.cuh);
-//   3. reduce: every rank reads slot[0..world-1] from its OWN workspace (local HBM) and sums them
-//      in float32 in rank order 0..world-1, then writes the result in the output dtype.
-// Every rank performs the same float operations in the same order on the same bits, so every
-// rank's output is bitwise identical. Pushing (remote stores) rather than pulling (remote loads)
-// keeps the NVLink round trip of a load off the critical path: a rank only waits for one flag.
+//   1. push: every rank stores its whole input into slot[rank] of every PEER's workspace with
+//      plain NVLink peer stores (its own contribution stays in its input);
+//   2. reduce: every rank takes slot[q] (q != rank) from its OWN workspace as the packs arrive
+//      (flag-free: the data carries its arrival, lamport.cuh) and sums all contributions in
+//      float32 in rank order 0..world-1, then writes the result in the output dtype.
+// Every rank performs the same float operations in the same order on the same bits (its own
+// input goes through the same canonical_pack as what it sends), so every rank's output is bitwise
+// identical. Pushing (remote stores) rather than pulling (remote loads) keeps the NVLink round
+// trip of a load off the critical path: a rank waits for one one-way trip of the peers' stores.
 //
-// Reuse of the workspace. Launch `epoch` writes half (epoch & 1). A peer may start launch e+1 as
-// soon as it has passed barrier e, while this rank is still reading half e&1, so e+1 must write
-// the other half. A peer can only start launch e+2 after passing barrier e+1, which needs at
-// least one block of this rank's launch e+1, which starts only after this rank's launch e has
-// completed on its stream (all of its reads are done). Two halves are therefore sufficient.
-//
-// Work partition: pack i belongs to block (i / blockDim) mod gridDim in both phases and on every
-// rank, so per-block barriers suffice.
+// Reuse of the workspace: two halves, launch `epoch` writes half epoch & 1 (see lamport.cuh for
+// why that is enough). Any partition of packs over threads works, since no barrier pairs blocks.
 #pragma once
 #include "common.cuh"
+#include "lamport.cuh"
 #include "layout.cuh"
 
 namespace switchyard {
@@ -42,20 +38,21 @@ __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const 
 
   // Phase 1: push. Destinations are rotated by rank so that the ranks do not all hit GPU 0 first.
   for (int64_t i = first; i < packs; i += stride) {
-    const Pack<T, W> p = load_pack<T, W>(in, i, n);
-    for (int k = 0; k < P.world; ++k) {
+    const Pack<T, W> p = canonical_pack(load_pack<T, W>(in, i, n));
+    for (int k = 1; k < P.world; ++k) {
       const int gpu = (P.rank + k) % P.world;
-      oneshot_slot<T, W>(P, L, gpu, half, P.rank)[i] = p;
+      st_volatile(oneshot_slot<T, W>(P, L, gpu, half, P.rank) + i, p);
     }
   }
 
-  block_barrier(P, 0, epoch);
-
-  // Phase 2: reduce from local memory, rank order fixed.
+  // Phase 2: reduce, rank order fixed; peers' packs from local memory as they arrive.
   for (int64_t i = first; i < packs; i += stride) {
     float acc[W];
-    for (int q = 0; q < P.world; ++q)
-      accumulate<T, W>(acc, load_ws<T, W>(oneshot_slot<T, W>(P, L, P.rank, half, q) + i), q == 0);
+    for (int q = 0; q < P.world; ++q) {
+      const Pack<T, W> v = q == P.rank ? canonical_pack(load_pack<T, W>(in, i, n))
+                                       : take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + i, P);
+      accumulate<T, W>(acc, v, q == 0);
+    }
     store_pack<T, W>(out, i, n, to_pack<T, W>(acc));
   }
 

@@ -1,6 +1,7 @@
 // XLA FFI handlers for the Switchyard all-reduce kernels, and the small C API the Python side
 // uses to set them up (init / reset / error query). Algorithms live in the headers:
-//   oneshot.cuh, twoshot.cuh, fused_rmsnorm.cuh; shared barrier and packs in common.cuh. The
+//   oneshot.cuh, twoshot.cuh, fused_rmsnorm.cuh; shared barrier and packs in common.cuh, the
+//   flag-free exchange of one-shot and fused in lamport.cuh. The
 //   decode-attention handler (decode_attention.cuh) needs no workspace and no init.
 //
 // Command-buffer safety (XLA captures jitted steps into CUDA graphs): handlers only read the
@@ -466,6 +467,8 @@ int sy_init(int world, const int* ordinals, long long oneshot_bytes, long long t
     // Plain device memory (never managed memory, never multicast objects).
     SY_CHECK(cudaMalloc(&g.base[r], total));
     SY_CHECK(cudaMemset(g.base[r], 0, total));
+    // One-shot slots start empty (lamport.cuh): all bits set.
+    SY_CHECK(cudaMemset(g.base[r] + state_bytes + L.oneshot_off, kEmptyByte, L.scatter_off - L.oneshot_off));
     SY_CHECK(preload_all_kernels());
     SY_CHECK(cudaDeviceSynchronize());
   }
@@ -503,7 +506,8 @@ int sy_error() {
   return static_cast<int>(e);
 }
 
-// Wait for all devices, then zero every state word (epochs, flags, errors) on every GPU. Only
+// Wait for all devices, then zero every state word (epochs, flags, errors) and empty every
+// one-shot slot on every GPU. Only
 // valid while no all-reduce is in flight (it synchronises the devices first). `epoch` lets tests
 // start the counters near 2^32 to exercise wrap-around.
 int sy_reset(unsigned int epoch) {
@@ -521,6 +525,9 @@ int sy_reset(unsigned int epoch) {
   for (int r = 0; r < g.world; ++r) {
     SY_CHECK(cudaSetDevice(g.ordinals[r]));
     SY_CHECK(cudaMemcpy(g.base[r], &s, sizeof(s), cudaMemcpyHostToDevice));
+    // A call cut short (timeout) can leave packs in one-shot slots: empty them all again.
+    SY_CHECK(cudaMemset(g.base[r] + g.state_bytes + g.layout.oneshot_off, kEmptyByte,
+                        g.layout.scatter_off - g.layout.oneshot_off));
     SY_CHECK(cudaDeviceSynchronize());
     reinterpret_cast<volatile uint32_t*>(g.host_error)[r] = 0;
   }
