@@ -1,7 +1,8 @@
 """Decode attention for the engine: each row's new token against its KV cache, the new K/V written in.
 
 ``decode_attention`` runs the CUDA kernel of ``csrc/decode_attention.cuh`` on GPUs where the kernel
-library is loaded (one launch; the sequence is split across blocks when the batch is small), and
+library is loaded (one launch; the sequence is split across up to 8 blocks of one cluster when the
+batch is small), and
 otherwise the pure-JAX reference below, with the same semantics. Called inside ``jax.shard_map``
 on one device's shard: rows are the first ``n`` rows of the caches.
 """
@@ -21,8 +22,8 @@ KERNEL_GROUPS = (1, 2, 4, 8)
 # Blocks the kernel aims for: about two per SM of an H100/H200 (132 SMs).
 TARGET_BLOCKS = 264
 MIN_SLICE = 64  # positions per block below which splitting the sequence further does not pay
-MAX_SPLITS = 64  # kAttnMaxSplits in csrc/decode_attention.cuh
-MAX_PAIRS = 1 << 16  # (row, KV head) pairs: the kernel's merge counters per GPU
+MAX_SPLITS = 8  # kAttnMaxSplits in csrc/decode_attention.cuh: the slices of a (row, head) form one cluster
+MAX_PAIRS = (1 << 31) - 1  # (row, KV head) pairs: the grid's x dimension
 
 
 def splits_for(n: int, kv_heads: int, cache_len: int) -> int:
@@ -62,14 +63,13 @@ def reference_decode_attention(
 
 
 def _kernel(q, k_new, v_new, k_cache, v_cache, positions, write_at):
-    n, heads, d = q.shape
+    n, _, d = q.shape
     kv = k_new.shape[1]
     splits = splits_for(n, kv, k_cache.shape[2])
-    partial_elems = n * heads * splits * (d + 2) if splits > 1 else 1
-    out, k_cache, v_cache, _ = jax.ffi.ffi_call(
+    out, k_cache, v_cache = jax.ffi.ffi_call(
         "switchyard_decode_attention",
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype), jax.ShapeDtypeStruct((partial_elems,), jnp.float32)),
+         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
         input_output_aliases={3: 1, 4: 2},
     )(q, k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), k_cache, v_cache,
       positions.astype(jnp.int32), write_at.astype(jnp.int32), scale=np.float32(1.0 / math.sqrt(d)),

@@ -74,7 +74,8 @@ def test_without_gpu_kernel_the_reference_runs():
 
 
 def test_split_and_support_rules():
-    assert attention.splits_for(1, 8, 1152) == 18  # few (row, head) pairs: split the sequence
+    assert attention.splits_for(1, 8, 1152) == 8  # few (row, head) pairs: split the sequence
+    assert attention.splits_for(8, 8, 1152) == 5
     assert attention.splits_for(64, 8, 1152) == 1  # enough blocks already
     assert attention.splits_for(2, 8, 64) == 1  # never slices shorter than MIN_SLICE positions
     assert attention.splits_for(1, 1, 131072) == attention.MAX_SPLITS

@@ -1,5 +1,5 @@
 // Decode attention: one new token per row against that row's KV cache, with the new K/V written
-// into the cache in the same launch (split-sequence "flash decoding").
+// into the cache in the same launch (split-sequence "flash decoding", merged inside a cluster).
 //
 // Layouts (one device's shard, as the engine keeps them):
 //   q        [n, kv * G, D]   the new tokens' queries, rope applied
@@ -11,13 +11,23 @@
 //   out      [n, kv * G, D]
 //
 // Work split. Block (b, h, s) takes kv head h of row b and the s-th of S equal slices of the
-// positions [0, pos]; its 4 warps take turns at runs of 8 positions. For each position each lane
-// loads D/32 consecutive elements of K and V (one coalesced row), the
-// G dot products are reduced across the warp, and an online softmax (running max m, sum l,
-// accumulator acc) folds in that position's V. The warps then merge in shared memory. With S = 1
-// the block writes the output; otherwise it writes (acc, m, l) for its slice to `partials`
-// [n, kv, S, G, D + 2] (fp32), and the last of the S blocks to finish (an atomic counter per
-// (row, head), reset by that block) merges them into the output.
+// positions [0, pos]; its kAttnWarps warps take turns at chunks of 32 positions, and a warp
+// issues all of a chunk's K and V loads before it uses any (one round trip to HBM per chunk).
+//  - scores: lane i takes position i of the chunk and computes its G dot products over the
+//    whole head dimension itself (its K row from HBM, the scaled queries from shared memory),
+//    so no cross-lane reduction is needed per position;
+//  - online softmax per chunk: one warp max and one warp sum per query head for 32 positions;
+//  - values: lane i holds D/32 consecutive output elements and walks the chunk's 32 V rows (each
+//    row one coalesced warp load), weighting them by the probabilities left in shared memory.
+// The warps then merge in shared memory.
+//
+// Merging the S slices. The S blocks of one (row, head) form a thread-block cluster (S <= 8, the
+// portable cluster size): each leaves its (m, l, acc) in its shared memory, the cluster
+// synchronises, and every block merges a share of the G x D outputs by reading all S blocks'
+// shared memory (distributed shared memory), then the cluster synchronises again so that no block
+// exits while a peer still reads its shared memory. No partial results go through global memory
+// and nothing needs a second launch, a fence or an atomic: at batch 1 the kernel's time is a
+// chain of latencies, and this keeps it to one HBM round trip for K/V and two cluster barriers.
 //
 // The new K/V. The position being written is read by at most one block (the one whose slice
 // holds it), and that block uses k_new/v_new directly for it instead of the cache; block s == 0
@@ -26,17 +36,20 @@
 // Numerics: scores, softmax and accumulation in fp32; products of bf16/fp16 inputs.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace switchyard {
 
 constexpr int kAttnWarps = 4;
-constexpr int kAttnUnroll = 8;  // positions per warp per round
+constexpr int kAttnChunk = 32;  // positions per warp per step: one per lane
 constexpr int kAttnMaxGroup = 8;  // query heads per KV head (GQA ratio) the kernel supports
 constexpr float kAttnFloor = -1e30f;
-constexpr int kAttnMaxSplits = 64;
+constexpr int kAttnMaxSplits = 8;  // the portable thread-block cluster size
 
 struct AttnArgs {
   const void* q;
@@ -47,8 +60,6 @@ struct AttnArgs {
   const int32_t* pos;
   const int32_t* write_at;
   void* out;
-  float* partials;
-  int* counters;  // one per (row, KV head): zero between launches (the merging block resets it)
   int n, kv, G, L, S;
   float scale;
 };
@@ -92,9 +103,23 @@ __device__ __forceinline__ void attn_copy(const T* src, T* dst) {
   }
 }
 
+__device__ __forceinline__ float attn_warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+__device__ __forceinline__ float attn_warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a) {
-  constexpr int E = D / 32;
+  namespace cg = cooperative_groups;
+  constexpr int E = D / 32;      // output elements per lane
+  constexpr int P16 = D / 8;     // 16-byte pieces of one K row
+  using VRaw = typename std::conditional<E == 4, uint2, uint32_t>::type;  // E elements of V
   const int b = blockIdx.x / a.kv, h = blockIdx.x % a.kv, s = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int pos = a.pos[b];
@@ -111,18 +136,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   T* kc = static_cast<T*>(a.k_cache) + head * a.L * D;
   T* vc = static_cast<T*>(a.v_cache) + head * a.L * D;
 
+  __shared__ __align__(16) float qs[G][D];            // scaled queries, read by every lane
+  __shared__ float sp[kAttnWarps][G][kAttnChunk];     // a chunk's probabilities, per warp
+  for (int i = threadIdx.x; i < G * D; i += kAttnWarps * 32) qs[i / D][i % D] = attn_to_float(q[i]) * a.scale;
   if (s == 0 && warp == 0 && writes) {
     attn_copy<T, E>(kn + lane * E, kc + static_cast<int64_t>(wat) * D + lane * E);
     attn_copy<T, E>(vn + lane * E, vc + static_cast<int64_t>(wat) * D + lane * E);
   }
+  __syncthreads();
 
-  float qf[G][E];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    attn_load<T, E>(q + g * D + lane * E, qf[g]);
-#pragma unroll
-    for (int e = 0; e < E; ++e) qf[g][e] *= a.scale;
-  }
   float m[G], l[G], acc[G][E];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -132,64 +154,78 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
     for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
   }
 
-  // Each warp takes kAttnUnroll consecutive positions per round and issues all their loads before
-  // using any: one position at a time leaves too few loads in flight to reach HBM bandwidth.
-  for (int base = t0 + warp * kAttnUnroll; base < t1; base += kAttnWarps * kAttnUnroll) {
-    float kf[kAttnUnroll][E], vf[kAttnUnroll][E];
+  for (int base = t0 + warp * kAttnChunk; base < t1; base += kAttnWarps * kAttnChunk) {
+    // Loads first: this lane's K row, and every V row of the chunk at this lane's elements.
+    // Past the slice's end, re-read its last position (no branch around the loads); masked below.
+    const int t = min(base + lane, t1 - 1);
+    const bool valid = base + lane < t1;
+    const T* krow = (writes && t == wat) ? kn : kc + static_cast<int64_t>(t) * D;
+    uint4 kraw[P16];
 #pragma unroll
-    for (int u = 0; u < kAttnUnroll; ++u) {
-      // Past the slice's end, re-read its last position (no branch around the loads); it is masked below.
-      const int t = min(base + u, t1 - 1);
-      const bool fresh = writes && t == wat;
-      attn_load<T, E>((fresh ? kn : kc + static_cast<int64_t>(t) * D) + lane * E, kf[u]);
-      attn_load<T, E>((fresh ? vn : vc + static_cast<int64_t>(t) * D) + lane * E, vf[u]);
+    for (int c = 0; c < P16; ++c) kraw[c] = *reinterpret_cast<const uint4*>(krow + c * 8);
+    VRaw vraw[kAttnChunk];
+#pragma unroll
+    for (int j = 0; j < kAttnChunk; ++j) {
+      const int tj = min(base + j, t1 - 1);
+      const T* vrow = (writes && tj == wat) ? vn : vc + static_cast<int64_t>(tj) * D;
+      vraw[j] = *reinterpret_cast<const VRaw*>(vrow + lane * E);
     }
-    float score[kAttnUnroll][G];
+
+    // Scores of this lane's position for the G query heads.
+    float sc[G];
 #pragma unroll
-    for (int u = 0; u < kAttnUnroll; ++u) {
+    for (int g = 0; g < G; ++g) sc[g] = 0.f;
+#pragma unroll
+    for (int c = 0; c < P16; ++c) {
+      const T* kv = reinterpret_cast<const T*>(&kraw[c]);
+      float kf[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) kf[e] = attn_to_float(kv[e]);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float d = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) d += qf[g][e] * kf[u][e];
-        score[u][g] = d;
+        const float4 qa = *reinterpret_cast<const float4*>(&qs[g][c * 8]);
+        const float4 qb = *reinterpret_cast<const float4*>(&qs[g][c * 8 + 4]);
+        sc[g] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] + qb.y * kf[5] +
+                 qb.z * kf[6] + qb.w * kf[7];
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-#pragma unroll
-      for (int u = 0; u < kAttnUnroll; ++u) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) score[u][g] += __shfl_xor_sync(0xffffffffu, score[u][g], off);
-      }
-    }
+
+    // Online softmax over the chunk; the probabilities go to shared memory for the V pass.
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float mx = m[g];
-#pragma unroll
-      for (int u = 0; u < kAttnUnroll; ++u)
-        if (base + u < t1) mx = fmaxf(mx, score[u][g]);
+      const float mx = fmaxf(m[g], attn_warp_max(valid ? sc[g] : kAttnFloor));
       const float corr = __expf(m[g] - mx);
-      l[g] *= corr;
+      const float p = valid ? __expf(sc[g] - mx) : 0.f;
+      sp[warp][g][lane] = p;
+      l[g] = l[g] * corr + attn_warp_sum(p);
+      m[g] = mx;
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[g][e] *= corr;
-#pragma unroll
-      for (int u = 0; u < kAttnUnroll; ++u) {
-        if (base + u < t1) {
-          const float p = __expf(score[u][g] - mx);
-          l[g] += p;
-#pragma unroll
-          for (int e = 0; e < E; ++e) acc[g][e] += p * vf[u][e];
-        }
-      }
-      m[g] = mx;
     }
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < kAttnChunk; ++j) {
+      const T* vv = reinterpret_cast<const T*>(&vraw[j]);
+      float vf[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) vf[e] = attn_to_float(vv[e]);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = sp[warp][g][j];  // 0 past the slice's end
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] += p * vf[e];
+      }
+    }
+    __syncwarp();  // sp is rewritten by the next chunk
   }
 
-  // Merge the warps: every warp leaves (m, l) per query head and its acc slice in shared memory.
+  // Merge the warps: every warp leaves (m, l) per query head and its acc slice in shared memory;
+  // the block's result (max, sum, unnormalised acc) goes to blk_* for the cluster merge.
   __shared__ float sm_m[kAttnWarps][G];
   __shared__ float sm_l[kAttnWarps][G];
   __shared__ float sm_acc[kAttnWarps][G][D];
+  __shared__ float blk_m[G], blk_l[G];
+  __shared__ float blk_acc[G][D];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     if (lane == 0) {
@@ -216,57 +252,35 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
       T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;
       out[d] = attn_from_float<T>(val / sum);
     } else {
-      float* part = a.partials + ((head * a.S + s) * G + g) * (D + 2);
-      part[d] = val;
+      blk_acc[g][d] = val;
       if (d == 0) {
-        part[D] = mx;
-        part[D + 1] = sum;
+        blk_m[g] = mx;
+        blk_l[g] = sum;
       }
     }
   }
   if (a.S == 1) return;
 
-  // The last block of this (row, head) to finish merges the S slices (no second launch). Release:
-  // every thread's partial stores, then one fenced increment; acquire: a fence after seeing S - 1.
-  __shared__ bool sm_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    sm_last = atomicAdd(a.counters + head, 1) == a.S - 1;
-  }
-  __syncthreads();
-  if (!sm_last) return;
-  __threadfence();
-  const float* base = a.partials + head * a.S * G * (D + 2);
-  const int64_t slice = static_cast<int64_t>(G) * (D + 2);
-  // Per query head, the slices' weights exp(m_s - M) / sum: warp g computes them for head g.
-  __shared__ float sm_w[G][kAttnMaxSplits];
-  for (int g = warp; g < G; g += kAttnWarps) {
-    float mx = kAttnFloor;
-    for (int j = lane; j < a.S; j += 32) mx = fmaxf(mx, __ldcg(base + j * slice + g * (D + 2) + D));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float total = 0.f;
-    for (int j = lane; j < a.S; j += 32) {
-      const float* p = base + j * slice + g * (D + 2);
-      const float w = __expf(__ldcg(p + D) - mx);
-      sm_w[g][j] = w;
-      total += w * __ldcg(p + D + 1);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-    for (int j = lane; j < a.S; j += 32) sm_w[g][j] /= total;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += kAttnWarps * 32) {
+  // The cluster (the S blocks of this row and head) merges through distributed shared memory.
+  // cluster.sync() is a release/acquire barrier across the cluster: every block's blk_* writes
+  // are visible to every other block's reads after it.
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int rank = static_cast<int>(cluster.block_rank());
+  for (int i = rank * kAttnWarps * 32 + threadIdx.x; i < G * D; i += a.S * kAttnWarps * 32) {
     const int g = i / D, d = i % D;
-    float val = 0.f;
-#pragma unroll 8
-    for (int j = 0; j < a.S; ++j) val += sm_w[g][j] * __ldcg(base + j * slice + g * (D + 2) + d);
+    float mx = kAttnFloor;
+    for (int r = 0; r < a.S; ++r) mx = fmaxf(mx, *cluster.map_shared_rank(&blk_m[g], r));
+    float sum = 0.f, val = 0.f;
+    for (int r = 0; r < a.S; ++r) {
+      const float f = __expf(*cluster.map_shared_rank(&blk_m[g], r) - mx);
+      sum += *cluster.map_shared_rank(&blk_l[g], r) * f;
+      val += *cluster.map_shared_rank(&blk_acc[g][d], r) * f;
+    }
     T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;
-    out[d] = attn_from_float<T>(val);
+    out[d] = attn_from_float<T>(val / sum);
   }
-  if (threadIdx.x == 0) a.counters[head] = 0;  // ready for the next launch (stream order)
+  cluster.sync();  // keep every block's shared memory alive until all reads are done
 }
 
 }  // namespace switchyard

@@ -5,7 +5,8 @@
 // (Llama/Hugging Face convention: statistics in float32, scale applied in T.)
 //
 // x, residual: [M, H] row-major; weight: [H]. Rows are the unit of work: block b owns rows
-// b, b + gridDim, ... in both phases.
+// b, b + gridDim, ... in both phases (one row per block up to kFusedMaxBlocks rows: nothing
+// pairs blocks, so the grid may exceed what is resident at once).
 //   1. push: the block stores its rows of x into slot[rank] of every peer's one-shot area;
 //   2. per row: take the peers' packs as they arrive (flag-free, lamport.cuh) and sum all
 //      contributions in float32 in rank order (bitwise identical on every rank), add the
@@ -45,8 +46,10 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 
 // W must divide H (the host picks W = 1 otherwise), so every row starts on a pack boundary.
+constexpr int kFusedThreads = 512;  // at most, per block
+
 template <typename T, int W>
-__global__ void __launch_bounds__(1024) fused_rmsnorm_kernel(
+__global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     Peers P, Layout L, const T* __restrict__ x, const T* __restrict__ residual,
     const T* __restrict__ weight, T* __restrict__ new_residual, T* __restrict__ normed, int64_t rows,
     int64_t hidden, float eps) {
@@ -73,13 +76,12 @@ __global__ void __launch_bounds__(1024) fused_rmsnorm_kernel(
   const PackT* wp = reinterpret_cast<const PackT*>(weight);
   PackT* nrp = reinterpret_cast<PackT*>(new_residual);
   PackT* np = reinterpret_cast<PackT*>(normed);
-  // Reduce one pack of a row, add the residual, write and return new_residual.
-  auto reduce_add = [&](int64_t row, int64_t p, float& sumsq) -> PackT {
-    const PackT res = rp[row * hp + p];
+  // Reduce one pack of a row (own = this rank's canonical pack), add the residual, write and
+  // return new_residual.
+  auto reduce_add = [&](int64_t row, int64_t p, const PackT& own, const PackT& res, float& sumsq) -> PackT {
     float acc[W];
     for (int q = 0; q < P.world; ++q) {
-      const PackT v = q == P.rank ? canonical_pack(xp[row * hp + p])
-                                  : take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + row * hp + p, P);
+      const PackT v = q == P.rank ? own : take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + row * hp + p, P);
       accumulate<T, W>(acc, v, q == 0);
     }
     const PackT reduced = to_pack<T, W>(acc);
@@ -93,8 +95,7 @@ __global__ void __launch_bounds__(1024) fused_rmsnorm_kernel(
     nrp[row * hp + p] = nr;
     return nr;
   };
-  auto write_normed = [&](int64_t row, int64_t p, const PackT& nr, float rstd) {
-    const PackT w = wp[p];
+  auto write_normed = [&](int64_t row, int64_t p, const PackT& nr, const PackT& w, float rstd) {
     PackT o;
 #pragma unroll
     for (int i = 0; i < W; ++i) {
@@ -106,25 +107,42 @@ __global__ void __launch_bounds__(1024) fused_rmsnorm_kernel(
 
   // The first kKeep packs of each thread stay in registers between the two passes (a row of up
   // to kKeep x blockDim packs: every Llama hidden size); packs beyond that are re-read from
-  // new_residual, which this same thread wrote.
+  // new_residual, which this same thread wrote. Their weights, residuals and own inputs are
+  // loaded before any wait, so that no load from memory sits on the path from a peer's
+  // arrival to the outputs.
   constexpr int kKeep = 2;
   const int64_t bd = blockDim.x;
+  PackT wkeep[kKeep];
+#pragma unroll
+  for (int j = 0; j < kKeep; ++j) {
+    const int64_t p = threadIdx.x + j * bd;
+    if (p < hp) wkeep[j] = wp[p];
+  }
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     float sumsq = 0.f;
-    PackT keep[kKeep];
+    PackT keep[kKeep], own[kKeep], res[kKeep];
 #pragma unroll
     for (int j = 0; j < kKeep; ++j) {
       const int64_t p = threadIdx.x + j * bd;
-      if (p < hp) keep[j] = reduce_add(row, p, sumsq);
+      if (p < hp) {
+        own[j] = canonical_pack(xp[row * hp + p]);
+        res[j] = rp[row * hp + p];
+      }
     }
-    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) reduce_add(row, p, sumsq);
+#pragma unroll
+    for (int j = 0; j < kKeep; ++j) {
+      const int64_t p = threadIdx.x + j * bd;
+      if (p < hp) keep[j] = reduce_add(row, p, own[j], res[j], sumsq);
+    }
+    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd)
+      reduce_add(row, p, canonical_pack(xp[row * hp + p]), rp[row * hp + p], sumsq);
     const float rstd = rsqrtf(block_sum(sumsq) / static_cast<float>(hidden) + eps);
 #pragma unroll
     for (int j = 0; j < kKeep; ++j) {
       const int64_t p = threadIdx.x + j * bd;
-      if (p < hp) write_normed(row, p, keep[j], rstd);
+      if (p < hp) write_normed(row, p, keep[j], wkeep[j], rstd);
     }
-    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) write_normed(row, p, nrp[row * hp + p], rstd);
+    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) write_normed(row, p, nrp[row * hp + p], wp[p], rstd);
   }
 
   finish_launch(P, epoch);

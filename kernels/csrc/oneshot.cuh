@@ -37,8 +37,10 @@ __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const 
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 
   // Phase 1: push. Destinations are rotated by rank so that the ranks do not all hit GPU 0 first.
+  Pack<T, W> mine;  // this thread's first pack, kept for phase 2 (small messages: its only one)
   for (int64_t i = first; i < packs; i += stride) {
     const Pack<T, W> p = canonical_pack(load_pack<T, W>(in, i, n));
+    if (i == first) mine = p;
     for (int k = 1; k < P.world; ++k) {
       const int gpu = (P.rank + k) % P.world;
       st_volatile(oneshot_slot<T, W>(P, L, gpu, half, P.rank) + i, p);
@@ -49,8 +51,9 @@ __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const 
   for (int64_t i = first; i < packs; i += stride) {
     float acc[W];
     for (int q = 0; q < P.world; ++q) {
-      const Pack<T, W> v = q == P.rank ? canonical_pack(load_pack<T, W>(in, i, n))
-                                       : take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + i, P);
+      const Pack<T, W> v = q != P.rank ? take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + i, P)
+                           : i == first ? mine
+                                        : canonical_pack(load_pack<T, W>(in, i, n));
       accumulate<T, W>(acc, v, q == 0);
     }
     store_pack<T, W>(out, i, n, to_pack<T, W>(acc));

@@ -2,7 +2,8 @@
 // uses to set them up (init / reset / error query). Algorithms live in the headers:
 //   oneshot.cuh, twoshot.cuh, fused_rmsnorm.cuh; shared barrier and packs in common.cuh, the
 //   flag-free exchange of one-shot and fused in lamport.cuh. The
-//   decode-attention handler (decode_attention.cuh) needs no workspace and no init.
+//   decode-attention handler (decode_attention.cuh) needs no workspace and no init, only its
+//   kernels loaded (sy_preload_attention).
 //
 // Command-buffer safety (XLA captures jitted steps into CUDA graphs): handlers only read the
 // registry (built once at init), pick a launch configuration from buffer sizes and launch one
@@ -14,6 +15,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "common.cuh"
@@ -32,8 +34,9 @@ namespace {
 constexpr int kMaxOrdinals = 64;
 constexpr int kThreads = 512;
 constexpr int kOneshotMaxBlocks = 64;
+constexpr int kFusedMaxBlocks = 1024;  // one row per block (no barrier pairs blocks: any grid works)
 constexpr int kTwoshotMaxBlocks = kMaxBlocks;
-static_assert(kOneshotMaxBlocks <= kMaxBlocks, "flag slots");
+static_assert(kTwoshotMaxBlocks <= kMaxBlocks, "flag slots of the two-shot barriers");
 
 struct Registry {
   bool ready = false;
@@ -190,8 +193,8 @@ ffi::Error FusedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi:
   return dispatch(x.element_type(), vec, [&](auto t, auto w) {
     using T = decltype(t);
     constexpr int W = decltype(w)::value;
-    const int threads = static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, round_up(hidden / W, 32))));
-    const int blocks = static_cast<int>(std::min<int64_t>(kOneshotMaxBlocks, rows));
+    const int threads = static_cast<int>(std::min<int64_t>(kFusedThreads, std::max<int64_t>(32, round_up(hidden / W, 32))));
+    const int blocks = static_cast<int>(std::min<int64_t>(kFusedMaxBlocks, rows));
     fused_rmsnorm_kernel<T, W><<<blocks, threads, 0, stream>>>(
         P, g.layout, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(residual.untyped_data()),
         static_cast<const T*>(weight.untyped_data()), static_cast<T*>(new_residual->untyped_data()),
@@ -218,9 +221,8 @@ ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer, ffi::Result<ffi::A
 }
 
 // ---- decode attention -------------------------------------------------------------------------
-// Merge counters of the decode-attention kernel, one array per GPU (allocated zeroed at preload).
-constexpr int kAttnCounters = 1 << 16;
-int* g_attn_counters[kMaxOrdinals] = {};
+// GPUs on which the decode-attention kernels are loaded (sy_preload_attention).
+bool g_attn_loaded[kMaxOrdinals] = {};
 
 template <typename A, typename B>
 bool same_dims(const A& a, const B& b) {
@@ -230,34 +232,46 @@ bool same_dims(const A& a, const B& b) {
   return true;
 }
 
+// The S slices of one (row, KV head) run as one thread-block cluster (decode_attention.cuh).
+// Returns cudaErrorNotSupported for a shape without a compiled kernel.
 template <typename T, int D, int G>
-void launch_attention(const AttnArgs& a, cudaStream_t stream) {
-  attn_split_kernel<T, D, G><<<dim3(a.n * a.kv, a.S), kAttnWarps * 32, 0, stream>>>(a);
+cudaError_t launch_attention(const AttnArgs& a, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(a.n * a.kv, a.S);
+  cfg.blockDim = dim3(kAttnWarps * 32);
+  cfg.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = a.S;
+  cluster.val.clusterDim.z = 1;
+  cfg.attrs = &cluster;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, attn_split_kernel<T, D, G>, a);
 }
 
 template <typename T, int D>
-bool launch_attention_group(const AttnArgs& a, cudaStream_t stream) {
+cudaError_t launch_attention_group(const AttnArgs& a, cudaStream_t stream) {
   switch (a.G) {
-    case 1: launch_attention<T, D, 1>(a, stream); return true;
-    case 2: launch_attention<T, D, 2>(a, stream); return true;
-    case 4: launch_attention<T, D, 4>(a, stream); return true;
-    case 8: launch_attention<T, D, 8>(a, stream); return true;
-    default: return false;
+    case 1: return launch_attention<T, D, 1>(a, stream);
+    case 2: return launch_attention<T, D, 2>(a, stream);
+    case 4: return launch_attention<T, D, 4>(a, stream);
+    case 8: return launch_attention<T, D, 8>(a, stream);
+    default: return cudaErrorNotSupported;
   }
 }
 
 template <typename T>
-bool launch_attention_dtype(const AttnArgs& a, int head_dim, cudaStream_t stream) {
+cudaError_t launch_attention_dtype(const AttnArgs& a, int head_dim, cudaStream_t stream) {
   if (head_dim == 128) return launch_attention_group<T, 128>(a, stream);
   if (head_dim == 64) return launch_attention_group<T, 64>(a, stream);
-  return false;
+  return cudaErrorNotSupported;
 }
 
 ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
                          ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> write_at,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_cache,
-                         ffi::Result<ffi::AnyBuffer> v_cache, ffi::Result<ffi::Buffer<ffi::F32>> partials,
-                         float scale, int32_t splits) {
+                         ffi::Result<ffi::AnyBuffer> v_cache, float scale, int32_t splits) {
   // k_cache / v_cache results alias the cache operands (input_output_aliases): read and write them.
   const auto qd = q.dimensions(), kd = k_new.dimensions(), cd = k_cache->dimensions();
   auto bad = [](const char* why) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, why); };
@@ -273,21 +287,22 @@ ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   if (k_new.element_type() != dt || v_new.element_type() != dt || k_cache->element_type() != dt ||
       v_cache->element_type() != dt || out->element_type() != dt)
     return bad("decode attention: q, k, v, caches and output must share one dtype");
-  if (splits < 1 || splits > kAttnMaxSplits ||
-      static_cast<int64_t>(partials->element_count()) < (splits > 1 ? n * hq * splits * (d + 2) : 0))
-    return bad("decode attention: splits out of range, or partials buffer too small for them");
-  if (n * kv > kAttnCounters) return bad("decode attention: more (row, KV head) pairs than merge counters");
-  if (device < 0 || device >= kMaxOrdinals || g_attn_counters[device] == nullptr)
+  if (splits < 1 || splits > kAttnMaxSplits) return bad("decode attention: splits must be 1..8");
+  if (n * kv > std::numeric_limits<int32_t>::max()) return bad("decode attention: too many (row, KV head) pairs");
+  if (device < 0 || device >= kMaxOrdinals || !g_attn_loaded[device])
     return bad("decode attention: kernels not loaded on this GPU (switchyard.kernels.native.attention_ready)");
   if (n == 0) return ffi::Error::Success();
   AttnArgs a{q.untyped_data(), k_new.untyped_data(), v_new.untyped_data(), k_cache->untyped_data(),
              v_cache->untyped_data(), pos.typed_data(), write_at.typed_data(), out->untyped_data(),
-             partials->typed_data(), g_attn_counters[device], static_cast<int>(n), static_cast<int>(kv), static_cast<int>(hq / kv),
+             static_cast<int>(n), static_cast<int>(kv), static_cast<int>(hq / kv),
              static_cast<int>(len), static_cast<int>(splits), scale};
-  bool ok = false;
-  if (dt == ffi::DataType::BF16) ok = launch_attention_dtype<__nv_bfloat16>(a, static_cast<int>(d), stream);
-  else if (dt == ffi::DataType::F16) ok = launch_attention_dtype<__half>(a, static_cast<int>(d), stream);
-  if (!ok) return bad("decode attention: supports bf16/fp16, head_dim 64 or 128, 1/2/4/8 query heads per KV head");
+  cudaError_t e = cudaErrorNotSupported;
+  if (dt == ffi::DataType::BF16) e = launch_attention_dtype<__nv_bfloat16>(a, static_cast<int>(d), stream);
+  else if (dt == ffi::DataType::F16) e = launch_attention_dtype<__half>(a, static_cast<int>(d), stream);
+  if (e == cudaErrorNotSupported)
+    return bad("decode attention: supports bf16/fp16, head_dim 64 or 128, 1/2/4/8 query heads per KV head");
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("decode attention launch: ") + cudaGetErrorString(e));
   return launched();
 }
 
@@ -349,7 +364,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeAttention, AttentionImpl,
                                   .Ret<ffi::AnyBuffer>()           // out
                                   .Ret<ffi::AnyBuffer>()           // k_cache
                                   .Ret<ffi::AnyBuffer>()           // v_cache
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // partials (scratch)
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("splits"),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -395,20 +409,15 @@ const char* sy_last_error() { return g_last_error.c_str(); }
 int sy_preload_attention(int ordinal) {
   int prev = 0;
   cudaGetDevice(&prev);
+  if (ordinal < 0 || ordinal >= kMaxOrdinals) return fail("preload attention kernels: bad device ordinal");
   cudaError_t e = cudaSetDevice(ordinal);
-  if (e == cudaSuccess && ordinal >= 0 && ordinal < kMaxOrdinals && g_attn_counters[ordinal] == nullptr) {
-    int* counters = nullptr;
-    e = cudaMalloc(&counters, kAttnCounters * sizeof(int));
-    if (e == cudaSuccess) e = cudaMemset(counters, 0, kAttnCounters * sizeof(int));
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
-    if (e == cudaSuccess) g_attn_counters[ordinal] = counters;
-  }
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 128>();
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 64>();
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 128>();
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 64>();
   cudaSetDevice(prev);
   if (e != cudaSuccess) return fail(std::string("preload attention kernels: ") + cudaGetErrorString(e));
+  g_attn_loaded[ordinal] = true;
   return 0;
 }
 int sy_is_ready() { return g.ready ? 1 : 0; }
