@@ -59,23 +59,48 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
   using PackT = Pack<T, W>;
   const PackT* xp = reinterpret_cast<const PackT*>(x);
 
-  // Phase 1: push this block's rows.
-  if (P.world > 1) {
-    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-      for (int64_t p = threadIdx.x; p < hp; p += blockDim.x) {
-        const PackT v = canonical_pack(xp[row * hp + p]);
-        for (int k = 1; k < P.world; ++k) {
-          const int gpu = (P.rank + k) % P.world;
-          st_volatile(oneshot_slot<T, W>(P, L, gpu, half, P.rank) + row * hp + p, v);
-        }
-      }
-    }
-  }
-
   const PackT* rp = reinterpret_cast<const PackT*>(residual);
   const PackT* wp = reinterpret_cast<const PackT*>(weight);
   PackT* nrp = reinterpret_cast<PackT*>(new_residual);
   PackT* np = reinterpret_cast<PackT*>(normed);
+
+  // The first kKeep packs of each thread stay in registers (a row of up to kKeep x blockDim
+  // packs: every Llama hidden size); packs beyond that are re-read. For the block's first row
+  // (its only one up to kFusedMaxBlocks rows) its own packs, residuals and weights are loaded
+  // before anything else, so that their loads overlap the peers' NVLink trip and no load from
+  // memory sits between a peer's arrival and the outputs.
+  constexpr int kKeep = 2;
+  const int64_t bd = blockDim.x;
+  const int64_t row0 = blockIdx.x;  // < rows: the grid has at most one block per row
+  PackT own0[kKeep], res0[kKeep], wkeep[kKeep];
+#pragma unroll
+  for (int j = 0; j < kKeep; ++j) {
+    const int64_t p = threadIdx.x + j * bd;
+    if (p < hp) {
+      own0[j] = canonical_pack(xp[row0 * hp + p]);
+      res0[j] = rp[row0 * hp + p];
+      wkeep[j] = wp[p];
+    }
+  }
+
+  // Phase 1: push this block's rows to every peer.
+  auto push = [&](int64_t row, int64_t p, const PackT& v) {
+    for (int k = 1; k < P.world; ++k) {
+      const int gpu = (P.rank + k) % P.world;
+      st_volatile(oneshot_slot<T, W>(P, L, gpu, half, P.rank) + row * hp + p, v);
+    }
+  };
+  if (P.world > 1) {
+    for (int64_t row = row0; row < rows; row += gridDim.x) {
+#pragma unroll
+      for (int j = 0; j < kKeep; ++j) {
+        const int64_t p = threadIdx.x + j * bd;
+        if (p < hp) push(row, p, row == row0 ? own0[j] : canonical_pack(xp[row * hp + p]));
+      }
+      for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) push(row, p, canonical_pack(xp[row * hp + p]));
+    }
+  }
+
   // Reduce one pack of a row (own = this rank's canonical pack), add the residual, write and
   // return new_residual.
   auto reduce_add = [&](int64_t row, int64_t p, const PackT& own, const PackT& res, float& sumsq) -> PackT {
@@ -105,28 +130,15 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     np[row * hp + p] = o;
   };
 
-  // The first kKeep packs of each thread stay in registers between the two passes (a row of up
-  // to kKeep x blockDim packs: every Llama hidden size); packs beyond that are re-read from
-  // new_residual, which this same thread wrote. Their weights, residuals and own inputs are
-  // loaded before any wait, so that no load from memory sits on the path from a peer's
-  // arrival to the outputs.
-  constexpr int kKeep = 2;
-  const int64_t bd = blockDim.x;
-  PackT wkeep[kKeep];
-#pragma unroll
-  for (int j = 0; j < kKeep; ++j) {
-    const int64_t p = threadIdx.x + j * bd;
-    if (p < hp) wkeep[j] = wp[p];
-  }
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  for (int64_t row = row0; row < rows; row += gridDim.x) {
     float sumsq = 0.f;
     PackT keep[kKeep], own[kKeep], res[kKeep];
 #pragma unroll
     for (int j = 0; j < kKeep; ++j) {
       const int64_t p = threadIdx.x + j * bd;
       if (p < hp) {
-        own[j] = canonical_pack(xp[row * hp + p]);
-        res[j] = rp[row * hp + p];
+        own[j] = row == row0 ? own0[j] : canonical_pack(xp[row * hp + p]);
+        res[j] = row == row0 ? res0[j] : rp[row * hp + p];
       }
     }
 #pragma unroll
