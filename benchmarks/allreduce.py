@@ -334,18 +334,19 @@ def main() -> int:
     us, _ = bench.measure({"floor": bench.floor()})["floor"]
     record("floor_empty_kernel", 0, us)
 
-    def run_size(nbytes: int, plain_impls: tuple[str, ...], with_fused: bool) -> None:
-        chains, checks_of, fused_impls = {}, {}, []
-        for impl in plain_impls:
-            if impl == "oneshot" and nbytes > cap["oneshot_bytes"]:
-                continue
-            chains[impl], checks_of[impl] = bench.plain(impl, nbytes)
-        if with_fused and nbytes <= FUSED_MAX:
+    def fits(impl: str, nbytes: int) -> bool:
+        """One-shot and fused carry the whole message in one workspace slot."""
+        return impl not in ("oneshot", "fused") or nbytes <= cap["oneshot_bytes"]
+
+    def run_size(nbytes: int) -> None:
+        chains, checks_of = {}, {}
+        for impl in ("xla", "oneshot", "twoshot"):
+            if fits(impl, nbytes):
+                chains[impl], checks_of[impl] = bench.plain(impl, nbytes)
+        if nbytes <= FUSED_MAX:
             for impl, strategy in (("fused", "oneshot"), ("twoshot_norm", "twoshot"), ("xla_norm", "xla")):
-                if impl == "fused" and nbytes > cap["oneshot_bytes"]:
-                    continue
-                chains[impl] = bench.fused(strategy, nbytes)
-                fused_impls.append(impl)
+                if fits(impl, nbytes):
+                    chains[impl] = bench.fused(strategy, nbytes)
         try:
             results = bench.measure(chains)
         except Exception as exc:
@@ -360,8 +361,7 @@ def main() -> int:
         ref = results.get("xla_norm")
         for impl in ("fused", "twoshot_norm"):
             if impl in results and ref is not None:
-                import numpy as np
-
+                np = bench.np
                 a = np.asarray(results[impl][1].astype("float32"), np.float64)
                 b = np.asarray(ref[1].astype("float32"), np.float64)
                 err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -370,7 +370,7 @@ def main() -> int:
                     notes.append(f"CHECK FAILED {impl} {nbytes}: chain differs from xla_norm by {err}")
 
     for nbytes in sizes:
-        run_size(nbytes, ("xla", "oneshot", "twoshot"), with_fused=True)
+        run_size(nbytes)
 
     from switchyard.kernels import selection
 
@@ -384,9 +384,8 @@ def main() -> int:
         chains, checks_of = {}, {}
         chains["auto"], checks_of["auto"] = bench.plain("auto", nbytes)
         for impl in ("oneshot", "twoshot"):
-            if impl == "oneshot" and nbytes > cap["oneshot_bytes"]:
-                continue
-            chains[f"{impl}_again"], _ = bench.plain(impl, nbytes)
+            if fits(impl, nbytes):
+                chains[f"{impl}_again"], _ = bench.plain(impl, nbytes)
         try:
             results = bench.measure(chains)
         except Exception as exc:

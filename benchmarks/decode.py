@@ -216,59 +216,57 @@ def main(argv: list[str] | None = None) -> int:
         make_mesh(tp, mesh_devices)
         base = None
         for strategy, min_bucket, attn in itertools.product(args.strategy, args.min_batch_bucket, args.attention):
-            for context in args.context:
-                for batch in args.batch:
-                    slots = max(batch, min_bucket)
-                    silent = strategy == "none"
-                    engine_strategy = "xla" if silent else strategy
-                    patch = without_communication(silent)
-                    patch.__enter__()
-                    layout = ServingLayout(tp=tp, strategy=engine_strategy, batch_slots=slots,
-                                           max_seq_len=context + args.steps + args.warmup + 1)
-                    t0 = time.perf_counter()
-                    if base is None:
-                        engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket,
-                                                    attention_kernel=attn == "kernel")
-                        base = engine.params
-                    else:
-                        engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
-                                        max_seq_len=layout.max_seq_len, strategy=engine_strategy, dtype="bfloat16",
-                                        cache_init="random", min_batch_bucket=min_bucket,
-                                        attention_kernel=attn == "kernel")
-                    engine.occupy_slots(context, count=batch)
-                    if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
-                        summary = hlo_summary(engine, batch)
-                        Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-                        hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}-{attn}.hlo.txt")
-                        hlo_file.write_text(summary.pop("hlo_text"))
-                        print("  hlo:", summary, flush=True)
-                    prof = None
-                    if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
-                        prof = profile_steps(engine, 8, f"{args.profile_dir}/tp{tp}-{strategy}-{attn}")
-                        print("  profile:", json.dumps(prof, indent=1), flush=True)
-                    times = time_serving_loop(engine, args.steps, args.warmup)
-                    sync_ms = 1000 * statistics.median(time_synchronous(engine, args.steps // 2, 2))
-                    setup = time.perf_counter() - t0
-                    ms = 1000 * statistics.median(times)
-                    per_gpu = spec.decode_bytes_per_step(batch, context) / tp
-                    roofline_ms = 1000 * per_gpu / bandwidth
-                    row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
-                           "attention": attn, "min_batch_bucket": min_bucket, "ms_per_token": round(ms, 4),
-                           "tokens_per_s": round(batch * 1000 / ms, 1),
-                           "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
-                           "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
-                           "synchronous_ms_per_token": round(sync_ms, 4)}
-                    if prof is not None:
-                        row["profile"] = prof
-                    rows.append(row)
-                    print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
-                          f"min-bucket {min_bucket} "
-                          f"{ms:8.3f} ms/token "
-                          f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
-                          f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)
-                    del engine
-                    gc.collect()
-                    patch.__exit__(None, None, None)
+            # "none": the all-reduce call sites patched out for this strategy's engines
+            engine_strategy = "xla" if strategy == "none" else strategy
+            with without_communication(strategy == "none"):
+                for context in args.context:
+                    for batch in args.batch:
+                        slots = max(batch, min_bucket)
+                        layout = ServingLayout(tp=tp, strategy=engine_strategy, batch_slots=slots,
+                                               max_seq_len=context + args.steps + args.warmup + 1)
+                        t0 = time.perf_counter()
+                        if base is None:
+                            engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket,
+                                                        attention_kernel=attn == "kernel")
+                            base = engine.params
+                        else:
+                            engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
+                                            max_seq_len=layout.max_seq_len, strategy=engine_strategy, dtype="bfloat16",
+                                            cache_init="random", min_batch_bucket=min_bucket,
+                                            attention_kernel=attn == "kernel")
+                        engine.occupy_slots(context, count=batch)
+                        if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
+                            summary = hlo_summary(engine, batch)
+                            Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+                            hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}-{attn}.hlo.txt")
+                            hlo_file.write_text(summary.pop("hlo_text"))
+                            print("  hlo:", summary, flush=True)
+                        prof = None
+                        if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
+                            prof = profile_steps(engine, 8, f"{args.profile_dir}/tp{tp}-{strategy}-{attn}")
+                            print("  profile:", json.dumps(prof, indent=1), flush=True)
+                        times = time_serving_loop(engine, args.steps, args.warmup)
+                        sync_ms = 1000 * statistics.median(time_synchronous(engine, args.steps // 2, 2))
+                        setup = time.perf_counter() - t0
+                        ms = 1000 * statistics.median(times)
+                        per_gpu = spec.decode_bytes_per_step(batch, context) / tp
+                        roofline_ms = 1000 * per_gpu / bandwidth
+                        row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
+                               "attention": attn, "min_batch_bucket": min_bucket, "ms_per_token": round(ms, 4),
+                               "tokens_per_s": round(batch * 1000 / ms, 1),
+                               "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
+                               "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
+                               "synchronous_ms_per_token": round(sync_ms, 4)}
+                        if prof is not None:
+                            row["profile"] = prof
+                        rows.append(row)
+                        print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
+                              f"min-bucket {min_bucket} "
+                              f"{ms:8.3f} ms/token "
+                              f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
+                              f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)
+                        del engine
+                        gc.collect()
         del base
         gc.collect()
 

@@ -43,6 +43,8 @@
 
 #include <type_traits>
 
+#include "common.cuh"  // to_f32 / from_f32
+
 namespace switchyard {
 
 constexpr int kAttnWarps = 4;
@@ -63,36 +65,6 @@ struct AttnArgs {
   int n, kv, G, L, S;
   float scale;
 };
-
-template <typename T>
-__device__ __forceinline__ float attn_to_float(T x);
-template <>
-__device__ __forceinline__ float attn_to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float attn_to_float<__half>(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T attn_from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 attn_from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half attn_from_float<__half>(float x) { return __float2half(x); }
-
-// E consecutive 2-byte elements (E = 2 or 4: 4 or 8 bytes, aligned because D * 2 bytes per row).
-template <typename T, int E>
-__device__ __forceinline__ void attn_load(const T* p, float (&x)[E]) {
-  if constexpr (E == 4) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) x[e] = attn_to_float(v[e]);
-  } else {
-    const uint32_t raw = *reinterpret_cast<const uint32_t*>(p);
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int e = 0; e < E; ++e) x[e] = attn_to_float(v[e]);
-  }
-}
 
 template <typename T, int E>
 __device__ __forceinline__ void attn_copy(const T* src, T* dst) {
@@ -138,7 +110,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
 
   __shared__ __align__(16) float qs[G][D];            // scaled queries, read by every lane
   __shared__ float sp[kAttnWarps][G][kAttnChunk];     // a chunk's probabilities, per warp
-  for (int i = threadIdx.x; i < G * D; i += kAttnWarps * 32) qs[i / D][i % D] = attn_to_float(q[i]) * a.scale;
+  for (int i = threadIdx.x; i < G * D; i += kAttnWarps * 32) qs[i / D][i % D] = to_f32(q[i]) * a.scale;
   if (s == 0 && warp == 0 && writes) {
     attn_copy<T, E>(kn + lane * E, kc + static_cast<int64_t>(wat) * D + lane * E);
     attn_copy<T, E>(vn + lane * E, vc + static_cast<int64_t>(wat) * D + lane * E);
@@ -180,7 +152,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
       const T* kv = reinterpret_cast<const T*>(&kraw[c]);
       float kf[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) kf[e] = attn_to_float(kv[e]);
+      for (int e = 0; e < 8; ++e) kf[e] = to_f32(kv[e]);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float4 qa = *reinterpret_cast<const float4*>(&qs[g][c * 8]);
@@ -208,7 +180,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
       const T* vv = reinterpret_cast<const T*>(&vraw[j]);
       float vf[E];
 #pragma unroll
-      for (int e = 0; e < E; ++e) vf[e] = attn_to_float(vv[e]);
+      for (int e = 0; e < E; ++e) vf[e] = to_f32(vv[e]);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float p = sp[warp][g][j];  // 0 past the slice's end
@@ -250,7 +222,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
     }
     if (a.S == 1) {
       T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;
-      out[d] = attn_from_float<T>(val / sum);
+      out[d] = from_f32<T>(val / sum);
     } else {
       blk_acc[g][d] = val;
       if (d == 0) {
@@ -278,7 +250,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
       val += *cluster.map_shared_rank(&blk_acc[g][d], r) * f;
     }
     T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;
-    out[d] = attn_from_float<T>(val / sum);
+    out[d] = from_f32<T>(val / sum);
   }
   cluster.sync();  // keep every block's shared memory alive until all reads are done
 }

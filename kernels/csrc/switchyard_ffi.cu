@@ -62,6 +62,11 @@ std::string g_last_error;
 
 int64_t round_up(int64_t v, int64_t m) { return ceil_div(v, m) * m; }
 
+// Every one-shot slot of a workspace empty (lamport.cuh: all bits set), on the current device.
+cudaError_t empty_oneshot_slots(char* base, size_t state_bytes, const Layout& L) {
+  return cudaMemset(base + state_bytes + L.oneshot_off, kEmptyByte, L.scatter_off - L.oneshot_off);
+}
+
 int fail(const std::string& msg) {
   g_last_error = msg;
   return 1;
@@ -476,8 +481,7 @@ int sy_init(int world, const int* ordinals, long long oneshot_bytes, long long t
     // Plain device memory (never managed memory, never multicast objects).
     SY_CHECK(cudaMalloc(&g.base[r], total));
     SY_CHECK(cudaMemset(g.base[r], 0, total));
-    // One-shot slots start empty (lamport.cuh): all bits set.
-    SY_CHECK(cudaMemset(g.base[r] + state_bytes + L.oneshot_off, kEmptyByte, L.scatter_off - L.oneshot_off));
+    SY_CHECK(empty_oneshot_slots(g.base[r], state_bytes, L));
     SY_CHECK(preload_all_kernels());
     SY_CHECK(cudaDeviceSynchronize());
   }
@@ -535,8 +539,7 @@ int sy_reset(unsigned int epoch) {
     SY_CHECK(cudaSetDevice(g.ordinals[r]));
     SY_CHECK(cudaMemcpy(g.base[r], &s, sizeof(s), cudaMemcpyHostToDevice));
     // A call cut short (timeout) can leave packs in one-shot slots: empty them all again.
-    SY_CHECK(cudaMemset(g.base[r] + g.state_bytes + g.layout.oneshot_off, kEmptyByte,
-                        g.layout.scatter_off - g.layout.oneshot_off));
+    SY_CHECK(empty_oneshot_slots(g.base[r], g.state_bytes, g.layout));
     SY_CHECK(cudaDeviceSynchronize());
     reinterpret_cast<volatile uint32_t*>(g.host_error)[r] = 0;
   }
