@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--strategy", nargs="+", default=["xla"],
                         help="all-reduce strategies to compare; 'none' times the step without communication")
-    parser.add_argument("--attention", nargs="+", default=["xla"], choices=["kernel", "xla"],
+    parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "xla"],
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)

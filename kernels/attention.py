@@ -1,9 +1,10 @@
 """Decode attention for the engine: each row's new token against its KV cache, the new K/V written in.
 
-``decode_attention`` runs the CUDA kernel of ``csrc/decode_attention.cuh`` on GPUs where the kernel
+``decode_attention_packed`` (q, k_new and v_new packed per row, as the engine's QKV projection
+produces them) runs the CUDA kernel of ``csrc/decode_attention.cuh`` on GPUs where the kernel
 library is loaded (one launch; the sequence is split across up to 8 blocks of one cluster when the
-batch is small), and
-otherwise the pure-JAX reference below, with the same semantics. Called inside ``jax.shard_map``
+batch is small), and otherwise the pure-JAX reference below, with the same semantics.
+``decode_attention`` takes them separately. Called inside ``jax.shard_map``
 on one device's shard: rows are the first ``n`` rows of the caches.
 """
 
@@ -19,7 +20,8 @@ from switchyard.kernels import native
 KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_GROUPS = (1, 2, 4, 8)
-# Blocks the kernel aims for: about two per SM of an H100/H200 (132 SMs).
+# Blocks resident at once: two per SM of an H100/H200 (132 SMs; the kernel's registers allow two).
+# Splitting into more would start a second wave of blocks, which costs more than longer slices.
 TARGET_BLOCKS = 264
 MIN_SLICE = 64  # positions per block below which splitting the sequence further does not pay
 MAX_SPLITS = 8  # kAttnMaxSplits in csrc/decode_attention.cuh: the slices of a (row, head) form one cluster
@@ -28,8 +30,7 @@ MAX_PAIRS = (1 << 31) - 1  # (row, KV head) pairs: the grid's x dimension
 
 def splits_for(n: int, kv_heads: int, cache_len: int) -> int:
     """How many slices of the sequence each (row, KV head) is split into."""
-    return max(1, min(math.ceil(TARGET_BLOCKS / max(n * kv_heads, 1)), math.ceil(cache_len / MIN_SLICE),
-                      MAX_SPLITS))
+    return max(1, min(TARGET_BLOCKS // max(n * kv_heads, 1), math.ceil(cache_len / MIN_SLICE), MAX_SPLITS))
 
 
 def kernel_supports(dtype: jnp.dtype, head_dim: int, group: int) -> bool:
@@ -62,31 +63,55 @@ def reference_decode_attention(
     return out.reshape(n, heads, d), k_cache, v_cache
 
 
-def _kernel(q, k_new, v_new, k_cache, v_cache, positions, write_at):
-    n, _, d = q.shape
-    kv = k_new.shape[1]
+def reference_decode_attention_packed(
+    qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, write_at: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """As :func:`reference_decode_attention`, with q, k_new and v_new packed per row in ``qkv``
+    [n, H + 2 kv, D] (query heads, then K heads, then V heads)."""
+    kv = k_cache.shape[1]
+    heads = qkv.shape[1] - 2 * kv
+    return reference_decode_attention(qkv[:, :heads], qkv[:, heads:heads + kv], qkv[:, heads + kv:],
+                                      k_cache, v_cache, positions, write_at)
+
+
+def _kernel(qkv, k_cache, v_cache, positions, write_at):
+    n, total, d = qkv.shape
+    kv = k_cache.shape[1]
     splits = splits_for(n, kv, k_cache.shape[2])
     out, k_cache, v_cache = jax.ffi.ffi_call(
         "switchyard_decode_attention",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        (jax.ShapeDtypeStruct((n, total - 2 * kv, d), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
-        input_output_aliases={3: 1, 4: 2},
-    )(q, k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), k_cache, v_cache,
-      positions.astype(jnp.int32), write_at.astype(jnp.int32), scale=np.float32(1.0 / math.sqrt(d)),
-      splits=np.int32(splits))
+        input_output_aliases={1: 1, 2: 2},
+    )(qkv, k_cache, v_cache, positions.astype(jnp.int32), write_at.astype(jnp.int32),
+      scale=np.float32(1.0 / math.sqrt(d)), splits=np.int32(splits))
     return out, k_cache, v_cache
+
+
+def decode_attention_packed(
+    qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, write_at: jax.Array,
+    *, use_kernel: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """As :func:`reference_decode_attention_packed`; on CUDA with the kernel library, one fused kernel
+    that reads q, k_new and v_new in place from ``qkv`` [n, H + 2 kv, D]."""
+    args = (qkv, k_cache, v_cache, positions, write_at)
+    kv = k_cache.shape[1]
+    heads = qkv.shape[1] - 2 * kv
+    usable = (use_kernel and heads > 0 and heads % kv == 0 and qkv.dtype == k_cache.dtype
+              and kernel_supports(qkv.dtype, qkv.shape[2], heads // kv) and qkv.shape[0] * kv <= MAX_PAIRS
+              and native.attention_ready())
+    if not usable:
+        return reference_decode_attention_packed(*args)
+    return jax.lax.platform_dependent(*args, default=reference_decode_attention_packed, cuda=_kernel)
 
 
 def decode_attention(
     q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     positions: jax.Array, write_at: jax.Array, *, use_kernel: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """As :func:`reference_decode_attention`; on CUDA with the kernel library, one fused kernel."""
-    args = (q, k_new, v_new, k_cache, v_cache, positions, write_at)
-    group = q.shape[1] // max(k_new.shape[1], 1)
-    usable = (use_kernel and q.dtype == k_cache.dtype and kernel_supports(q.dtype, q.shape[2], group)
-              and q.shape[1] % k_new.shape[1] == 0 and q.shape[0] * k_new.shape[1] <= MAX_PAIRS
-              and native.attention_ready())
-    if not usable:
-        return reference_decode_attention(*args)
-    return jax.lax.platform_dependent(*args, default=reference_decode_attention, cuda=_kernel)
+    """As :func:`reference_decode_attention`; on CUDA with the kernel library, q, k_new and v_new are
+    packed into one array and :func:`decode_attention_packed` runs the kernel."""
+    if q.shape[1] % max(k_new.shape[1], 1) or not (q.dtype == k_new.dtype == v_new.dtype):
+        return reference_decode_attention(q, k_new, v_new, k_cache, v_cache, positions, write_at)
+    qkv = jnp.concatenate([q, k_new.astype(q.dtype), v_new.astype(q.dtype)], axis=1)
+    return decode_attention_packed(qkv, k_cache, v_cache, positions, write_at, use_kernel=use_kernel)

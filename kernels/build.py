@@ -45,7 +45,8 @@ def ffi_include_dir() -> str:
     return jax.ffi.include_dir()
 
 
-def nvcc_command(nvcc: str, output: Path, gencode: tuple[str, ...] = GENCODE) -> list[str]:
+def nvcc_command(nvcc: str, output: Path, gencode: tuple[str, ...] = GENCODE,
+                 defines: tuple[str, ...] = ()) -> list[str]:
     return [
         nvcc,
         "-std=c++17",
@@ -59,14 +60,19 @@ def nvcc_command(nvcc: str, output: Path, gencode: tuple[str, ...] = GENCODE) ->
         "-I",
         str(CSRC),
         *gencode,
+        *(f"-D{d}" for d in defines),
         *(str(CSRC / s) for s in SOURCES),
         "-o",
         str(output),
     ]
 
 
-def build(output: Path | None = None, gencode: tuple[str, ...] = GENCODE, verbose: bool = False) -> Path:
-    """Compile the kernels; returns the path of the shared library. Raises BuildError."""
+def build(output: Path | None = None, gencode: tuple[str, ...] = GENCODE, verbose: bool = False,
+          defines: tuple[str, ...] = ()) -> Path:
+    """Compile the kernels; returns the path of the shared library. Raises BuildError.
+
+    ``defines``: preprocessor macros, e.g. ``SWITCHYARD_PHASE_TIMER`` for the diagnostic build
+    that ``benchmarks/kernel_phases.py`` uses (never the installed library)."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError(
@@ -76,7 +82,7 @@ def build(output: Path | None = None, gencode: tuple[str, ...] = GENCODE, verbos
     output = output or LIB_DIR / LIB_NAME
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_suffix(f".tmp{os.getpid()}.so")
-    cmd = nvcc_command(nvcc, tmp, gencode)
+    cmd = nvcc_command(nvcc, tmp, gencode, defines)
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -92,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, default=None)
     parser.add_argument("--optional", action="store_true", help="exit 0 with a message when nvcc is absent")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--phase-timer", action="store_true",
+                        help="diagnostic build with per-phase timers (benchmarks/kernel_phases.py); needs -o")
     args = parser.parse_args(argv)
+    if args.phase_timer and args.output is None:
+        parser.error("--phase-timer needs -o: the diagnostic library must not replace the installed one")
     try:
-        path = build(args.output, verbose=args.verbose)
+        path = build(args.output, verbose=args.verbose, defines=("SWITCHYARD_PHASE_TIMER",) if args.phase_timer else ())
     except BuildError as exc:
         print(f"switchyard.kernels.build: {exc}", file=sys.stderr)
         return 0 if args.optional and find_nvcc() is None else 1

@@ -71,6 +71,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_preload_attention.argtypes = [ctypes.c_int]
     lib.sy_preload_attention.restype = ctypes.c_int
     lib.sy_twoshot_bytes.restype = ctypes.c_longlong
+    u64p = ctypes.POINTER(ctypes.c_ulonglong)
+    lib.sy_phase_read.argtypes = [ctypes.c_int, u64p, u64p, u64p]
+    lib.sy_phase_read.restype = ctypes.c_int
 
 
 def _build_on_first_use() -> None:
@@ -241,6 +244,40 @@ def host_calls() -> int:
     """Handler invocations (XLA records a command buffer once and replays it without calling)."""
     lib = _state.lib
     return 0 if lib is None else int(lib.sy_host_calls())
+
+
+PHASE_SLOTS = 8  # kPhaseSlots, kPhaseBlocks in csrc/phase_timer.cuh
+PHASE_BLOCKS = 1024
+
+
+@dataclass
+class PhaseCounters:
+    """One GPU's phase timers since the last read (diagnostic builds only, phase_timer.cuh)."""
+
+    block_launches: int
+    cycles: list[int]  # per phase slot: sum over block launches of clock64 since the block's start
+    ns: list[int]  # the same in %globaltimer ns
+    last: list[list[int]]  # per block of the latest launch: %globaltimer at each slot (0 = not reached)
+
+
+def phase_counters(ordinal: int) -> PhaseCounters | None:
+    """Read and clear GPU ``ordinal``'s phase timers (synchronises that GPU). None where the loaded
+    library is not the diagnostic build (``python -m switchyard.kernels.build --phase-timer``)."""
+    lib = load()
+    if lib is None:
+        return None
+    cycles = (ctypes.c_ulonglong * PHASE_SLOTS)()
+    ns = (ctypes.c_ulonglong * PHASE_SLOTS)()
+    last = (ctypes.c_ulonglong * (PHASE_SLOTS * PHASE_BLOCKS))()
+    rc = lib.sy_phase_read(ordinal, cycles, ns, last)
+    if rc == 1:
+        return None
+    if rc != 0:
+        raise KernelError(lib.sy_last_error().decode())
+    return PhaseCounters(
+        block_launches=int(cycles[0]), cycles=list(cycles), ns=list(ns),
+        last=[list(last[b * PHASE_SLOTS:(b + 1) * PHASE_SLOTS]) for b in range(PHASE_BLOCKS)],
+    )
 
 
 def timestamp(x: jax.Array) -> tuple[jax.Array, jax.Array]:

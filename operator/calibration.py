@@ -31,8 +31,9 @@ CALIBRATION_FILE = Path(__file__).resolve().parent / "calibration.json"
 IMPLS = ("xla", "oneshot", "twoshot")
 # What stands in for one of our implementations where it was not measured (torch on the same GPUs).
 STAND_INS = {"xla": "torch_nccl", "oneshot": "symm_mem_oneshot", "twoshot": "symm_mem_twoshot"}
-# Decode attention of the engine as shipped (rows measured with another are experiments).
-SHIPPED_ATTENTION = "xla"
+# Decode attention of the engine as shipped (rows measured with another are experiments); rows
+# without the field predate the kernel and used XLA's ops.
+SHIPPED_ATTENTION = "kernel"
 # The engine's all-reduce strategies (switchyard.kernels.STRATEGIES; the operator does not import
 # the kernels). Benchmark rows with any other (``none``: no communication) are not the engine.
 ENGINE_STRATEGIES = ("xla", "oneshot", "twoshot", "auto")
@@ -285,7 +286,7 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 key = ("pipeline", check["model"], pp, check["tp"], check["streams"], check["context"])
                 newest_check[key] = (where, [check])
             elif "ms_per_token" in row and "model" in row:
-                if (row.get("xla_flags") or row.get("attention", SHIPPED_ATTENTION) != SHIPPED_ATTENTION
+                if (row.get("xla_flags") or row.get("attention", "xla") != SHIPPED_ATTENTION
                         or row.get("strategy", "xla") not in ENGINE_STRATEGIES):
                     continue  # a compiler-flag, attention-kernel or no-communication experiment
                 key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))

@@ -214,7 +214,7 @@ class Engine(SlotBook):
         cache_init: str = "zeros",
         min_batch_bucket: int = 2,
         prefill_chunk: int = 1024,
-        attention_kernel: bool = False,
+        attention_kernel: bool = True,
     ) -> None:
         check_strategy(strategy)
         super().__init__(spec, batch_slots, max_seq_len)
@@ -253,7 +253,7 @@ class Engine(SlotBook):
     def from_random(
         cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
         devices: Sequence[jax.Device] | None = None, cache_init: str = "random", min_batch_bucket: int = 2,
-        attention_kernel: bool = False,
+        attention_kernel: bool = True,
     ) -> Engine:
         """Random weights made on the devices, shard by shard (for benchmarks of large shapes)."""
         mesh = make_mesh(layout.tp, devices)

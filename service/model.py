@@ -132,13 +132,13 @@ class ForwardConfig:
     # Prompts longer than this attend in query blocks of this many tokens, so the score matrix of a
     # long prompt never exists whole (an 8k prompt's would be 8.6 GB per layer for Llama-3-8B).
     prefill_chunk: int = 1024
-    # Decode attention through the CUDA kernel where it can run (switchyard.kernels.attention). Off
-    # by default: measured so far it is slower than XLA's own ops (benchmarks/NOTES.md).
-    attention_kernel: bool = False
+    # Decode attention through the CUDA kernel where it can run (switchyard.kernels.attention; XLA's
+    # ops elsewhere). On by default: faster than XLA's ops at every batch measured (benchmarks/NOTES.md).
+    attention_kernel: bool = True
 
     @classmethod
     def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024,
-             attention_kernel: bool = False) -> ForwardConfig:
+             attention_kernel: bool = True) -> ForwardConfig:
         return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk,
                    attention_kernel)
 
@@ -201,13 +201,17 @@ def decode_attention(
     shape = cfg.shape
     n = h.shape[0]
     inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
-    q, k, v = _split_qkv(h @ layer["wqkv"], shape)  # [n, heads, hd]
-    q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
-    k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0]
+    hd = shape.spec.head_dim
+    # [n, q heads | k heads | v heads, hd], rope applied to q and k in one elementwise pass; the
+    # attention reads q, k and v from it in place (no per-layer slice copies).
+    qkv = (h @ layer["wqkv"]).reshape(n, shape.q_heads + 2 * shape.kv_heads, hd)
+    roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
+    is_qk = jnp.arange(qkv.shape[1]) < shape.q_heads + shape.kv_heads
+    qkv = jnp.where(is_qk[None, :, None], roped, qkv)
     # Rows that must not write aim past the cache's end: the write is dropped.
     at = positions if write is None else jnp.where(write, positions, k_cache.shape[2])
-    out, k_cache, v_cache = attention.decode_attention(q, k, v, k_cache, v_cache, positions, at,
-                                                       use_kernel=cfg.attention_kernel)
+    out, k_cache, v_cache = attention.decode_attention_packed(qkv, k_cache, v_cache, positions, at,
+                                                              use_kernel=cfg.attention_kernel)
     return out.reshape(n, shape.q_heads * shape.spec.head_dim).astype(h.dtype), k_cache, v_cache
 
 

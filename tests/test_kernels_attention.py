@@ -48,6 +48,8 @@ def random_case(rng, n, kv, group, d, slots, length, dtype):
     write_at = positions.copy()
     if n > 2:
         write_at[2] = length  # a row that must not write (stale work in a pipeline)
+    if n > 3:
+        write_at[3] = positions[3] // 2  # a write inside the attended range, not at its end
     return q, k_new, v_new, k_cache, v_cache, positions, write_at
 
 
@@ -63,6 +65,17 @@ def test_reference_matches_float64_and_drops_writes_outside_the_cache():
     assert np.array_equal(k_cache[3:], case[3][3:]), "rows beyond the batch are never touched"
 
 
+def test_packed_layout_is_q_then_k_then_v_heads():
+    rng = np.random.default_rng(2)
+    q, k_new, v_new, k_cache, v_cache, positions, write_at = (
+        jnp.asarray(a) for a in random_case(rng, n=4, kv=2, group=3, d=8, slots=4, length=21, dtype=jnp.float32))
+    qkv = jnp.concatenate([q, k_new, v_new], axis=1)
+    got = jax.jit(attention.decode_attention_packed)(qkv, k_cache, v_cache, positions, write_at)
+    want = attention.reference_decode_attention(q, k_new, v_new, k_cache, v_cache, positions, write_at)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_without_gpu_kernel_the_reference_runs():
     rng = np.random.default_rng(1)
     case = [jnp.asarray(a) for a in random_case(rng, 2, 2, 2, 64, 2, 16, jnp.bfloat16)]
@@ -75,7 +88,8 @@ def test_without_gpu_kernel_the_reference_runs():
 
 def test_split_and_support_rules():
     assert attention.splits_for(1, 8, 1152) == 8  # few (row, head) pairs: split the sequence
-    assert attention.splits_for(8, 8, 1152) == 5
+    assert attention.splits_for(8, 8, 1152) == 4  # no more blocks than fit at once (264)
+    assert attention.splits_for(32, 8, 1152) == 1
     assert attention.splits_for(64, 8, 1152) == 1  # enough blocks already
     assert attention.splits_for(2, 8, 64) == 1  # never slices shorter than MIN_SLICE positions
     assert attention.splits_for(1, 1, 131072) == attention.MAX_SPLITS

@@ -24,6 +24,10 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
+#include "phase_timer.cuh"
+
 namespace switchyard {
 
 constexpr int kMaxRanks = 8;      // 2, 4 or 8 GPUs of one NVSwitch node (any 1..8 works)
@@ -106,6 +110,24 @@ __device__ __forceinline__ void store_pack(T* base, int64_t pack, int64_t n, con
     for (int i = 0; i < W; ++i)
       if (first + i < n) base[first + i] = p.v[i];
   }
+}
+
+// A whole pack from read-only input as one vector load. Dereferencing a Pack pointer and copying
+// the result (canonical_pack's memcpy) let the compiler split the load into 16 byte loads, which
+// cost the fused kernel 0.6 us before its push (benchmarks/results/kernel-phases-h200x2.json).
+// kReadOnly: through the read-only data cache (memory this kernel never writes).
+template <typename T, int W, bool kReadOnly = true>
+__device__ __forceinline__ Pack<T, W> load_vec(const Pack<T, W>* p) {
+  using Unit = typename std::conditional<sizeof(Pack<T, W>) == 16, uint4,
+               typename std::conditional<sizeof(Pack<T, W>) == 4, unsigned int, unsigned short>::type>::type;
+  static_assert(sizeof(Unit) == sizeof(Pack<T, W>), "a pack is 2, 4 or 16 bytes");
+  const Unit* q = reinterpret_cast<const Unit*>(p);
+  Unit u;
+  if constexpr (kReadOnly) u = __ldg(q);
+  else u = *q;
+  Pack<T, W> r;
+  memcpy(&r, &u, sizeof(r));
+  return r;
 }
 
 // Workspace packs written by peers are read with ld.global.cg (L2, bypassing L1): the SM's L1 is

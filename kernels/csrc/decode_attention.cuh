@@ -2,17 +2,20 @@
 // into the cache in the same launch (split-sequence "flash decoding", merged inside a cluster).
 //
 // Layouts (one device's shard, as the engine keeps them):
-//   q        [n, kv * G, D]   the new tokens' queries, rope applied
-//   k_new    [n, kv, D]       the new tokens' keys (rope applied) and values
-//   v_new    [n, kv, D]
+//   qkv      [n, kv * G + 2 * kv, D]  per row: the new token's query heads, then its K heads and
+//            its V heads (rope applied to q and K): the engine's QKV projection output after one
+//            rope fusion, read in place (no slice copies per layer)
 //   k_cache  [slots, kv, L, D], v_cache the same; rows 0..n-1 are the batch (slots >= n)
 //   pos      [n]  row b attends over cache positions [0, pos[b]]
 //   write_at [n]  row b's new K/V go to position write_at[b]; outside [0, L) = not written
 //   out      [n, kv * G, D]
 //
 // Work split. Block (b, h, s) takes kv head h of row b and the s-th of S equal slices of the
-// positions [0, pos]; its kAttnWarps warps take turns at chunks of 32 positions, and a warp
-// issues all of a chunk's K and V loads before it uses any (one round trip to HBM per chunk).
+// cached positions; its kAttnWarps warps take turns at chunks of 32 positions.
+//  - loads: a warp's first chunk of K and V is requested before anything else but the queries;
+//    after that the loop is software-pipelined without extra registers: the next chunk's K rows
+//    are requested as soon as this chunk's scores have consumed kraw, its V rows as soon as the
+//    V pass has consumed vraw;
 //  - scores: lane i takes position i of the chunk and computes its G dot products over the
 //    whole head dimension itself (its K row from HBM, the scaled queries from shared memory),
 //    so no cross-lane reduction is needed per position;
@@ -24,13 +27,17 @@
 // Merging the S slices. The S blocks of one (row, head) form a thread-block cluster (S <= 8, the
 // portable cluster size): each leaves its (m, l, acc) in its shared memory, the cluster
 // synchronises, and every block merges a share of the G x D outputs by reading all S blocks'
-// shared memory (distributed shared memory), then the cluster synchronises again so that no block
-// exits while a peer still reads its shared memory. No partial results go through global memory
-// and nothing needs a second launch, a fence or an atomic: at batch 1 the kernel's time is a
-// chain of latencies, and this keeps it to one HBM round trip for K/V and two cluster barriers.
+// shared memory (distributed shared memory, every remote read issued before any is used), then
+// the cluster synchronises again so that no block exits while a peer still reads its shared
+// memory. No partial results go through global memory and nothing needs a second launch, a fence
+// or an atomic: at batch 1 the kernel's time is a chain of latencies, and this keeps it to one
+// HBM round trip for K/V and two cluster barriers. The host lowers S until all clusters fit on
+// the GPU at once (switchyard_ffi.cu, g_attn_clusters).
 //
-// The new K/V. The position being written is read by at most one block (the one whose slice
-// holds it), and that block uses k_new/v_new directly for it instead of the cache; block s == 0
+// The new K/V. In the usual step the new token is the last attended position: warp 0 of slice 0
+// takes it from qkv outside the chunk loop (so 1024 cached positions are 32 whole chunks), and
+// the slices split only the cached positions. Written elsewhere in the range, that position is
+// read by at most one block, which uses k_new/v_new for it instead of the cache. Block s == 0
 // stores them into the cache. No block reads what another writes, so one launch suffices.
 //
 // Numerics: scores, softmax and accumulation in fp32; products of bf16/fp16 inputs.
@@ -54,9 +61,7 @@ constexpr float kAttnFloor = -1e30f;
 constexpr int kAttnMaxSplits = 8;  // the portable thread-block cluster size
 
 struct AttnArgs {
-  const void* q;
-  const void* k_new;
-  const void* v_new;
+  const void* qkv;  // [n, kv * G + 2 * kv, D]: each row's query heads, then its new K and V heads
   void* k_cache;
   void* v_cache;
   const int32_t* pos;
@@ -89,6 +94,7 @@ __device__ __forceinline__ float attn_warp_sum(float v) {
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a) {
   namespace cg = cooperative_groups;
+  PhaseClock clock;
   constexpr int E = D / 32;      // output elements per lane
   constexpr int P16 = D / 8;     // 16-byte pieces of one K row
   using VRaw = typename std::conditional<E == 4, uint2, uint32_t>::type;  // E elements of V
@@ -98,24 +104,79 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   const int wat = a.write_at[b];
   const bool writes = wat >= 0 && wat < a.L;
   const int total = min(pos + 1, a.L);
-  const int chunk = (total + a.S - 1) / a.S;
-  const int t0 = s * chunk, t1 = min(total, t0 + chunk);
+  // The usual decode step writes the new token at the end of the range. That position is then
+  // taken from k_new/v_new by warp 0 of slice 0, outside the chunk loop, and the slices split
+  // only the cached positions: a context of 1024 is 32 chunks for the 32 warps of 8 slices, not
+  // 33 (one warp doing a second chunk for one position cost a whole extra HBM round trip).
+  const bool tail = writes && wat == total - 1;
+  const bool takes_tail = tail && s == 0 && warp == 0;
+  const int cached = tail ? total - 1 : total;
+  const int chunk = (cached + a.S - 1) / a.S;
+  const int t0 = s * chunk, t1 = min(cached, t0 + chunk);
 
-  const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.kv * G + h * G) * D;
+  const T* row = static_cast<const T*>(a.qkv) + static_cast<int64_t>(b) * (a.kv * G + 2 * a.kv) * D;
+  const T* q = row + h * G * D;
+  const T* kn = row + (a.kv * G + h) * D;
+  const T* vn = row + (a.kv * G + a.kv + h) * D;
   const int64_t head = (static_cast<int64_t>(b) * a.kv + h);
-  const T* kn = static_cast<const T*>(a.k_new) + head * D;
-  const T* vn = static_cast<const T*>(a.v_new) + head * D;
   T* kc = static_cast<T*>(a.k_cache) + head * a.L * D;
   T* vc = static_cast<T*>(a.v_cache) + head * a.L * D;
 
+  // The queries' loads go out first: they are few, and their trip to shared memory (and the
+  // barrier after it) then overlaps the K/V loads instead of queueing behind them.
+  constexpr int kQPerThread = (G * D + kAttnWarps * 32 - 1) / (kAttnWarps * 32);
+  T qv[kQPerThread];
+#pragma unroll
+  for (int j = 0; j < kQPerThread; ++j) {
+    const int i = threadIdx.x + j * kAttnWarps * 32;
+    if (i < G * D) qv[j] = q[i];
+  }
+
+  // Chunk loads: this lane's K row, and every V row of the chunk at this lane's elements. Past
+  // the slice's end they re-read its last position (no branch around the loads); masked below.
+  uint4 kraw[P16];
+  VRaw vraw[kAttnChunk];
+  auto load_k = [&](int base) {
+    const int t = min(base + lane, t1 - 1);
+    const T* krow = (writes && t == wat) ? kn : kc + static_cast<int64_t>(t) * D;
+#pragma unroll
+    for (int c = 0; c < P16; ++c) kraw[c] = *reinterpret_cast<const uint4*>(krow + c * 8);
+  };
+  auto load_v = [&](int base) {
+#pragma unroll
+    for (int j = 0; j < kAttnChunk; ++j) {
+      const int tj = min(base + j, t1 - 1);
+      const T* vrow = (writes && tj == wat) ? vn : vc + static_cast<int64_t>(tj) * D;
+      vraw[j] = *reinterpret_cast<const VRaw*>(vrow + lane * E);
+    }
+  };
+  // The first chunk's loads go out before anything else (they need only pos), so the queries'
+  // trip to shared memory and the barrier below overlap them. The new K/V's store into the cache
+  // may land before or after these loads: the position it writes is read from k_new/v_new.
+  const int first = t0 + warp * kAttnChunk;
+  if (first < t1) {
+    load_k(first);
+    load_v(first);
+  }
+  VRaw ktail, vtail;  // the new token's K and V at this lane's E elements
+  if (takes_tail) {
+    ktail = *reinterpret_cast<const VRaw*>(kn + lane * E);
+    vtail = *reinterpret_cast<const VRaw*>(vn + lane * E);
+  }
+
   __shared__ __align__(16) float qs[G][D];            // scaled queries, read by every lane
   __shared__ float sp[kAttnWarps][G][kAttnChunk];     // a chunk's probabilities, per warp
-  for (int i = threadIdx.x; i < G * D; i += kAttnWarps * 32) qs[i / D][i % D] = to_f32(q[i]) * a.scale;
+#pragma unroll
+  for (int j = 0; j < kQPerThread; ++j) {
+    const int i = threadIdx.x + j * kAttnWarps * 32;
+    if (i < G * D) qs[i / D][i % D] = to_f32(qv[j]) * a.scale;
+  }
   if (s == 0 && warp == 0 && writes) {
     attn_copy<T, E>(kn + lane * E, kc + static_cast<int64_t>(wat) * D + lane * E);
     attn_copy<T, E>(vn + lane * E, vc + static_cast<int64_t>(wat) * D + lane * E);
   }
   __syncthreads();
+  clock.mark(1);
 
   float m[G], l[G], acc[G][E];
 #pragma unroll
@@ -125,23 +186,27 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
   }
-
-  for (int base = t0 + warp * kAttnChunk; base < t1; base += kAttnWarps * kAttnChunk) {
-    // Loads first: this lane's K row, and every V row of the chunk at this lane's elements.
-    // Past the slice's end, re-read its last position (no branch around the loads); masked below.
-    const int t = min(base + lane, t1 - 1);
-    const bool valid = base + lane < t1;
-    const T* krow = (writes && t == wat) ? kn : kc + static_cast<int64_t>(t) * D;
-    uint4 kraw[P16];
+  if (takes_tail) {  // the new token alone: m = its score, l = 1, acc = its V
+    const T* kt = reinterpret_cast<const T*>(&ktail);
+    const T* vt = reinterpret_cast<const T*>(&vtail);
 #pragma unroll
-    for (int c = 0; c < P16; ++c) kraw[c] = *reinterpret_cast<const uint4*>(krow + c * 8);
-    VRaw vraw[kAttnChunk];
+    for (int g = 0; g < G; ++g) {
+      float part = 0.f;
 #pragma unroll
-    for (int j = 0; j < kAttnChunk; ++j) {
-      const int tj = min(base + j, t1 - 1);
-      const T* vrow = (writes && tj == wat) ? vn : vc + static_cast<int64_t>(tj) * D;
-      vraw[j] = *reinterpret_cast<const VRaw*>(vrow + lane * E);
+      for (int e = 0; e < E; ++e) part += qs[g][lane * E + e] * to_f32(kt[e]);
+      m[g] = attn_warp_sum(part);
+      l[g] = 1.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] = to_f32(vt[e]);
     }
+  }
+
+  // Software pipeline without extra registers: the next chunk's K loads go out as soon as this
+  // chunk's scores have consumed kraw (they overlap the softmax and the V pass), and its V loads
+  // as soon as the V pass has consumed vraw (they overlap the next chunk's scores).
+  for (int base = first; base < t1; base += kAttnWarps * kAttnChunk) {
+    const int next = base + kAttnWarps * kAttnChunk;
+    const bool valid = base + lane < t1;
 
     // Scores of this lane's position for the G query heads.
     float sc[G];
@@ -161,6 +226,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
                  qb.z * kf[6] + qb.w * kf[7];
       }
     }
+    if (next < t1) load_k(next);
+    clock.mark(2);
 
     // Online softmax over the chunk; the probabilities go to shared memory for the V pass.
 #pragma unroll
@@ -188,8 +255,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
         for (int e = 0; e < E; ++e) acc[g][e] += p * vf[e];
       }
     }
+    if (next < t1) load_v(next);
     __syncwarp();  // sp is rewritten by the next chunk
   }
+  clock.mark(3);
 
   // Merge the warps: every warp leaves (m, l) per query head and its acc slice in shared memory;
   // the block's result (max, sum, unnormalised acc) goes to blk_* for the cluster merge.
@@ -231,6 +300,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
       }
     }
   }
+  clock.mark(4);
   if (a.S == 1) return;
 
   // The cluster (the S blocks of this row and head) merges through distributed shared memory.
@@ -238,21 +308,40 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // are visible to every other block's reads after it.
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
+  clock.mark(5);
   const int rank = static_cast<int>(cluster.block_rank());
   for (int i = rank * kAttnWarps * 32 + threadIdx.x; i < G * D; i += a.S * kAttnWarps * 32) {
     const int g = i / D, d = i % D;
+    // Every remote read is issued before any is used (unrolled over the largest cluster): one
+    // distributed-shared-memory round trip instead of 3 x S dependent ones.
+    float rm[kAttnMaxSplits], rl[kAttnMaxSplits], rv[kAttnMaxSplits];
+#pragma unroll
+    for (int r = 0; r < kAttnMaxSplits; ++r) {
+      if (r < a.S) {
+        rm[r] = *cluster.map_shared_rank(&blk_m[g], r);
+        rl[r] = *cluster.map_shared_rank(&blk_l[g], r);
+        rv[r] = *cluster.map_shared_rank(&blk_acc[g][d], r);
+      } else {
+        rm[r] = kAttnFloor;
+        rl[r] = rv[r] = 0.f;
+      }
+    }
     float mx = kAttnFloor;
-    for (int r = 0; r < a.S; ++r) mx = fmaxf(mx, *cluster.map_shared_rank(&blk_m[g], r));
+#pragma unroll
+    for (int r = 0; r < kAttnMaxSplits; ++r) mx = fmaxf(mx, rm[r]);
     float sum = 0.f, val = 0.f;
-    for (int r = 0; r < a.S; ++r) {
-      const float f = __expf(*cluster.map_shared_rank(&blk_m[g], r) - mx);
-      sum += *cluster.map_shared_rank(&blk_l[g], r) * f;
-      val += *cluster.map_shared_rank(&blk_acc[g][d], r) * f;
+#pragma unroll
+    for (int r = 0; r < kAttnMaxSplits; ++r) {
+      const float f = __expf(rm[r] - mx);
+      sum += rl[r] * f;
+      val += rv[r] * f;
     }
     T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;
     out[d] = from_f32<T>(val / sum);
   }
+  clock.mark(6);
   cluster.sync();  // keep every block's shared memory alive until all reads are done
+  clock.mark(7);
 }
 
 }  // namespace switchyard

@@ -24,25 +24,22 @@
 
 namespace switchyard {
 
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float partial[32];
-  __shared__ float total;
+// Sum of v over the block. One barrier per row: warps leave their sums in half `parity` of
+// `partial`, and every warp then adds all of them up itself. Alternating halves between rows
+// makes a barrier before reuse unnecessary: a thread writes a half again two rows later, after
+// the next row's barrier, which every thread reaches only once it has read this row's sums.
+__device__ __forceinline__ float block_sum(float v, int parity) {
+  __shared__ float partial[2][32];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) partial[warp] = v;
+  if (lane == 0) partial[parity][warp] = v;
   __syncthreads();
-  if (warp == 0) {
-    const int nwarps = (blockDim.x + 31) / 32;
-    float s = lane < nwarps ? partial[lane] : 0.f;
+  const int nwarps = (blockDim.x + 31) / 32;
+  float s = lane < nwarps ? partial[parity][lane] : 0.f;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) total = s;
-  }
-  __syncthreads();
-  const float result = total;
-  __syncthreads();  // `partial`/`total` may be reused by the next row
-  return result;
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
 }
 
 // W must divide H (the host picks W = 1 otherwise), so every row starts on a pack boundary.
@@ -53,6 +50,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     Peers P, Layout L, const T* __restrict__ x, const T* __restrict__ residual,
     const T* __restrict__ weight, T* __restrict__ new_residual, T* __restrict__ normed, int64_t rows,
     int64_t hidden, float eps) {
+  PhaseClock clock;
   const uint32_t epoch = read_epoch(P);
   const uint32_t half = epoch & 1u;
   const int64_t hp = hidden / W;  // packs per row
@@ -65,10 +63,12 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
   PackT* np = reinterpret_cast<PackT*>(normed);
 
   // The first kKeep packs of each thread stay in registers (a row of up to kKeep x blockDim
-  // packs: every Llama hidden size); packs beyond that are re-read. For the block's first row
-  // (its only one up to kFusedMaxBlocks rows) its own packs, residuals and weights are loaded
-  // before anything else, so that their loads overlap the peers' NVLink trip and no load from
-  // memory sits between a peer's arrival and the outputs.
+  // packs: every Llama hidden size); packs beyond that are re-read. The block's first row (its
+  // only one up to kFusedMaxBlocks rows) is pushed as soon as its own packs are loaded: the
+  // peers wait for that push, so nothing else may delay it (loading the residual and weights
+  // first cost 0.5 us at 8 KB, benchmarks/results/kernel-phases-h200x2.json). Its residuals and
+  // weights are loaded right after the push, so their loads overlap the NVLink trip and no load
+  // from memory sits between a peer's arrival and the outputs.
   constexpr int kKeep = 2;
   const int64_t bd = blockDim.x;
   const int64_t row0 = blockIdx.x;  // < rows: the grid has at most one block per row
@@ -76,11 +76,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
 #pragma unroll
   for (int j = 0; j < kKeep; ++j) {
     const int64_t p = threadIdx.x + j * bd;
-    if (p < hp) {
-      own0[j] = canonical_pack(xp[row0 * hp + p]);
-      res0[j] = rp[row0 * hp + p];
-      wkeep[j] = wp[p];
-    }
+    if (p < hp) own0[j] = canonical_pack(load_vec(xp + row0 * hp + p));
   }
 
   // Phase 1: push this block's rows to every peer.
@@ -95,11 +91,21 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
 #pragma unroll
       for (int j = 0; j < kKeep; ++j) {
         const int64_t p = threadIdx.x + j * bd;
-        if (p < hp) push(row, p, row == row0 ? own0[j] : canonical_pack(xp[row * hp + p]));
+        if (p < hp) push(row, p, row == row0 ? own0[j] : canonical_pack(load_vec(xp + row * hp + p)));
       }
-      for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) push(row, p, canonical_pack(xp[row * hp + p]));
+      for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) push(row, p, canonical_pack(load_vec(xp + row * hp + p)));
     }
   }
+#pragma unroll
+  for (int j = 0; j < kKeep; ++j) {  // after the push (st_volatile's memory clobber keeps them here)
+    const int64_t p = threadIdx.x + j * bd;
+    if (p < hp) {
+      res0[j] = load_vec(rp + row0 * hp + p);
+      wkeep[j] = load_vec(wp + p);
+    }
+  }
+
+  clock.mark(1);
 
   // Reduce one pack of a row (own = this rank's canonical pack), add the residual, write and
   // return new_residual.
@@ -130,34 +136,41 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     np[row * hp + p] = o;
   };
 
-  for (int64_t row = row0; row < rows; row += gridDim.x) {
+  int parity = 0;
+  for (int64_t row = row0; row < rows; row += gridDim.x, parity ^= 1) {
     float sumsq = 0.f;
-    PackT keep[kKeep], own[kKeep], res[kKeep];
+    PackT keep[kKeep];
+    if (row != row0) {  // later rows (more rows than blocks): load in place of the first row's
 #pragma unroll
-    for (int j = 0; j < kKeep; ++j) {
-      const int64_t p = threadIdx.x + j * bd;
-      if (p < hp) {
-        own[j] = row == row0 ? own0[j] : canonical_pack(xp[row * hp + p]);
-        res[j] = row == row0 ? res0[j] : rp[row * hp + p];
+      for (int j = 0; j < kKeep; ++j) {
+        const int64_t p = threadIdx.x + j * bd;
+        if (p < hp) {
+          own0[j] = canonical_pack(load_vec(xp + row * hp + p));
+          res0[j] = load_vec(rp + row * hp + p);
+        }
       }
     }
 #pragma unroll
     for (int j = 0; j < kKeep; ++j) {
       const int64_t p = threadIdx.x + j * bd;
-      if (p < hp) keep[j] = reduce_add(row, p, own[j], res[j], sumsq);
+      if (p < hp) keep[j] = reduce_add(row, p, own0[j], res0[j], sumsq);
     }
     for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd)
-      reduce_add(row, p, canonical_pack(xp[row * hp + p]), rp[row * hp + p], sumsq);
-    const float rstd = rsqrtf(block_sum(sumsq) / static_cast<float>(hidden) + eps);
+      reduce_add(row, p, canonical_pack(load_vec(xp + row * hp + p)), load_vec(rp + row * hp + p), sumsq);
+    clock.mark(2);
+    const float rstd = rsqrtf(block_sum(sumsq, parity) / static_cast<float>(hidden) + eps);
+    clock.mark(3);
 #pragma unroll
     for (int j = 0; j < kKeep; ++j) {
       const int64_t p = threadIdx.x + j * bd;
       if (p < hp) write_normed(row, p, keep[j], wkeep[j], rstd);
     }
-    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) write_normed(row, p, nrp[row * hp + p], wp[p], rstd);
+    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) write_normed(row, p, load_vec<T, W, false>(nrp + row * hp + p), load_vec(wp + p), rstd);
+    clock.mark(4);
   }
 
   finish_launch(P, epoch);
+  clock.mark(5);
 }
 
 }  // namespace switchyard

@@ -30,6 +30,7 @@ __device__ __forceinline__ Pack<T, W>* oneshot_slot(const Peers& P, const Layout
 template <typename T, int W>
 __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const T* __restrict__ in,
                                                        T* __restrict__ out, int64_t n) {
+  PhaseClock clock;
   const uint32_t epoch = read_epoch(P);
   const uint32_t half = epoch & 1u;
   const int64_t packs = ceil_div(n, W);
@@ -47,6 +48,8 @@ __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const 
     }
   }
 
+  clock.mark(1);
+
   // Phase 2: reduce, rank order fixed; peers' packs from local memory as they arrive.
   for (int64_t i = first; i < packs; i += stride) {
     float acc[W];
@@ -58,8 +61,10 @@ __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const 
     }
     store_pack<T, W>(out, i, n, to_pack<T, W>(acc));
   }
+  clock.mark(2);
 
   finish_launch(P, epoch);
+  clock.mark(3);
 }
 
 }  // namespace switchyard

@@ -1,0 +1,159 @@
+"""Where a kernel's time goes: per-phase timers inside the one-shot, fused and decode-attention kernels.
+
+Builds the diagnostic library (``-DSWITCHYARD_PHASE_TIMER``, see ``kernels/csrc/phase_timer.cuh``)
+into a temporary folder, loads it instead of the installed one, runs the same chains as
+``benchmarks/allreduce.py`` (all-reduces) and a chain of decode-attention calls, and reports for every
+phase the mean time from a block's start to the phase's end (SM cycles and ns), plus, from the last
+launch, how far apart the blocks started and ended. Timers cost a few atomics per block: compare
+phases with each other, not the chain times with ``allreduce.py``'s.
+
+    python benchmarks/kernel_phases.py --tag h200x2 --out benchmarks/results/kernel-phases-h200x2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+PHASES = {
+    "oneshot": ["push", "reduce", "finish"],
+    "fused": ["push", "take_reduce_residual", "block_sum", "normed", "finish"],
+    "attention": ["q_to_smem", "scores", "chunks", "warp_merge", "cluster_sync", "cluster_merge", "cluster_exit"],
+}
+
+
+def _load_allreduce_bench():
+    spec = importlib.util.spec_from_file_location("allreduce_bench", Path(__file__).with_name("allreduce.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def summarise(kernel: str, counters) -> dict:
+    """Mean ns/cycles from a block's start to each phase's end; block start/end spread of the last launch.
+    Empty where the library has no phase timer (then only the chain times are reported)."""
+    if counters is None:
+        return {}
+    n = max(counters.block_launches, 1)
+    phases = {}
+    for i, name in enumerate(PHASES[kernel], start=1):
+        if counters.cycles[i]:
+            phases[name] = {"ns": round(counters.ns[i] / n, 1), "cycles": round(counters.cycles[i] / n, 1)}
+    last = [b for b in counters.last if b[0]]
+    starts = [b[0] for b in last]
+    ends = [max(b) for b in last]
+    spread = {}
+    if last:
+        t0 = min(starts)
+        spread = {"blocks": len(last), "start_spread_ns": max(starts) - t0, "end_of_last_block_ns": max(ends) - t0,
+                  "median_block_ns": statistics.median(e - s for s, e in zip(starts, ends, strict=True))}
+    return {"block_launches": counters.block_launches, "phases": phases, "last_launch": spread}
+
+
+def allreduce_rows(ar, reps: int, sizes: list[int]) -> list[dict]:
+    from switchyard.kernels import native
+
+    bench = ar.JaxBench(reps)
+    ordinals = [int(d.local_hardware_id) for d in bench.devices]
+    rows = []
+    for nbytes in sizes:
+        for kernel, (fn, args, k) in (("oneshot", bench.plain("oneshot", nbytes)[0]),
+                                      ("fused", bench.fused("oneshot", nbytes))):
+            bench.jax.block_until_ready(fn(*args))
+            for o in ordinals:
+                native.phase_counters(o)  # clear what compilation and warm-up left
+            samples = [bench._sample(fn, args, k)[0] for _ in range(reps)]
+            for rank, o in enumerate(ordinals):
+                row = {"kernel": kernel, "bytes": nbytes, "gpu": rank,
+                       "chain_us_per_call": round(statistics.median(samples), 2)}
+                row.update(summarise(kernel, native.phase_counters(o)))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    bench.kernels.check_errors()
+    return rows
+
+
+def attention_rows(reps: int, shapes: list[tuple[int, int]], k: int = 64) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from switchyard.kernels import attention, native
+
+    if not native.attention_ready():
+        raise SystemExit("decode-attention kernel unavailable")
+    dev = jax.devices("gpu")[0]
+    kv, group, d = 8, 4, 128  # Llama-3-8B at TP=1
+    rows = []
+    for n, ctx in shapes:
+        rng = np.random.default_rng(n * 7919 + ctx)
+        q = jax.device_put(jnp.asarray(rng.standard_normal((n, kv * group, d)), jnp.bfloat16), dev)
+        kn = jax.device_put(jnp.asarray(rng.standard_normal((n, kv, d)), jnp.bfloat16), dev)
+        kc = jax.device_put(jnp.asarray(rng.standard_normal((n, kv, ctx + 128, d)), jnp.bfloat16), dev)
+        vc = jax.device_put(jnp.asarray(rng.standard_normal((n, kv, ctx + 128, d)), jnp.bfloat16), dev)
+        pos = jnp.full((n,), ctx, jnp.int32)
+
+        def body(q, kc, vc, kn=kn, pos=pos):
+            q, t0 = native.timestamp(q)
+            for _ in range(k):  # each call's queries are the previous call's output: latency, as in a step
+                q, kc, vc = attention.decode_attention(q, kn, kn, kc, vc, pos, pos)
+            q, t1 = native.timestamp(q)
+            return t0, t1, q, kc, vc
+
+        f = jax.jit(body, donate_argnums=(1, 2))
+        t0, t1, q2, kc, vc = f(q, kc, vc)
+        jax.block_until_ready(q2)
+        native.phase_counters(int(dev.local_hardware_id))
+        us = []
+        for _ in range(reps):
+            t0, t1, q2, kc, vc = f(q, kc, vc)
+            a, b = (np.asarray(t).astype(np.uint64) for t in (t0, t1))
+            us.append(((int(b[0]) | int(b[1]) << 32) - (int(a[0]) | int(a[1]) << 32)) / k / 1000)
+        row = {"kernel": "attention", "rows": n, "context": ctx, "splits": attention.splits_for(n, kv, ctx + 128),
+               "chain_us_per_call": round(statistics.median(us), 2)}
+        row.update(summarise("attention", native.phase_counters(int(dev.local_hardware_id))))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tag", default="local")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--lib", type=Path, default=None, help="an already built diagnostic library")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--sizes", type=int, nargs="*", default=[8192, 16384, 65536])
+    parser.add_argument("--attention", default="2:1024,8:1024,32:1024",
+                        help="rows:context pairs for the attention chains ('' for none)")
+    args = parser.parse_args()
+    ar = _load_allreduce_bench()
+    ar._environment()  # no NVLink multicast, command buffers on: before JAX starts
+    lib = args.lib
+    if lib is None:
+        from switchyard.kernels import build
+
+        lib = build.build(Path(tempfile.mkdtemp()) / build.LIB_NAME, defines=("SWITCHYARD_PHASE_TIMER",))
+    os.environ["SWITCHYARD_KERNELS_LIB"] = str(lib)
+    import jax
+
+    rows = allreduce_rows(ar, args.reps, args.sizes) if len(jax.devices("gpu")) > 1 and args.sizes else []
+    shapes = [tuple(int(v) for v in s.split(":")) for s in args.attention.split(",") if s]
+    rows += attention_rows(args.reps, shapes)
+    if args.out:
+        result = {"command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+                  "device": f"{len(jax.devices('gpu'))}x {jax.devices('gpu')[0].device_kind}",
+                  "date": datetime.date.today().isoformat(), "rows": rows}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
