@@ -241,12 +241,13 @@ def main(argv: list[str] | None = None) -> int:
                             hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}-{attn}.hlo.txt")
                             hlo_file.write_text(summary.pop("hlo_text"))
                             print("  hlo:", summary, flush=True)
+                        times = time_serving_loop(engine, args.steps, args.warmup)
+                        sync_ms = 1000 * statistics.median(time_synchronous(engine, args.steps // 2, 2))
+                        # The profile comes after the timing, so that the tracer cannot touch the timed steps.
                         prof = None
                         if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
                             prof = profile_steps(engine, 8, f"{args.profile_dir}/tp{tp}-{strategy}-{attn}")
                             print("  profile:", json.dumps(prof, indent=1), flush=True)
-                        times = time_serving_loop(engine, args.steps, args.warmup)
-                        sync_ms = 1000 * statistics.median(time_synchronous(engine, args.steps // 2, 2))
                         setup = time.perf_counter() - t0
                         ms = 1000 * statistics.median(times)
                         per_gpu = spec.decode_bytes_per_step(batch, context) / tp

@@ -24,7 +24,7 @@ def test_decode_benchmark_rows_and_the_variant_without_communication(tmp_path):
     assert [(r["tp"], r["strategy"]) for r in rows] == [(2, "xla"), (2, "none")]
     for row in rows:
         assert row["ms_per_token"] > 0 and row["fraction_of_roofline"] > 0
-    with_comm = (hlo / "step-tp2-b1-xla-xla.hlo.txt").read_text()
-    without = (hlo / "step-tp2-b1-none-xla.hlo.txt").read_text()
+    with_comm = (hlo / "step-tp2-b1-xla-kernel.hlo.txt").read_text()
+    without = (hlo / "step-tp2-b1-none-kernel.hlo.txt").read_text()
     assert "all-reduce" in with_comm
     assert "all-reduce" not in without
