@@ -65,10 +65,9 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
   // The first kKeep packs of each thread stay in registers (a row of up to kKeep x blockDim
   // packs: every Llama hidden size); packs beyond that are re-read. The block's first row (its
   // only one up to kFusedMaxBlocks rows) is pushed as soon as its own packs are loaded: the
-  // peers wait for that push, so nothing else may delay it (loading the residual and weights
-  // first cost 0.5 us at 8 KB, benchmarks/results/kernel-phases-h200x2.json). Its residuals and
-  // weights are loaded right after the push, so their loads overlap the NVLink trip and no load
-  // from memory sits between a peer's arrival and the outputs.
+  // peers wait for that push, so nothing else goes before it. Its residuals and weights are
+  // loaded right after the push, so their loads overlap the NVLink trip and no load from memory
+  // sits between a peer's arrival and the outputs.
   constexpr int kKeep = 2;
   const int64_t bd = blockDim.x;
   const int64_t row0 = blockIdx.x;  // < rows: the grid has at most one block per row
