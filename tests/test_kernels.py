@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -246,6 +247,24 @@ def test_cuda_sources_compile(tmp_path) -> None:
 
         listing = subprocess.run(["cuobjdump", "--list-elf", str(out)], capture_output=True, text=True).stdout
         assert "sm_90a" in listing
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not on PATH")
+def test_phase_timer_build_compiles_and_normal_builds_have_no_timers(tmp_path) -> None:
+    """The diagnostic build (benchmarks/kernel_phases.py) compiles; a normal build answers that it
+    has no timers, without touching a GPU."""
+    gencode = ("-gencode=arch=compute_90a,code=sm_90a",)
+    timed = ctypes.CDLL(str(build.build(tmp_path / "timed.so", gencode=gencode, defines=("SWITCHYARD_PHASE_TIMER",))))
+    assert hasattr(timed, "sy_phase_read")
+    plain = ctypes.CDLL(str(build.build(tmp_path / build.LIB_NAME, gencode=gencode)))
+    buf = (ctypes.c_ulonglong * (native.PHASE_SLOTS * native.PHASE_BLOCKS))()
+    assert plain.sy_phase_read(0, buf, buf, buf) == 1
+
+
+def test_phase_timer_build_needs_its_own_output_path() -> None:
+    with pytest.raises(SystemExit):  # never over the installed library
+        build.main(["--phase-timer"])
+    assert "-DSWITCHYARD_PHASE_TIMER" in build.nvcc_command("nvcc", Path("x.so"), defines=("SWITCHYARD_PHASE_TIMER",))
 
 
 def test_missing_table_falls_back_to_default_rule(tmp_path) -> None:
