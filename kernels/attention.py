@@ -111,7 +111,7 @@ def decode_attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """As :func:`reference_decode_attention`; on CUDA with the kernel library, q, k_new and v_new are
     packed into one array and :func:`decode_attention_packed` runs the kernel."""
-    if q.shape[1] % max(k_new.shape[1], 1) or not (q.dtype == k_new.dtype == v_new.dtype):
+    if not use_kernel or q.shape[1] % max(k_new.shape[1], 1) or not (q.dtype == k_new.dtype == v_new.dtype):
         return reference_decode_attention(q, k_new, v_new, k_cache, v_cache, positions, write_at)
     qkv = jnp.concatenate([q, k_new.astype(q.dtype), v_new.astype(q.dtype)], axis=1)
     return decode_attention_packed(qkv, k_cache, v_cache, positions, write_at, use_kernel=use_kernel)

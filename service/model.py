@@ -133,7 +133,8 @@ class ForwardConfig:
     # long prompt never exists whole (an 8k prompt's would be 8.6 GB per layer for Llama-3-8B).
     prefill_chunk: int = 1024
     # Decode attention through the CUDA kernel where it can run (switchyard.kernels.attention; XLA's
-    # ops elsewhere). On by default: faster than XLA's ops at every batch measured (benchmarks/NOTES.md).
+    # ops elsewhere). On by default: faster than XLA's ops, or within 1%, at every batch and context
+    # measured (benchmarks/NOTES.md).
     attention_kernel: bool = True
 
     @classmethod
