@@ -112,38 +112,30 @@ __device__ __forceinline__ void store_pack(T* base, int64_t pack, int64_t n, con
   }
 }
 
-// A whole pack from read-only input as one vector load. Dereferencing a Pack pointer and copying
-// the result (canonical_pack's memcpy) let the compiler split the load into 16 byte loads, which
-// cost the fused kernel 0.6 us before its push (benchmarks/results/kernel-phases-h200x2.json).
-// kReadOnly: through the read-only data cache (memory this kernel never writes).
-template <typename T, int W, bool kReadOnly = true>
+// Where a pack load reads through.
+enum class Via {
+  kReadOnly,  // the read-only data cache (inputs this kernel never writes)
+  kL2,        // ld.global.cg, bypassing L1: workspace packs written by peers (L1 is not coherent
+              // with NVLink writes, and a line cached from two calls ago must never be returned)
+  kDefault,   // plain load (memory this kernel wrote itself)
+};
+
+// A whole pack as one vector load. Dereferencing a Pack pointer and copying the result
+// (canonical_pack's memcpy) let the compiler split the load into 16 byte loads, which cost the
+// fused kernel 0.5 us before its push (benchmarks/results/kernel-phases-before-h200x2.json).
+template <typename T, int W, Via kVia = Via::kReadOnly>
 __device__ __forceinline__ Pack<T, W> load_vec(const Pack<T, W>* p) {
   using Unit = typename std::conditional<sizeof(Pack<T, W>) == 16, uint4,
                typename std::conditional<sizeof(Pack<T, W>) == 4, unsigned int, unsigned short>::type>::type;
   static_assert(sizeof(Unit) == sizeof(Pack<T, W>), "a pack is 2, 4 or 16 bytes");
   const Unit* q = reinterpret_cast<const Unit*>(p);
   Unit u;
-  if constexpr (kReadOnly) u = __ldg(q);
+  if constexpr (kVia == Via::kReadOnly) u = __ldg(q);
+  else if constexpr (kVia == Via::kL2) u = __ldcg(q);
   else u = *q;
   Pack<T, W> r;
   memcpy(&r, &u, sizeof(r));
   return r;
-}
-
-// Workspace packs written by peers are read with ld.global.cg (L2, bypassing L1): the SM's L1 is
-// not coherent with NVLink writes, and a line cached from two calls ago must never be returned.
-template <typename T, int W>
-__device__ __forceinline__ Pack<T, W> load_ws(const Pack<T, W>* p) {
-  if constexpr (sizeof(Pack<T, W>) == 16) {
-    uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
-    return *reinterpret_cast<Pack<T, W>*>(&u);
-  } else if constexpr (sizeof(Pack<T, W>) == 4) {
-    unsigned int u = __ldcg(reinterpret_cast<const unsigned int*>(p));
-    return *reinterpret_cast<Pack<T, W>*>(&u);
-  } else {
-    unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
-    return *reinterpret_cast<Pack<T, W>*>(&u);
-  }
 }
 
 // Sum of one pack from every rank, in float32, in rank order 0..world-1. The order is fixed and
@@ -229,7 +221,7 @@ __device__ __forceinline__ bool timed_out_before(const Peers& P) {
 //     next call). The acquire orders every later read of this thread after GPU t's released
 //     writes.
 //  4. __syncthreads(): the other threads of the block are ordered after the acquires of step 3,
-//     so their subsequent loads (ld.global.cg, see load_ws) see the peers' data.
+//     so their subsequent loads (ld.global.cg, load_vec with Via::kL2) see the peers' data.
 // Blocks with the same index exchange the same element ranges on every rank (the partition of
 // work into blocks depends only on sizes and world, identical on all ranks), so a per-block
 // barrier is enough: no grid-wide synchronisation is needed.

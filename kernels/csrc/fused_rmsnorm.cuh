@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
       const int64_t p = threadIdx.x + j * bd;
       if (p < hp) write_normed(row, p, keep[j], wkeep[j], rstd);
     }
-    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) write_normed(row, p, load_vec<T, W, false>(nrp + row * hp + p), load_vec(wp + p), rstd);
+    for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) write_normed(row, p, load_vec<T, W, Via::kDefault>(nrp + row * hp + p), load_vec(wp + p), rstd);
     clock.mark(4);
   }
 

@@ -233,7 +233,7 @@ bool g_attn_loaded[kMaxOrdinals] = {};
 // CUDA call but the launch). The handler lowers S until the grid fits in one wave: clusters must
 // find S free slots in one GPC, so a grid that fits by block count alone can still leave half its
 // clusters waiting for the first half to finish (at 8 rows x 8 KV heads x 4 splits it did:
-// benchmarks/results/kernel-phases-h200x2.json, 13 us between the first and last block start).
+// benchmarks/results/kernel-phases-before-h200x2.json, 13 us between the first and last block start).
 constexpr int kAttnKernels = 2 * 2 * 4;
 int g_attn_clusters[kMaxOrdinals][kAttnKernels][kAttnMaxSplits + 1] = {};
 
@@ -251,8 +251,6 @@ bool same_dims(const A& a, const B& b) {
 }
 
 // The S slices of one (row, KV head) run as one thread-block cluster (decode_attention.cuh).
-// Returns cudaErrorNotSupported for a shape without a compiled kernel.
-template <typename T, int D, int G>
 cudaLaunchConfig_t attention_config(const AttnArgs& a, cudaStream_t stream, cudaLaunchAttribute* cluster) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(a.n * a.kv, a.S);
@@ -272,7 +270,7 @@ cudaError_t launch_attention(AttnArgs a, int device, cudaStream_t stream) {
   const int* fits = g_attn_clusters[device][attn_kernel_index<T, D, G>()];
   while (a.S > 1 && static_cast<int64_t>(a.n) * a.kv > fits[a.S]) --a.S;
   cudaLaunchAttribute cluster;
-  const cudaLaunchConfig_t cfg = attention_config<T, D, G>(a, stream, &cluster);
+  const cudaLaunchConfig_t cfg = attention_config(a, stream, &cluster);
   return cudaLaunchKernelEx(&cfg, attn_split_kernel<T, D, G>, a);
 }
 
@@ -286,7 +284,7 @@ cudaError_t preload_attention(int device) {
     a.kv = 1;
     a.S = S;
     cudaLaunchAttribute cluster;
-    const cudaLaunchConfig_t cfg = attention_config<T, D, G>(a, nullptr, &cluster);
+    const cudaLaunchConfig_t cfg = attention_config(a, nullptr, &cluster);
     int clusters = 0;
     e = cudaOccupancyMaxActiveClusters(&clusters, attn_split_kernel<T, D, G>, &cfg);
     g_attn_clusters[device][attn_kernel_index<T, D, G>()][S] = clusters;
@@ -294,6 +292,7 @@ cudaError_t preload_attention(int device) {
   return e;
 }
 
+// Returns cudaErrorNotSupported for a shape without a compiled kernel.
 template <typename T, int D>
 cudaError_t launch_attention_group(const AttnArgs& a, int device, cudaStream_t stream) {
   switch (a.G) {

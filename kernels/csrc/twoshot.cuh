@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(1024) twoshot_kernel(Peers P, Layout L, const 
   for (int64_t j = first; j < S; j += stride) {
     float acc[W];
     for (int q = 0; q < P.world; ++q)
-      accumulate<T, W>(acc, load_ws<T, W>(scatter(P.rank, q) + j), q == 0);
+      accumulate<T, W>(acc, load_vec<T, W, Via::kL2>(scatter(P.rank, q) + j), q == 0);
     const Pack<T, W> r = to_pack<T, W>(acc);
     store_pack<T, W>(out, P.rank * S + j, n, r);
     for (int k = 1; k < P.world; ++k) gather((P.rank + k) % P.world, P.rank)[j] = r;
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(1024) twoshot_kernel(Peers P, Layout L, const 
   for (int64_t j = first; j < S; j += stride) {
     for (int k = 1; k < P.world; ++k) {
       const int s = (P.rank + k) % P.world;
-      store_pack<T, W>(out, s * S + j, n, load_ws<T, W>(gather(P.rank, s) + j));
+      store_pack<T, W>(out, s * S + j, n, load_vec<T, W, Via::kL2>(gather(P.rank, s) + j));
     }
   }
 
