@@ -46,7 +46,7 @@ COMMAND_BUFFER_FLAGS = (
 )
 
 
-def _environment() -> None:
+def environment() -> None:
     """Before JAX or torch start: no NVLink multicast anywhere, command buffers on."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -61,6 +61,14 @@ def _chain_length(nbytes: int, world: int) -> int:
     k = 100 if nbytes <= (1 << 20) else 20
     # plain chains multiply by `world` each call: stay inside bf16 range from a 2^-80 start
     return min(k, 1 + int(150 / max(1.0, math.log2(world))))
+
+
+def stamps_ns(t) -> list[int]:
+    """The %globaltimer stamps of ``native.timestamp`` (uint32 low, high words; one pair per GPU)."""
+    import numpy as np
+
+    t = np.asarray(t).astype(np.uint64)
+    return [int(lo) | (int(hi) << 32) for lo, hi in t.reshape(-1, 2)]
 
 
 # ---- PyTorch baselines (separate processes, one per GPU) ---------------------------------------
@@ -180,16 +188,12 @@ class JaxBench:
 
         return self.jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(self.mesh, spec))
 
-    def _stamps(self, t) -> list[int]:
-        t = self.np.asarray(t).astype(self.np.uint64)
-        return [int(lo) | (int(hi) << 32) for lo, hi in t.reshape(-1, 2)]
-
-    def _sample(self, fn, args, k: int) -> tuple[float, object]:
+    def sample(self, fn, args, k: int) -> tuple[float, object]:
         """One sample: µs per call of the chain on the GPU that started last (min over GPUs of
         elapsed / K). The GPU that starts first waits in its first call for the others, so its
         elapsed time includes the skew between the GPUs' program starts, which is not the op's."""
         t0, t1, y = fn(*args)
-        s0, s1 = self._stamps(t0), self._stamps(t1)
+        s0, s1 = stamps_ns(t0), stamps_ns(t1)
         return min(b - a for a, b in zip(s0, s1, strict=True)) / k / 1000.0, y
 
     def measure(self, chains: dict[str, tuple]) -> dict[str, tuple[float, object]]:
@@ -201,7 +205,7 @@ class JaxBench:
             self.jax.block_until_ready(fn(*args))
         for _ in range(self.reps):
             for name, (fn, args, k) in chains.items():
-                us, last[name] = self._sample(fn, args, k)
+                us, last[name] = self.sample(fn, args, k)
                 samples[name].append(us)
         self.kernels.check_errors()
         return {name: (statistics.median(v), last[name]) for name, v in samples.items()}
@@ -292,7 +296,7 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    _environment()
+    environment()
     if args.torch_worker:
         _torch_main(args.torch_worker, args.world, args.reps, [int(s) for s in args.sizes.split(",")])
         return 0

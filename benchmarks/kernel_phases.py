@@ -69,7 +69,7 @@ def allreduce_rows(ar, reps: int, sizes: list[int]) -> list[dict]:
             bench.jax.block_until_ready(fn(*args))
             for o in ordinals:
                 native.phase_counters(o)  # clear what compilation and warm-up left
-            samples = [bench._sample(fn, args, k)[0] for _ in range(reps)]
+            samples = [bench.sample(fn, args, k)[0] for _ in range(reps)]
             for rank, o in enumerate(ordinals):
                 row = {"kernel": kernel, "bytes": nbytes, "gpu": rank,
                        "chain_us_per_call": round(statistics.median(samples), 2)}
@@ -80,7 +80,7 @@ def allreduce_rows(ar, reps: int, sizes: list[int]) -> list[dict]:
     return rows
 
 
-def attention_rows(reps: int, shapes: list[tuple[int, int]], k: int = 64) -> list[dict]:
+def attention_rows(ar, reps: int, shapes: list[tuple[int, int]], k: int = 64) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -113,8 +113,8 @@ def attention_rows(reps: int, shapes: list[tuple[int, int]], k: int = 64) -> lis
         us = []
         for _ in range(reps):
             t0, t1, q2, kc, vc = f(q, kc, vc)
-            a, b = (np.asarray(t).astype(np.uint64) for t in (t0, t1))
-            us.append(((int(b[0]) | int(b[1]) << 32) - (int(a[0]) | int(a[1]) << 32)) / k / 1000)
+            (a,), (b,) = ar.stamps_ns(t0), ar.stamps_ns(t1)
+            us.append((b - a) / k / 1000)
         row = {"kernel": "attention", "rows": n, "context": ctx, "splits": attention.splits_for(n, kv, ctx + 128),
                "chain_us_per_call": round(statistics.median(us), 2)}
         row.update(summarise("attention", native.phase_counters(int(dev.local_hardware_id))))
@@ -134,7 +134,7 @@ def main() -> int:
                         help="rows:context pairs for the attention chains ('' for none)")
     args = parser.parse_args()
     ar = _load_allreduce_bench()
-    ar._environment()  # no NVLink multicast, command buffers on: before JAX starts
+    ar.environment()  # no NVLink multicast, command buffers on: before JAX starts
     lib = args.lib
     if lib is None:
         from switchyard.kernels import build
@@ -145,7 +145,7 @@ def main() -> int:
 
     rows = allreduce_rows(ar, args.reps, args.sizes) if len(jax.devices("gpu")) > 1 and args.sizes else []
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.attention.split(",") if s]
-    rows += attention_rows(args.reps, shapes)
+    rows += attention_rows(ar, args.reps, shapes)
     if args.out:
         result = {"command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
                   "device": f"{len(jax.devices('gpu'))}x {jax.devices('gpu')[0].device_kind}",
