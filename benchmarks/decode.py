@@ -31,7 +31,6 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import jax
 import jax.numpy as jnp
 from switchyard.service.engine import Engine, make_mesh
-from switchyard.service.model import L2_PREFETCH_BYTES
 from switchyard.service.modelspec import ServingLayout, preset
 
 
@@ -145,7 +144,7 @@ def without_communication(enabled: bool):
     def all_reduce(x, axis, strategy="xla"):
         return x
 
-    def all_reduce_residual_rmsnorm(x, residual, weight, eps, axis, strategy="xla", prefetch=None, prefetch_bytes=0):
+    def all_reduce_residual_rmsnorm(x, residual, weight, eps, axis, strategy="xla"):
         new_residual = residual + x.astype(residual.dtype)
         return new_residual, rmsnorm(new_residual, weight, eps)
 
@@ -195,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="all-reduce strategies to compare; 'none' times the step without communication")
     parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "xla"],
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
-    parser.add_argument("--l2-prefetch-mib", type=int, nargs="+", default=[L2_PREFETCH_BYTES >> 20],
-                        help="MiB of the next matrix the attention and fused kernels warm in L2 (0: off; compare)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--out", help="result JSON path")
@@ -218,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         mesh_devices = jax.devices()[:tp]
         make_mesh(tp, mesh_devices)
         base = None
-        for strategy, min_bucket, attn, prefetch_mib in itertools.product(
-                args.strategy, args.min_batch_bucket, args.attention, args.l2_prefetch_mib):
+        for strategy, min_bucket, attn in itertools.product(args.strategy, args.min_batch_bucket, args.attention):
             # "none": the all-reduce call sites patched out for this strategy's engines
             engine_strategy = "xla" if strategy == "none" else strategy
             with without_communication(strategy == "none"):
@@ -231,20 +227,18 @@ def main(argv: list[str] | None = None) -> int:
                         t0 = time.perf_counter()
                         if base is None:
                             engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket,
-                                                        attention_kernel=attn == "kernel",
-                                                        l2_prefetch_bytes=prefetch_mib << 20)
+                                                        attention_kernel=attn == "kernel")
                             base = engine.params
                         else:
                             engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
                                             max_seq_len=layout.max_seq_len, strategy=engine_strategy, dtype="bfloat16",
                                             cache_init="random", min_batch_bucket=min_bucket,
-                                            attention_kernel=attn == "kernel", l2_prefetch_bytes=prefetch_mib << 20)
+                                            attention_kernel=attn == "kernel")
                         engine.occupy_slots(context, count=batch)
-                        name = f"tp{tp}-b{batch}-{strategy}-{attn}-pf{prefetch_mib}"
                         if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
                             summary = hlo_summary(engine, batch)
                             Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-                            hlo_file = Path(args.hlo_dir, f"step-{name}.hlo.txt")
+                            hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}-{attn}.hlo.txt")
                             hlo_file.write_text(summary.pop("hlo_text"))
                             print("  hlo:", summary, flush=True)
                         times = time_serving_loop(engine, args.steps, args.warmup)
@@ -252,15 +246,14 @@ def main(argv: list[str] | None = None) -> int:
                         # The profile comes after the timing, so that the tracer cannot touch the timed steps.
                         prof = None
                         if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
-                            prof = profile_steps(engine, 8, f"{args.profile_dir}/{name}")
+                            prof = profile_steps(engine, 8, f"{args.profile_dir}/tp{tp}-{strategy}-{attn}")
                             print("  profile:", json.dumps(prof, indent=1), flush=True)
                         setup = time.perf_counter() - t0
                         ms = 1000 * statistics.median(times)
                         per_gpu = spec.decode_bytes_per_step(batch, context) / tp
                         roofline_ms = 1000 * per_gpu / bandwidth
                         row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
-                               "attention": attn, "l2_prefetch_mib": prefetch_mib, "min_batch_bucket": min_bucket,
-                               "ms_per_token": round(ms, 4),
+                               "attention": attn, "min_batch_bucket": min_bucket, "ms_per_token": round(ms, 4),
                                "tokens_per_s": round(batch * 1000 / ms, 1),
                                "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
                                "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
@@ -269,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                             row["profile"] = prof
                         rows.append(row)
                         print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
-                              f"prefetch {prefetch_mib:3d} MiB min-bucket {min_bucket} "
+                              f"min-bucket {min_bucket} "
                               f"{ms:8.3f} ms/token "
                               f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
                               f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from switchyard.kernels import native
-from switchyard.kernels.collectives import prefetch_operand
 
 KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = (64, 128)
@@ -75,7 +74,7 @@ def reference_decode_attention_packed(
                                       k_cache, v_cache, positions, write_at)
 
 
-def _kernel(qkv, k_cache, v_cache, positions, write_at, prefetch, prefetch_bytes):
+def _kernel(qkv, k_cache, v_cache, positions, write_at):
     n, total, d = qkv.shape
     kv = k_cache.shape[1]
     splits = splits_for(n, kv, k_cache.shape[2])
@@ -84,23 +83,18 @@ def _kernel(qkv, k_cache, v_cache, positions, write_at, prefetch, prefetch_bytes
         (jax.ShapeDtypeStruct((n, total - 2 * kv, d), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
         input_output_aliases={1: 1, 2: 2},
-    )(qkv, k_cache, v_cache, positions.astype(jnp.int32), write_at.astype(jnp.int32), prefetch,
-      scale=np.float32(1.0 / math.sqrt(d)), splits=np.int32(splits), prefetch_bytes=np.int64(prefetch_bytes))
+    )(qkv, k_cache, v_cache, positions.astype(jnp.int32), write_at.astype(jnp.int32),
+      scale=np.float32(1.0 / math.sqrt(d)), splits=np.int32(splits))
     return out, k_cache, v_cache
 
 
 def decode_attention_packed(
     qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, write_at: jax.Array,
-    *, use_kernel: bool = True, prefetch: jax.Array | None = None, prefetch_bytes: int = 0,
+    *, use_kernel: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """As :func:`reference_decode_attention_packed`; on CUDA with the kernel library, one fused kernel
-    that reads q, k_new and v_new in place from ``qkv`` [n, H + 2 kv, D].
-
-    ``prefetch``: the weights the next kernel reads (the output projection); the kernel warms their
-    first ``prefetch_bytes`` in L2 while it waits on latencies (no effect on the result).
-    """
+    that reads q, k_new and v_new in place from ``qkv`` [n, H + 2 kv, D]."""
     args = (qkv, k_cache, v_cache, positions, write_at)
-    ahead, ahead_bytes = prefetch_operand(prefetch, prefetch_bytes)
     kv = k_cache.shape[1]
     heads = qkv.shape[1] - 2 * kv
     usable = (use_kernel and heads > 0 and heads % kv == 0 and qkv.dtype == k_cache.dtype
@@ -108,9 +102,7 @@ def decode_attention_packed(
               and native.attention_ready())
     if not usable:
         return reference_decode_attention_packed(*args)
-    return jax.lax.platform_dependent(
-        *args, ahead, default=lambda *a: reference_decode_attention_packed(*a[:5]),
-        cuda=lambda *a: _kernel(*a, ahead_bytes))
+    return jax.lax.platform_dependent(*args, default=reference_decode_attention_packed, cuda=_kernel)
 
 
 def decode_attention(

@@ -64,21 +64,10 @@ def _ffi_all_reduce(impl: str, x: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(f"switchyard_{impl}", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
-def prefetch_operand(prefetch: jax.Array | None, prefetch_bytes: int) -> tuple[jax.Array, int]:
-    """The operand and byte count a kernel's L2 prefetch takes (``csrc/l2_prefetch.cuh``): the
-    first ``prefetch_bytes`` of ``prefetch`` (at most all of it), or nothing."""
-    if prefetch_bytes < 0:
-        raise ValueError(f"prefetch_bytes must be >= 0, got {prefetch_bytes}")
-    if prefetch is None or prefetch_bytes == 0 or prefetch.size == 0:
-        return jnp.zeros((0,), jnp.uint8), 0
-    return prefetch, min(int(prefetch_bytes), int(prefetch.size) * jnp.dtype(prefetch.dtype).itemsize)
-
-
-def _ffi_fused(x: jax.Array, residual: jax.Array, weight: jax.Array, prefetch: jax.Array, eps: float,
-               prefetch_bytes: int) -> tuple[jax.Array, jax.Array]:
+def _ffi_fused(x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     out = jax.ShapeDtypeStruct(residual.shape, residual.dtype)
     new_residual, normed = jax.ffi.ffi_call("switchyard_fused_rmsnorm", (out, out))(
-        x, residual, weight, prefetch, eps=np.float32(eps), prefetch_bytes=np.int64(prefetch_bytes)
+        x, residual, weight, eps=np.float32(eps)
     )
     return new_residual, normed
 
@@ -97,15 +86,12 @@ def all_reduce(x: jax.Array, axis: str, strategy: str = "xla") -> jax.Array:
 
 
 def all_reduce_residual_rmsnorm(
-    x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, axis: str, strategy: str = "xla",
-    *, prefetch: jax.Array | None = None, prefetch_bytes: int = 0,
+    x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, axis: str, strategy: str = "xla"
 ) -> tuple[jax.Array, jax.Array]:
     """``residual + all_reduce(x)`` and its RMSNorm: returns ``(new_residual, normed)``.
 
     The fused kernel needs x, residual and weight of one dtype, ``residual.shape == x.shape`` and
     ``weight.shape == x.shape[-1:]``; otherwise the all-reduce alone uses the custom kernel.
-    ``prefetch``: the weights the next kernel reads; the fused kernel warms their first
-    ``prefetch_bytes`` in L2 while it waits for its peers (no effect on the result, nor elsewhere).
     """
     fusable = (
         x.ndim >= 1
@@ -116,15 +102,13 @@ def all_reduce_residual_rmsnorm(
     impl = plan("fused", strategy, x, axis) if fusable else plan("allreduce", strategy, x, axis)
     if impl == "fused":
 
-        ahead, ahead_bytes = prefetch_operand(prefetch, prefetch_bytes)
-
-        def reference(x, residual, weight, ahead):
+        def reference(x, residual, weight):
             return _reference_residual_rmsnorm(x, residual, weight, eps, axis)
 
-        def kernel(x, residual, weight, ahead):
-            return _ffi_fused(x, residual, weight, ahead, eps, ahead_bytes)
+        def kernel(x, residual, weight):
+            return _ffi_fused(x, residual, weight, eps)
 
-        return jax.lax.platform_dependent(x, residual, weight, ahead, default=reference, cuda=kernel)
+        return jax.lax.platform_dependent(x, residual, weight, default=reference, cuda=kernel)
     # Not fused: all-reduce (custom or psum), then residual add and RMSNorm in XLA.
     reduced = _staged_all_reduce(impl, x, axis)
     new_residual = residual + reduced.astype(residual.dtype)

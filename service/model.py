@@ -124,10 +124,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 # ---- forward passes (per shard) ------------------------------------------------------------------
-# Most of the 50 MB L2 of an H100/H200: room for a whole output projection of Llama-3-8B at TP=1.
-L2_PREFETCH_BYTES = 32 << 20
-
-
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
     shape: ShardShape
@@ -140,19 +136,12 @@ class ForwardConfig:
     # ops elsewhere). On by default: faster than XLA's ops, or within 1%, at every batch and context
     # measured (benchmarks/NOTES.md).
     attention_kernel: bool = True
-    # The latency-bound kernels (decode attention, the fused all-reduce + RMSNorm) warm up to this
-    # many bytes of the next matrix in L2 while HBM is idle (kernels/csrc/l2_prefetch.cuh); 0: off.
-    l2_prefetch_bytes: int = L2_PREFETCH_BYTES
-
-    def __post_init__(self) -> None:
-        if self.l2_prefetch_bytes < 0:
-            raise ValueError(f"l2_prefetch_bytes must be >= 0, got {self.l2_prefetch_bytes}")
 
     @classmethod
     def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024,
-             attention_kernel: bool = True, l2_prefetch_bytes: int = L2_PREFETCH_BYTES) -> ForwardConfig:
+             attention_kernel: bool = True) -> ForwardConfig:
         return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk,
-                   attention_kernel, l2_prefetch_bytes)
+                   attention_kernel)
 
 
 def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -188,15 +177,12 @@ def run_layers(
     h = rmsnorm(x, layers[0]["attn_norm"], eps)
     for i, layer in enumerate(layers):
         partial = attention(i, h) @ layer["wo"]
-        residual, h = all_reduce_residual_rmsnorm(partial, residual, layer["mlp_norm"], eps, AXIS, cfg.strategy,
-                                                  prefetch=layer["wgu"], prefetch_bytes=cfg.l2_prefetch_bytes)
+        residual, h = all_reduce_residual_rmsnorm(partial, residual, layer["mlp_norm"], eps, AXIS, cfg.strategy)
         mlp = _mlp(h, layer, cfg.shape)
         next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else final_norm
         if next_norm is None:
             return residual + all_reduce(mlp, AXIS, cfg.strategy).astype(residual.dtype), None
-        ahead = layers[i + 1]["wqkv"] if i + 1 < len(layers) else None
-        residual, h = all_reduce_residual_rmsnorm(mlp, residual, next_norm, eps, AXIS, cfg.strategy,
-                                                  prefetch=ahead, prefetch_bytes=cfg.l2_prefetch_bytes)
+        residual, h = all_reduce_residual_rmsnorm(mlp, residual, next_norm, eps, AXIS, cfg.strategy)
     return residual, h
 
 
@@ -225,9 +211,8 @@ def decode_attention(
     qkv = jnp.where(is_qk[None, :, None], roped, qkv)
     # Rows that must not write aim past the cache's end: the write is dropped.
     at = positions if write is None else jnp.where(write, positions, k_cache.shape[2])
-    out, k_cache, v_cache = attention.decode_attention_packed(
-        qkv, k_cache, v_cache, positions, at, use_kernel=cfg.attention_kernel, prefetch=layer["wo"],
-        prefetch_bytes=cfg.l2_prefetch_bytes)
+    out, k_cache, v_cache = attention.decode_attention_packed(qkv, k_cache, v_cache, positions, at,
+                                                              use_kernel=cfg.attention_kernel)
     return out.reshape(n, shape.q_heads * shape.spec.head_dim).astype(h.dtype), k_cache, v_cache
 
 

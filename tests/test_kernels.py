@@ -130,53 +130,6 @@ def test_cuda_lowering_emits_the_custom_calls(fake_gpu_capability) -> None:
     assert "all_reduce" not in text  # no psum left on the CUDA path
 
 
-def test_cuda_lowering_passes_the_l2_prefetch(fake_gpu_capability, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The attention and fused calls take the array to warm as an operand and the byte count as an
-    attribute, clamped to the array; without one they get an empty operand and 0 bytes."""
-    from switchyard.kernels import attention
-
-    fake_gpu_capability(2)
-    monkeypatch.setattr(native, "attention_ready", lambda: True)
-    mesh = _mesh(2)
-
-    def body(x, r, w, ahead, qkv, kc, vc, pos):
-        _, h1 = kernels.all_reduce_residual_rmsnorm(x[0], r, w, 1e-5, "tp", "oneshot", prefetch=ahead,
-                                                    prefetch_bytes=1000)
-        _, h2 = kernels.all_reduce_residual_rmsnorm(x[0], r, w, 1e-5, "tp", "oneshot", prefetch=ahead,
-                                                    prefetch_bytes=1 << 30)
-        _, h3 = kernels.all_reduce_residual_rmsnorm(x[0], r, w, 1e-5, "tp", "oneshot")
-        out, _, _ = attention.decode_attention_packed(qkv, kc, vc, pos, pos, prefetch=ahead, prefetch_bytes=1 << 30)
-        return h1[None], h2[None], h3[None], out[None]
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P(), P(), P(), P(), P()),
-                               out_specs=(P("tp"),) * 4, check_vma=False))
-    specs = [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-        for shape, dtype, spec in (((2, 4, 64), jnp.bfloat16, P("tp")), ((4, 64), jnp.bfloat16, P()),
-                                   ((64,), jnp.bfloat16, P()), ((128, 64), jnp.bfloat16, P()),
-                                   ((2, 12, 128), jnp.bfloat16, P()), ((2, 2, 256, 128), jnp.bfloat16, P()),
-                                   ((2, 2, 256, 128), jnp.bfloat16, P()), ((2,), jnp.int32, P()))
-    ]
-    text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @switchyard_fused_rmsnorm") == 3
-    assert "custom_call @switchyard_decode_attention" in text
-    assert "prefetch_bytes = 1000 : i64" in text
-    assert text.count("prefetch_bytes = 16384 : i64") == 2  # the whole [128, 64] bf16 array, twice
-    assert "prefetch_bytes = 0 : i64" in text
-
-
-def test_prefetch_operand_clamps_and_rejects_negative_sizes() -> None:
-    from switchyard.kernels.collectives import prefetch_operand
-
-    w = jnp.ones((10, 3), jnp.float16)
-    assert prefetch_operand(w, 1 << 20)[1] == 60
-    assert prefetch_operand(w, 16)[1] == 16
-    for empty in (prefetch_operand(None, 1 << 20), prefetch_operand(w, 0), prefetch_operand(jnp.ones((0,)), 8)):
-        assert empty[0].size == 0 and empty[1] == 0
-    with pytest.raises(ValueError, match="prefetch_bytes must be >= 0"):
-        prefetch_operand(w, -1)
-
-
 def test_check_vma_uses_reference_path(fake_gpu_capability) -> None:
     fake_gpu_capability(2)
     mesh = _mesh(2)

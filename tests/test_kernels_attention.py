@@ -173,33 +173,3 @@ def test_engine_with_the_kernel_decodes_as_with_xla_ops():
         if not np.array_equal(ra.tokens[:3], rb.tokens[:3]):
             break  # a near-tie decided differently in bf16: the inputs differ from here on
     assert compared >= 3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES[:3], ids=lambda c: "n{}-kv{}-g{}-d{}-s{}-L{}".format(*c))
-def test_l2_prefetch_changes_nothing_but_timing(case):
-    """The kernel warming another array in L2 (an odd-sized one, more bytes than a chunk multiple)
-    gives bit-identical outputs and caches, and leaves that array as it was."""
-    from switchyard.kernels import native
-
-    assert native.attention_ready(), native.status()
-    n, kv, group, d, slots, length = case
-    rng = np.random.default_rng()
-    q, k_new, v_new, k_cache, v_cache, positions, write_at = random_case(rng, n, kv, group, d, slots, length,
-                                                                         "bfloat16")
-    qkv = jnp.asarray(np.concatenate([q, k_new, v_new], axis=1), jnp.bfloat16)
-    weights = jnp.asarray(rng.standard_normal(3 * 2**20 + 5), jnp.bfloat16)
-    before = np.asarray(weights)
-
-    def run(prefetch_bytes):
-        fn = jax.jit(lambda *a: attention.decode_attention_packed(*a, prefetch=weights, prefetch_bytes=prefetch_bytes))
-        caches = [jnp.asarray(c, jnp.bfloat16) for c in (k_cache, v_cache)]
-        text = fn.lower(qkv, *caches, positions, write_at).as_text()
-        staged = min(prefetch_bytes, 2 * weights.size)
-        assert "switchyard_decode_attention" in text and f"prefetch_bytes = {staged} : i64" in text
-        return [np.asarray(a.astype(jnp.float32)) for a in fn(qkv, *caches, positions, write_at)]
-
-    plain, warmed = run(0), run(1 << 30)  # asks for more than the array: clamped to all of it
-    for a, b in zip(plain, warmed, strict=True):
-        assert np.array_equal(a, b, equal_nan=True)
-    assert np.array_equal(np.asarray(weights), before)

@@ -9,8 +9,6 @@
 //   pos      [n]  row b attends over cache positions [0, pos[b]]
 //   write_at [n]  row b's new K/V go to position write_at[b]; outside [0, L) = not written
 //   out      [n, kv * G, D]
-//   prefetch any array (the output projection's weights): its first prefetch_bytes are warmed
-//            in L2 while this kernel waits on latencies (l2_prefetch.cuh); 0 bytes: nothing
 //
 // Work split. Block (b, h, s) takes kv head h of row b and the s-th of S equal slices of the
 // cached positions; its kAttnWarps warps take turns at chunks of 32 positions.
@@ -53,7 +51,6 @@
 #include <type_traits>
 
 #include "common.cuh"  // to_f32 / from_f32
-#include "l2_prefetch.cuh"
 
 namespace switchyard {
 
@@ -70,8 +67,6 @@ struct AttnArgs {
   const int32_t* pos;
   const int32_t* write_at;
   void* out;
-  const void* prefetch;    // the next kernel's weights (the output projection): warmed in L2
-  int64_t prefetch_bytes;  // 0: none
   int n, kv, G, L, S;
   float scale;
 };
@@ -168,12 +163,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
     ktail = *reinterpret_cast<const VRaw*>(kn + lane * E);
     vtail = *reinterpret_cast<const VRaw*>(vn + lane * E);
   }
-  // HBM is idle for most of this kernel (it waits on a chain of latencies): the next kernel's
-  // weights go to L2 meanwhile (l2_prefetch.cuh). Asked for only now, so that this block's own
-  // K/V loads are ahead of them.
-  if (a.prefetch_bytes > 0)
-    prefetch_l2(a.prefetch, a.prefetch_bytes, (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x,
-                static_cast<int64_t>(gridDim.x) * gridDim.y * blockDim.x);
 
   __shared__ __align__(16) float qs[G][D];            // scaled queries, read by every lane
   __shared__ float sp[kAttnWarps][G][kAttnChunk];     // a chunk's probabilities, per warp

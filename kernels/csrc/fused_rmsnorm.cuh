@@ -5,7 +5,7 @@
 // (Llama/Hugging Face convention: statistics in float32, scale applied in T.)
 //
 // x, residual: [M, H] row-major; weight: [H]. Rows are the unit of work: block b owns rows
-// b, b + row_blocks, ... in both phases (one row per block up to kFusedMaxBlocks rows: nothing
+// b, b + gridDim, ... in both phases (one row per block up to kFusedMaxBlocks rows: nothing
 // pairs blocks, so the grid may exceed what is resident at once).
 //   1. push: the block stores its rows of x into slot[rank] of every peer's one-shot area;
 //   2. per row: take the peers' packs as they arrive (flag-free, lamport.cuh) and sum all
@@ -15,16 +15,9 @@
 //      new_residual output, which has to be written anyway (and is read back only for rows
 //      longer than kKeep packs per thread).
 // With world == 1 nothing is exchanged: the kernel is a one-pass residual add + RMSNorm.
-//
-// L2 prefetch. The grid may have more blocks than row blocks: those take no row and only warm
-// L2 with the first prefetch_bytes of the next kernel's weights (l2_prefetch.cuh), which the
-// row blocks, one per row, are too few to ask for quickly. They go first: this kernel's own
-// loads (x just written by the GEMM, the residual, the norm weight) are L2 hits and do not queue
-// behind them in HBM.
 // Workspace reuse is the one-shot argument (two halves selected by epoch parity), see lamport.cuh.
 #pragma once
 #include "common.cuh"
-#include "l2_prefetch.cuh"
 #include "lamport.cuh"
 #include "layout.cuh"
 #include "oneshot.cuh"
@@ -56,15 +49,9 @@ template <typename T, int W>
 __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     Peers P, Layout L, const T* __restrict__ x, const T* __restrict__ residual,
     const T* __restrict__ weight, T* __restrict__ new_residual, T* __restrict__ normed, int64_t rows,
-    int64_t hidden, float eps, int row_blocks, const void* prefetch, int64_t prefetch_bytes) {
-  const uint32_t epoch = read_epoch(P);
-  if (static_cast<int>(blockIdx.x) >= row_blocks) {  // a prefetch block
-    const int64_t index = (static_cast<int64_t>(blockIdx.x) - row_blocks) * blockDim.x + threadIdx.x;
-    prefetch_l2(prefetch, prefetch_bytes, index, static_cast<int64_t>(gridDim.x - row_blocks) * blockDim.x);
-    finish_launch(P, epoch);
-    return;
-  }
+    int64_t hidden, float eps) {
   PhaseClock clock;
+  const uint32_t epoch = read_epoch(P);
   const uint32_t half = epoch & 1u;
   const int64_t hp = hidden / W;  // packs per row
   using PackT = Pack<T, W>;
@@ -99,7 +86,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     }
   };
   if (P.world > 1) {
-    for (int64_t row = row0; row < rows; row += row_blocks) {
+    for (int64_t row = row0; row < rows; row += gridDim.x) {
 #pragma unroll
       for (int j = 0; j < kKeep; ++j) {
         const int64_t p = threadIdx.x + j * bd;
@@ -149,7 +136,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
   };
 
   int parity = 0;
-  for (int64_t row = row0; row < rows; row += row_blocks, parity ^= 1) {
+  for (int64_t row = row0; row < rows; row += gridDim.x, parity ^= 1) {
     float sumsq = 0.f;
     PackT keep[kKeep];
     if (row != row0) {  // later rows (more rows than blocks): load in place of the first row's

@@ -35,10 +35,6 @@ constexpr int kMaxOrdinals = 64;
 constexpr int kThreads = 512;
 constexpr int kOneshotMaxBlocks = 64;
 constexpr int kFusedMaxBlocks = 1024;  // one row per block (no barrier pairs blocks: any grid works)
-// Prefetch-only blocks of the fused kernel: one per 256 KB of weights to warm, at most one per SM
-// of an H100/H200 less a few for the rows (fused_rmsnorm.cuh).
-constexpr int kFusedPrefetchBlocks = 128;
-constexpr int64_t kPrefetchBytesPerBlock = 256 << 10;
 constexpr int kTwoshotMaxBlocks = kMaxBlocks;
 static_assert(kTwoshotMaxBlocks <= kMaxBlocks, "flag slots of the two-shot barriers");
 
@@ -180,8 +176,7 @@ ffi::Error TwoShotImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
 }
 
 ffi::Error FusedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                     ffi::AnyBuffer prefetch, ffi::Result<ffi::AnyBuffer> new_residual,
-                     ffi::Result<ffi::AnyBuffer> normed, float eps, int64_t prefetch_bytes) {
+                     ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> normed, float eps) {
   Peers P;
   if (auto err = resolve(device, &P); err.failure()) return err;
   const auto dims = x.dimensions();
@@ -195,9 +190,6 @@ ffi::Error FusedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi:
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "x, residual, weight: dtype/shape mismatch");
   if (static_cast<int64_t>(x.size_bytes()) > g.oneshot_bytes)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "message larger than the one-shot workspace");
-  if (prefetch_bytes < 0 || prefetch_bytes > static_cast<int64_t>(prefetch.size_bytes()))
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "prefetch_bytes must be within the prefetch operand");
-  if (!aligned16(prefetch.untyped_data())) prefetch_bytes = 0;
   const int64_t rows = n / hidden;
   const int vec_elems = x.element_type() == ffi::DataType::F32 ? 4 : 8;
   const bool vec = hidden % vec_elems == 0 && aligned16(x.untyped_data()) &&
@@ -207,14 +199,11 @@ ffi::Error FusedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi:
     using T = decltype(t);
     constexpr int W = decltype(w)::value;
     const int threads = static_cast<int>(std::min<int64_t>(kFusedThreads, std::max<int64_t>(32, round_up(hidden / W, 32))));
-    const int row_blocks = static_cast<int>(std::min<int64_t>(kFusedMaxBlocks, rows));
-    const int prefetch_blocks =
-        static_cast<int>(std::min<int64_t>(kFusedPrefetchBlocks, ceil_div(prefetch_bytes, kPrefetchBytesPerBlock)));
-    fused_rmsnorm_kernel<T, W><<<row_blocks + prefetch_blocks, threads, 0, stream>>>(
+    const int blocks = static_cast<int>(std::min<int64_t>(kFusedMaxBlocks, rows));
+    fused_rmsnorm_kernel<T, W><<<blocks, threads, 0, stream>>>(
         P, g.layout, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(residual.untyped_data()),
         static_cast<const T*>(weight.untyped_data()), static_cast<T*>(new_residual->untyped_data()),
-        static_cast<T*>(normed->untyped_data()), rows, hidden, eps, row_blocks, prefetch.untyped_data(),
-        prefetch_bytes);
+        static_cast<T*>(normed->untyped_data()), rows, hidden, eps);
     return launched();
   });
 }
@@ -323,9 +312,9 @@ cudaError_t launch_attention_dtype(const AttnArgs& a, int head_dim, int device, 
 }
 
 ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv, ffi::AnyBuffer, ffi::AnyBuffer,
-                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> write_at, ffi::AnyBuffer prefetch,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_cache,
-                         ffi::Result<ffi::AnyBuffer> v_cache, float scale, int32_t splits, int64_t prefetch_bytes) {
+                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> write_at, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache, float scale,
+                         int32_t splits) {
   // k_cache / v_cache results alias the cache operands (input_output_aliases): read and write them.
   const auto pd = qkv.dimensions(), cd = k_cache->dimensions();
   auto bad = [](const char* why) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, why); };
@@ -344,14 +333,11 @@ ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv
     return bad("decode attention: qkv, caches and output must share one dtype");
   if (splits < 1 || splits > kAttnMaxSplits) return bad("decode attention: splits must be 1..8");
   if (n * kv > std::numeric_limits<int32_t>::max()) return bad("decode attention: too many (row, KV head) pairs");
-  if (prefetch_bytes < 0 || prefetch_bytes > static_cast<int64_t>(prefetch.size_bytes()))
-    return bad("decode attention: prefetch_bytes must be within the prefetch operand");
   if (device < 0 || device >= kMaxOrdinals || !g_attn_loaded[device])
     return bad("decode attention: kernels not loaded on this GPU (switchyard.kernels.native.attention_ready)");
   if (n == 0) return ffi::Error::Success();
   AttnArgs a{qkv.untyped_data(), k_cache->untyped_data(), v_cache->untyped_data(), pos.typed_data(),
-             write_at.typed_data(), out->untyped_data(), prefetch.untyped_data(),
-             aligned16(prefetch.untyped_data()) ? prefetch_bytes : 0, static_cast<int>(n), static_cast<int>(kv),
+             write_at.typed_data(), out->untyped_data(), static_cast<int>(n), static_cast<int>(kv),
              static_cast<int>(hq / kv), static_cast<int>(len), static_cast<int>(splits), scale};
   cudaError_t e = cudaErrorNotSupported;
   if (dt == ffi::DataType::BF16) e = launch_attention_dtype<__nv_bfloat16>(a, static_cast<int>(d), device, stream);
@@ -398,14 +384,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyFusedRmsNorm, FusedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // residual
-                                  .Arg<ffi::AnyBuffer>()  // weight
-                                  .Arg<ffi::AnyBuffer>()  // prefetch: warmed in L2, not read
-                                  .Ret<ffi::AnyBuffer>()  // new_residual
-                                  .Ret<ffi::AnyBuffer>()  // normed
-                                  .Attr<float>("eps")
-                                  .Attr<int64_t>("prefetch_bytes"),
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeAttention, AttentionImpl,
@@ -417,13 +401,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeAttention, AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()           // v_cache (aliased to result 2)
                                   .Arg<ffi::Buffer<ffi::S32>>()    // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()    // write positions
-                                  .Arg<ffi::AnyBuffer>()           // prefetch: warmed in L2, not read
                                   .Ret<ffi::AnyBuffer>()           // out
                                   .Ret<ffi::AnyBuffer>()           // k_cache
                                   .Ret<ffi::AnyBuffer>()           // v_cache
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("splits")
-                                  .Attr<int64_t>("prefetch_bytes"),
+                                  .Attr<int32_t>("splits"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SyTimestamp, TimestampImpl,
