@@ -194,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="all-reduce strategies to compare; 'none' times the step without communication")
     parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "xla"],
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
-    parser.add_argument("--norm", nargs="+", default=["kernel"], choices=["kernel", "xla"],
-                        help="residual add + RMSNorm at TP=1: one CUDA kernel, or XLA's ops (compare both)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--out", help="result JSON path")
@@ -217,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         mesh_devices = jax.devices()[:tp]
         make_mesh(tp, mesh_devices)
         base = None
-        norms = args.norm if tp == 1 else ["kernel"]  # at TP > 1 the fused all-reduce does the norm
-        for strategy, min_bucket, attn, norm in itertools.product(
-                args.strategy, args.min_batch_bucket, args.attention, norms):
+        for strategy, min_bucket, attn in itertools.product(args.strategy, args.min_batch_bucket, args.attention):
             # "none": the all-reduce call sites patched out for this strategy's engines
             engine_strategy = "xla" if strategy == "none" else strategy
             with without_communication(strategy == "none"):
@@ -231,19 +227,18 @@ def main(argv: list[str] | None = None) -> int:
                         t0 = time.perf_counter()
                         if base is None:
                             engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket,
-                                                        attention_kernel=attn == "kernel", norm_kernel=norm == "kernel")
+                                                        attention_kernel=attn == "kernel")
                             base = engine.params
                         else:
                             engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
                                             max_seq_len=layout.max_seq_len, strategy=engine_strategy, dtype="bfloat16",
                                             cache_init="random", min_batch_bucket=min_bucket,
-                                            attention_kernel=attn == "kernel", norm_kernel=norm == "kernel")
+                                            attention_kernel=attn == "kernel")
                         engine.occupy_slots(context, count=batch)
-                        name = f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if norm == "kernel" else "-norm-xla")
                         if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
                             summary = hlo_summary(engine, batch)
                             Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-                            hlo_file = Path(args.hlo_dir, f"step-{name}.hlo.txt")
+                            hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}-{attn}.hlo.txt")
                             hlo_file.write_text(summary.pop("hlo_text"))
                             print("  hlo:", summary, flush=True)
                         times = time_serving_loop(engine, args.steps, args.warmup)
@@ -251,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                         # The profile comes after the timing, so that the tracer cannot touch the timed steps.
                         prof = None
                         if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
-                            prof = profile_steps(engine, 8, f"{args.profile_dir}/{name}")
+                            prof = profile_steps(engine, 8, f"{args.profile_dir}/tp{tp}-{strategy}-{attn}")
                             print("  profile:", json.dumps(prof, indent=1), flush=True)
                         setup = time.perf_counter() - t0
                         ms = 1000 * statistics.median(times)
@@ -263,13 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                                "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
                                "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
                                "synchronous_ms_per_token": round(sync_ms, 4)}
-                        if tp == 1:
-                            row["norm"] = norm
                         if prof is not None:
                             row["profile"] = prof
                         rows.append(row)
                         print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
-                              f"norm {norm:6s} min-bucket {min_bucket} "
+                              f"min-bucket {min_bucket} "
                               f"{ms:8.3f} ms/token "
                               f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
                               f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)

@@ -86,7 +86,7 @@ def attention_rows(ar, reps: int, shapes: list[tuple[int, int]], k: int = 64) ->
     import numpy as np
     from switchyard.kernels import attention, native
 
-    if not native.local_kernels_ready():
+    if not native.attention_ready():
         raise SystemExit("decode-attention kernel unavailable")
     dev = jax.devices("gpu")[0]
     kv, group, d = 8, 4, 128  # Llama-3-8B at TP=1

@@ -1,6 +1,5 @@
 """Collective layer of the engine (all-reduce, and all-reduce fused with residual add + RMSNorm) and
-its decode-attention kernel (``switchyard.kernels.attention``), and residual add + RMSNorm in one
-kernel for one GPU (``residual_rmsnorm``).
+its decode-attention kernel (``switchyard.kernels.attention``).
 
 Both functions are called inside ``jax.shard_map`` over a mesh axis. Strategies: ``xla`` (psum,
 NCCL on GPU), and the custom CUDA kernels of ``kernels/csrc`` (``oneshot``, ``twoshot``, and
@@ -17,7 +16,6 @@ from switchyard.kernels.collectives import (
     rmsnorm,
 )
 from switchyard.kernels.native import KernelError, check_errors, init, reset, set_timeout, status
-from switchyard.kernels.norm import residual_rmsnorm
 
 __all__ = [
     "STRATEGIES",
@@ -29,7 +27,6 @@ __all__ = [
     "init",
     "plan",
     "reset",
-    "residual_rmsnorm",
     "rmsnorm",
     "set_timeout",
     "status",

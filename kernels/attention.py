@@ -99,7 +99,7 @@ def decode_attention_packed(
     heads = qkv.shape[1] - 2 * kv
     usable = (use_kernel and heads > 0 and heads % kv == 0 and qkv.dtype == k_cache.dtype
               and kernel_supports(qkv.dtype, qkv.shape[2], heads // kv) and qkv.shape[0] * kv <= MAX_PAIRS
-              and native.local_kernels_ready())
+              and native.attention_ready())
     if not usable:
         return reference_decode_attention_packed(*args)
     return jax.lax.platform_dependent(*args, default=reference_decode_attention_packed, cuda=_kernel)

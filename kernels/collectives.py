@@ -15,10 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from switchyard.kernels import native
-from switchyard.kernels.norm import rmsnorm
 from switchyard.kernels.selection import STRATEGIES, check_strategy, choose, choose_fused
 
 __all__ = ["STRATEGIES", "all_reduce", "all_reduce_residual_rmsnorm", "plan", "rmsnorm"]
+
+
+def rmsnorm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as Llama computes it: statistics in float32, scaled in the input dtype."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
 
 
 def _reference_residual_rmsnorm(

@@ -29,7 +29,6 @@ TARGETS = {
     "switchyard_fused_rmsnorm": "SyFusedRmsNorm",
     "switchyard_timestamp": "SyTimestamp",
     "switchyard_decode_attention": "SyDecodeAttention",
-    "switchyard_residual_rmsnorm": "SyResidualRmsNorm",
 }
 
 
@@ -44,7 +43,7 @@ class _State:
     registered: bool = False
     capability: Capability = field(default_factory=lambda: Capability.unavailable("not initialised"))
     init_tried: bool = False
-    local: bool | None = None  # attention and one-GPU norm kernels usable (None: not checked yet)
+    attention: bool | None = None  # decode-attention kernel usable (None: not checked yet)
 
 
 _state = _State()
@@ -69,8 +68,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_host_calls.restype = ctypes.c_ulonglong
     lib.sy_set_timeout_ns.argtypes = [ctypes.c_ulonglong]
     lib.sy_oneshot_bytes.restype = ctypes.c_longlong
-    lib.sy_preload_local.argtypes = [ctypes.c_int]
-    lib.sy_preload_local.restype = ctypes.c_int
+    lib.sy_preload_attention.argtypes = [ctypes.c_int]
+    lib.sy_preload_attention.restype = ctypes.c_int
     lib.sy_twoshot_bytes.restype = ctypes.c_longlong
     u64p = ctypes.POINTER(ctypes.c_ulonglong)
     lib.sy_phase_read.argtypes = [ctypes.c_int, u64p, u64p, u64p]
@@ -170,24 +169,22 @@ def init(
     return cap
 
 
-def local_kernels_ready() -> bool:
-    """Whether the kernels that need no workspace (decode attention, the one-GPU residual add +
-    RMSNorm) can run here: the library is loaded, its handlers are registered and those kernels
-    are loaded on this process's GPUs (no ``init()`` needed). False without GPUs or library; the
-    reference paths run instead."""
-    if _state.local is None:
+def attention_ready() -> bool:
+    """Whether the decode-attention kernel can run here: the library is loaded, its handlers are
+    registered and its kernels are loaded on this process's GPUs (it needs no workspace, so no
+    ``init()``). False without GPUs or library; the reference path runs instead."""
+    if _state.attention is None:
         devs = _gpu_devices()
         lib = load() if devs else None
         ok = False
         if lib is not None:
             with _lock:
                 _register(lib)
-                ok = all(lib.sy_preload_local(int(d.local_hardware_id)) == 0 for d in devs)
+                ok = all(lib.sy_preload_attention(int(d.local_hardware_id)) == 0 for d in devs)
             if not ok:
-                warnings.warn(f"switchyard attention and norm kernels unavailable: {lib.sy_last_error().decode()}",
-                              stacklevel=2)
-        _state.local = ok
-    return _state.local
+                warnings.warn(f"switchyard decode attention unavailable: {lib.sy_last_error().decode()}", stacklevel=2)
+        _state.attention = ok
+    return _state.attention
 
 
 def capability() -> Capability:

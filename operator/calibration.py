@@ -34,9 +34,6 @@ STAND_INS = {"xla": "torch_nccl", "oneshot": "symm_mem_oneshot", "twoshot": "sym
 # Decode attention of the engine as shipped (rows measured with another are experiments); rows
 # without the field predate the kernel and used XLA's ops.
 SHIPPED_ATTENTION = "kernel"
-# Residual add + RMSNorm at TP=1 as shipped (one kernel); rows without the field used XLA's ops.
-# At TP > 1 the fused all-reduce does it, and rows carry no such field.
-SHIPPED_NORM = "kernel"
 # The engine's all-reduce strategies (switchyard.kernels.STRATEGIES; the operator does not import
 # the kernels). Benchmark rows with any other (``none``: no communication) are not the engine.
 ENGINE_STRATEGIES = ("xla", "oneshot", "twoshot", "auto")
@@ -290,9 +287,8 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 newest_check[key] = (where, [check])
             elif "ms_per_token" in row and "model" in row:
                 if (row.get("xla_flags") or row.get("attention", "xla") != SHIPPED_ATTENTION
-                        or row.get("strategy", "xla") not in ENGINE_STRATEGIES
-                        or (int(row.get("tp", 1)) == 1 and row.get("norm", "xla") != SHIPPED_NORM)):
-                    continue  # a compiler-flag, attention- or norm-kernel, or no-communication experiment
+                        or row.get("strategy", "xla") not in ENGINE_STRATEGIES):
+                    continue  # a compiler-flag, attention-kernel or no-communication experiment
                 key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
                          if k in row}

@@ -2,8 +2,7 @@
 
 Megatron layout: QKV and gate/up are column-parallel (each shard owns whole heads / a slice of the
 intermediate dimension), the attention output and down projections are row-parallel and followed
-by one all-reduce each, which the collective layer fuses with the residual add and the next RMSNorm
-(on one GPU, residual add and norm still run as one kernel).
+by one all-reduce each, which the collective layer fuses with the residual add and the next RMSNorm.
 Weights are stored one array per layer and per matrix ([in, out] layout): a step reads each once,
 with no dynamic slicing of stacked weights (which would make XLA copy them).
 
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, attention, residual_rmsnorm, rmsnorm
+from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, attention, rmsnorm
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
@@ -137,15 +136,12 @@ class ForwardConfig:
     # ops elsewhere). On by default: faster than XLA's ops, or within 1%, at every batch and context
     # measured (benchmarks/NOTES.md).
     attention_kernel: bool = True
-    # At TP=1, residual add + RMSNorm through one CUDA kernel (switchyard.kernels.residual_rmsnorm)
-    # where it can run, instead of XLA's fusions.
-    norm_kernel: bool = True
 
     @classmethod
     def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024,
-             attention_kernel: bool = True, norm_kernel: bool = True) -> ForwardConfig:
+             attention_kernel: bool = True) -> ForwardConfig:
         return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk,
-                   attention_kernel, norm_kernel)
+                   attention_kernel)
 
 
 def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -177,22 +173,16 @@ def run_layers(
     stage's).
     """
     eps = cfg.shape.spec.rms_norm_eps
-
-    def add_norm(partial: jax.Array, residual: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
-        if cfg.shape.tp == 1:  # nothing to sum across GPUs
-            return residual_rmsnorm(partial, residual, weight, eps, use_kernel=cfg.norm_kernel)
-        return all_reduce_residual_rmsnorm(partial, residual, weight, eps, AXIS, cfg.strategy)
-
     residual = x
     h = rmsnorm(x, layers[0]["attn_norm"], eps)
     for i, layer in enumerate(layers):
         partial = attention(i, h) @ layer["wo"]
-        residual, h = add_norm(partial, residual, layer["mlp_norm"])
+        residual, h = all_reduce_residual_rmsnorm(partial, residual, layer["mlp_norm"], eps, AXIS, cfg.strategy)
         mlp = _mlp(h, layer, cfg.shape)
         next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else final_norm
         if next_norm is None:
             return residual + all_reduce(mlp, AXIS, cfg.strategy).astype(residual.dtype), None
-        residual, h = add_norm(mlp, residual, next_norm)
+        residual, h = all_reduce_residual_rmsnorm(mlp, residual, next_norm, eps, AXIS, cfg.strategy)
     return residual, h
 
 

@@ -297,8 +297,7 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
     def decode(date: str, ms: float, bandwidth: float | None = None) -> dict:
         result = {"command": ["python benchmarks/decode.py --tp 1"], "device": "2x NVIDIA H200", "date": date,
                   "rows": [{"model": "llama3-8b", "tp": 1, "batch": 1, "context": 128, "strategy": "xla",
-                            "attention": "kernel", "norm": "kernel", "ms_per_token": ms, "tokens_per_s": 1e3 / ms,
-                            "roofline_ms": 3.5,
+                            "attention": "kernel", "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "roofline_ms": 3.5,
                             "fraction_of_roofline": 3.5 / ms}]}
         if bandwidth:
             result["copy_bandwidth_bytes_per_s"] = bandwidth
@@ -316,16 +315,10 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
     xla_attention["rows"][0]["attention"] = "xla"  # XLA's attention ops: an experiment since the kernel ships
     before_kernel = decode("2026-12-07", 2.5)
     del before_kernel["rows"][0]["attention"]  # rows from before the field existed used XLA's ops
-    xla_norm = decode("2026-12-08", 2.5)
-    xla_norm["rows"][0]["norm"] = "xla"  # XLA's residual add and norm at TP=1: an experiment
-    before_norm = decode("2026-12-09", 2.5)
-    del before_norm["rows"][0]["norm"]  # TP=1 rows from before the field existed used XLA's ops
     new = calibration.from_results([decode("2026-12-02", 6.0, 4.0e12), allreduce, decode("2026-11-01", 9.0),
-                                    pipeline, flagged, silent, xla_attention, before_kernel, xla_norm, before_norm],
-                                   base,
+                                    pipeline, flagged, silent, xla_attention, before_kernel], base,
                                    names=["new.json", "ar.json", "old.json", "pp.json", "flags.json", "none.json",
-                                          "xla-attention.json", "before-kernel.json", "xla-norm.json",
-                                          "before-norm.json"])
+                                          "xla-attention.json", "before-kernel.json"])
     (pp_check,) = new["pipeline"]["checks"]  # the TP row is the comparison, not a pipeline figure
     assert pp_check["pp"] == 2 and pp_check["tp"] == 1 and pp_check["context"] == 1024
     assert pp_check["step_ms"] == 4.5 and pp_check["source"].startswith("pp.json")

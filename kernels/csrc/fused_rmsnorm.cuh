@@ -14,9 +14,7 @@
 //      normed. The reduced row never goes back to HBM before the norm except as the
 //      new_residual output, which has to be written anyway (and is read back only for rows
 //      longer than kKeep packs per thread).
-// kExchange = false is the same kernel for one GPU (tensor parallelism 1): no workspace, no
-// epoch, nothing pushed or taken; x is the whole sum. It replaces XLA's residual add and norm
-// fusions (two to four kernels) with one launch.
+// With world == 1 nothing is exchanged: the kernel is a one-pass residual add + RMSNorm.
 // Workspace reuse is the one-shot argument (two halves selected by epoch parity), see lamport.cuh.
 #pragma once
 #include "common.cuh"
@@ -47,15 +45,13 @@ __device__ __forceinline__ float block_sum(float v, int parity) {
 // W must divide H (the host picks W = 1 otherwise), so every row starts on a pack boundary.
 constexpr int kFusedThreads = 512;  // at most, per block
 
-template <typename T, int W, bool kExchange = true>
+template <typename T, int W>
 __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     Peers P, Layout L, const T* __restrict__ x, const T* __restrict__ residual,
     const T* __restrict__ weight, T* __restrict__ new_residual, T* __restrict__ normed, int64_t rows,
     int64_t hidden, float eps) {
   PhaseClock clock;
-  const int world = kExchange ? P.world : 1;
-  const int rank = kExchange ? P.rank : 0;
-  const uint32_t epoch = kExchange ? read_epoch(P) : 0u;
+  const uint32_t epoch = read_epoch(P);
   const uint32_t half = epoch & 1u;
   const int64_t hp = hidden / W;  // packs per row
   using PackT = Pack<T, W>;
@@ -84,12 +80,12 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
 
   // Phase 1: push this block's rows to every peer.
   auto push = [&](int64_t row, int64_t p, const PackT& v) {
-    for (int k = 1; k < world; ++k) {
-      const int gpu = (rank + k) % world;
-      st_volatile(oneshot_slot<T, W>(P, L, gpu, half, rank) + row * hp + p, v);
+    for (int k = 1; k < P.world; ++k) {
+      const int gpu = (P.rank + k) % P.world;
+      st_volatile(oneshot_slot<T, W>(P, L, gpu, half, P.rank) + row * hp + p, v);
     }
   };
-  if (world > 1) {
+  if (P.world > 1) {
     for (int64_t row = row0; row < rows; row += gridDim.x) {
 #pragma unroll
       for (int j = 0; j < kKeep; ++j) {
@@ -114,8 +110,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
   // return new_residual.
   auto reduce_add = [&](int64_t row, int64_t p, const PackT& own, const PackT& res, float& sumsq) -> PackT {
     float acc[W];
-    for (int q = 0; q < world; ++q) {
-      const PackT v = q == rank ? own : take_pack(oneshot_slot<T, W>(P, L, rank, half, q) + row * hp + p, P);
+    for (int q = 0; q < P.world; ++q) {
+      const PackT v = q == P.rank ? own : take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + row * hp + p, P);
       accumulate<T, W>(acc, v, q == 0);
     }
     const PackT reduced = to_pack<T, W>(acc);
@@ -172,7 +168,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     clock.mark(4);
   }
 
-  if (kExchange) finish_launch(P, epoch);
+  finish_launch(P, epoch);
   clock.mark(5);
 }
 

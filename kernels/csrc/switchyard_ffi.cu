@@ -2,9 +2,8 @@
 // uses to set them up (init / reset / error query). Algorithms live in the headers:
 //   oneshot.cuh, twoshot.cuh, fused_rmsnorm.cuh; shared barrier and packs in common.cuh, the
 //   flag-free exchange of one-shot and fused in lamport.cuh. The
-//   decode-attention handler (decode_attention.cuh) and the one-GPU residual add + RMSNorm
-//   (fused_rmsnorm.cuh without the exchange) need no workspace and no init, only their kernels
-//   loaded (sy_preload_local).
+//   decode-attention handler (decode_attention.cuh) needs no workspace and no init, only its
+//   kernels loaded (sy_preload_attention).
 //
 // Command-buffer safety (XLA captures jitted steps into CUDA graphs): handlers only read the
 // registry (built once at init), pick a launch configuration from buffer sizes and launch one
@@ -176,12 +175,10 @@ ffi::Error TwoShotImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
   });
 }
 
-// x, residual, weight -> new_residual, normed: the checks and the launch of both fused handlers
-// (with the exchange, or for one GPU).
-template <bool kExchange>
-ffi::Error launch_fused(cudaStream_t stream, const Peers& P, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                        ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> new_residual,
-                        ffi::Result<ffi::AnyBuffer> normed, float eps) {
+ffi::Error FusedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                     ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> normed, float eps) {
+  Peers P;
+  if (auto err = resolve(device, &P); err.failure()) return err;
   const auto dims = x.dimensions();
   if (dims.size() < 1) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "x must have a hidden axis");
   const int64_t hidden = dims.back();
@@ -189,11 +186,9 @@ ffi::Error launch_fused(cudaStream_t stream, const Peers& P, ffi::AnyBuffer x, f
   if (n == 0) return ffi::Error::Success();
   if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type() ||
       static_cast<int64_t>(residual.element_count()) != n ||
-      static_cast<int64_t>(weight.element_count()) != hidden ||
-      new_residual->element_type() != x.element_type() || normed->element_type() != x.element_type() ||
-      static_cast<int64_t>(new_residual->element_count()) != n || static_cast<int64_t>(normed->element_count()) != n)
+      static_cast<int64_t>(weight.element_count()) != hidden)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "x, residual, weight: dtype/shape mismatch");
-  if (kExchange && static_cast<int64_t>(x.size_bytes()) > g.oneshot_bytes)
+  if (static_cast<int64_t>(x.size_bytes()) > g.oneshot_bytes)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "message larger than the one-shot workspace");
   const int64_t rows = n / hidden;
   const int vec_elems = x.element_type() == ffi::DataType::F32 ? 4 : 8;
@@ -205,33 +200,12 @@ ffi::Error launch_fused(cudaStream_t stream, const Peers& P, ffi::AnyBuffer x, f
     constexpr int W = decltype(w)::value;
     const int threads = static_cast<int>(std::min<int64_t>(kFusedThreads, std::max<int64_t>(32, round_up(hidden / W, 32))));
     const int blocks = static_cast<int>(std::min<int64_t>(kFusedMaxBlocks, rows));
-    fused_rmsnorm_kernel<T, W, kExchange><<<blocks, threads, 0, stream>>>(
+    fused_rmsnorm_kernel<T, W><<<blocks, threads, 0, stream>>>(
         P, g.layout, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(residual.untyped_data()),
         static_cast<const T*>(weight.untyped_data()), static_cast<T*>(new_residual->untyped_data()),
         static_cast<T*>(normed->untyped_data()), rows, hidden, eps);
     return launched();
   });
-}
-
-ffi::Error FusedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                     ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> normed, float eps) {
-  Peers P;
-  if (auto err = resolve(device, &P); err.failure()) return err;
-  return launch_fused<true>(stream, P, x, residual, weight, new_residual, normed, eps);
-}
-
-// GPUs on which the kernels that need no workspace (decode attention, the one-GPU residual add +
-// RMSNorm) are loaded (sy_preload_local).
-bool g_local_loaded[kMaxOrdinals] = {};
-
-// Residual add + RMSNorm on one GPU (tensor parallelism 1): the fused kernel without the exchange.
-ffi::Error ResidualRmsNormImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                               ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> new_residual,
-                               ffi::Result<ffi::AnyBuffer> normed, float eps) {
-  if (device < 0 || device >= kMaxOrdinals || !g_local_loaded[device])
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "residual rmsnorm: kernels not loaded on this GPU (switchyard.kernels.native.local_kernels_ready)");
-  return launch_fused<false>(stream, Peers{}, x, residual, weight, new_residual, normed, eps);
 }
 
 // Device-side timestamp for benchmarks: writes %globaltimer (ns) once the stream reaches it. The
@@ -252,6 +226,8 @@ ffi::Error TimestampImpl(cudaStream_t stream, ffi::AnyBuffer, ffi::Result<ffi::A
 }
 
 // ---- decode attention -------------------------------------------------------------------------
+// GPUs on which the decode-attention kernels are loaded (sy_preload_attention).
+bool g_attn_loaded[kMaxOrdinals] = {};
 // Per GPU, per attention kernel (dtype x head_dim x group) and split count S: how many clusters of
 // S blocks the GPU runs at once (cudaOccupancyMaxActiveClusters, at preload: the handler makes no
 // CUDA call but the launch). The handler lowers S until the grid fits in one wave: clusters must
@@ -357,8 +333,8 @@ ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv
     return bad("decode attention: qkv, caches and output must share one dtype");
   if (splits < 1 || splits > kAttnMaxSplits) return bad("decode attention: splits must be 1..8");
   if (n * kv > std::numeric_limits<int32_t>::max()) return bad("decode attention: too many (row, KV head) pairs");
-  if (device < 0 || device >= kMaxOrdinals || !g_local_loaded[device])
-    return bad("decode attention: kernels not loaded on this GPU (switchyard.kernels.native.local_kernels_ready)");
+  if (device < 0 || device >= kMaxOrdinals || !g_attn_loaded[device])
+    return bad("decode attention: kernels not loaded on this GPU (switchyard.kernels.native.attention_ready)");
   if (n == 0) return ffi::Error::Success();
   AttnArgs a{qkv.untyped_data(), k_cache->untyped_data(), v_cache->untyped_data(), pos.typed_data(),
              write_at.typed_data(), out->untyped_data(), static_cast<int>(n), static_cast<int>(kv),
@@ -416,18 +392,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyFusedRmsNorm, FusedImpl,
                                   .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SyResidualRmsNorm, ResidualRmsNormImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // residual
-                                  .Arg<ffi::AnyBuffer>()  // weight
-                                  .Ret<ffi::AnyBuffer>()  // new_residual
-                                  .Ret<ffi::AnyBuffer>()  // normed
-                                  .Attr<float>("eps"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeAttention, AttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -464,17 +428,6 @@ static cudaError_t preload_kernels() {
   return cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<T, W>);
 }
 
-static cudaError_t preload_residual_rmsnorm() {
-  cudaFuncAttributes a;
-  cudaError_t e;
-  if ((e = cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<float, 4, false>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<float, 1, false>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<__nv_bfloat16, 8, false>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<__nv_bfloat16, 1, false>)) != cudaSuccess) return e;
-  if ((e = cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<__half, 8, false>)) != cudaSuccess) return e;
-  return cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<__half, 1, false>);
-}
-
 static cudaError_t preload_all_kernels() {
   cudaError_t e;
   if ((e = preload_kernels<float, 4>()) != cudaSuccess) return e;
@@ -492,21 +445,19 @@ extern "C" {
 
 const char* sy_last_error() { return g_last_error.c_str(); }
 
-// Load the kernels that need no workspace (decode attention, the one-GPU residual add + RMSNorm)
-// into GPU `ordinal`'s context now (see preload_all_kernels).
-int sy_preload_local(int ordinal) {
+// Load the decode-attention kernels into GPU `ordinal`'s context now (see preload_all_kernels).
+int sy_preload_attention(int ordinal) {
   int prev = 0;
   cudaGetDevice(&prev);
-  if (ordinal < 0 || ordinal >= kMaxOrdinals) return fail("preload kernels: bad device ordinal");
+  if (ordinal < 0 || ordinal >= kMaxOrdinals) return fail("preload attention kernels: bad device ordinal");
   cudaError_t e = cudaSetDevice(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 128>(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 64>(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 128>(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 64>(ordinal);
-  if (e == cudaSuccess) e = preload_residual_rmsnorm();
   cudaSetDevice(prev);
-  if (e != cudaSuccess) return fail(std::string("preload kernels: ") + cudaGetErrorString(e));
-  g_local_loaded[ordinal] = true;
+  if (e != cudaSuccess) return fail(std::string("preload attention kernels: ") + cudaGetErrorString(e));
+  g_attn_loaded[ordinal] = true;
   return 0;
 }
 // Diagnostic builds (-DSWITCHYARD_PHASE_TIMER, phase_timer.cuh): copy GPU `ordinal`'s phase
