@@ -312,8 +312,7 @@ cudaError_t launch_attention_dtype(const AttnArgs& a, int head_dim, int device, 
 }
 
 ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv, ffi::AnyBuffer, ffi::AnyBuffer,
-                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> write_at, ffi::Buffer<ffi::F32> inv_freq,
-                         ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> write_at, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache, float scale,
                          int32_t splits) {
   // k_cache / v_cache results alias the cache operands (input_output_aliases): read and write them.
@@ -329,8 +328,6 @@ ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv
     return bad("decode attention: shapes of qkv, the caches and the output do not agree");
   if (static_cast<int64_t>(pos.element_count()) != n || static_cast<int64_t>(write_at.element_count()) != n)
     return bad("decode attention: positions and write positions need one entry per row");
-  if (inv_freq.element_count() != 0 && static_cast<int64_t>(inv_freq.element_count()) * 2 != d)
-    return bad("decode attention: inv_freq needs head_dim / 2 entries (or none: no rope)");
   const auto dt = qkv.element_type();
   if (k_cache->element_type() != dt || v_cache->element_type() != dt || out->element_type() != dt)
     return bad("decode attention: qkv, caches and output must share one dtype");
@@ -339,8 +336,7 @@ ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv
   if (device < 0 || device >= kMaxOrdinals || !g_attn_loaded[device])
     return bad("decode attention: kernels not loaded on this GPU (switchyard.kernels.native.attention_ready)");
   if (n == 0) return ffi::Error::Success();
-  const float* freqs = inv_freq.element_count() ? inv_freq.typed_data() : nullptr;
-  AttnArgs a{qkv.untyped_data(), freqs, k_cache->untyped_data(), v_cache->untyped_data(), pos.typed_data(),
+  AttnArgs a{qkv.untyped_data(), k_cache->untyped_data(), v_cache->untyped_data(), pos.typed_data(),
              write_at.typed_data(), out->untyped_data(), static_cast<int>(n), static_cast<int>(kv),
              static_cast<int>(hq / kv), static_cast<int>(len), static_cast<int>(splits), scale};
   cudaError_t e = cudaErrorNotSupported;
@@ -405,7 +401,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeAttention, AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()           // v_cache (aliased to result 2)
                                   .Arg<ffi::Buffer<ffi::S32>>()    // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()    // write positions
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // rope inv_freq [D / 2], or [0]: none
                                   .Ret<ffi::AnyBuffer>()           // out
                                   .Ret<ffi::AnyBuffer>()           // k_cache
                                   .Ret<ffi::AnyBuffer>()           // v_cache
