@@ -90,17 +90,14 @@ def hlo_summary(engine: Engine, batch: int) -> dict:
     }
 
 
-def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
-    """Trace ``steps`` engine steps with the JAX profiler and summarise GPU kernel time from the
-    Perfetto trace: how much of each step the GPU is busy, and with what."""
+def trace_gpu(run, out_dir: str) -> tuple[list[dict], list[dict]]:
+    """Call ``run()`` under the JAX profiler; the GPU's kernel events and the host's events from
+    the Perfetto trace (``dur`` in µs)."""
     import glob
     import gzip
 
-    for _ in range(3):
-        engine.generate()
     jax.profiler.start_trace(out_dir, create_perfetto_trace=True)
-    for _ in range(steps):
-        engine.generate()
+    run()
     jax.profiler.stop_trace()
     path = sorted(glob.glob(f"{out_dir}/**/*perfetto_trace.json.gz", recursive=True))[-1]
     with gzip.open(path) as f:
@@ -110,7 +107,20 @@ def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
     if not kernels:
         print("  profile: no GPU events; processes:", sorted(set(pnames.values()))[:10], flush=True)
-    host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu_pids]
+    return kernels, [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu_pids]
+
+
+def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
+    """Trace ``steps`` engine steps with the JAX profiler and summarise GPU kernel time from the
+    Perfetto trace: how much of each step the GPU is busy, and with what."""
+    for _ in range(3):
+        engine.generate()
+
+    def run() -> None:
+        for _ in range(steps):
+            engine.generate()
+
+    kernels, host = trace_gpu(run, out_dir)
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e["name"][:80], []).append(e.get("dur", 0))
@@ -194,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="all-reduce strategies to compare; 'none' times the step without communication")
     parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "xla"],
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
+    parser.add_argument("--k-splits", type=int, nargs="+", default=[4],
+                        help="row-parallel products as this many partial products for the fused kernel (1: plain dot)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--out", help="result JSON path")
@@ -215,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         mesh_devices = jax.devices()[:tp]
         make_mesh(tp, mesh_devices)
         base = None
-        for strategy, min_bucket, attn in itertools.product(args.strategy, args.min_batch_bucket, args.attention):
+        for strategy, min_bucket, attn, k_splits in itertools.product(
+                args.strategy, args.min_batch_bucket, args.attention, args.k_splits):
             # "none": the all-reduce call sites patched out for this strategy's engines
             engine_strategy = "xla" if strategy == "none" else strategy
             with without_communication(strategy == "none"):
@@ -227,18 +240,19 @@ def main(argv: list[str] | None = None) -> int:
                         t0 = time.perf_counter()
                         if base is None:
                             engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket,
-                                                        attention_kernel=attn == "kernel")
+                                                        attention_kernel=attn == "kernel", k_splits=k_splits)
                             base = engine.params
                         else:
                             engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
                                             max_seq_len=layout.max_seq_len, strategy=engine_strategy, dtype="bfloat16",
                                             cache_init="random", min_batch_bucket=min_bucket,
-                                            attention_kernel=attn == "kernel")
+                                            attention_kernel=attn == "kernel", k_splits=k_splits)
                         engine.occupy_slots(context, count=batch)
+                        name = f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == 4 else f"-k{k_splits}")
                         if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
                             summary = hlo_summary(engine, batch)
                             Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-                            hlo_file = Path(args.hlo_dir, f"step-tp{tp}-b{batch}-{strategy}-{attn}.hlo.txt")
+                            hlo_file = Path(args.hlo_dir, f"step-{name}.hlo.txt")
                             hlo_file.write_text(summary.pop("hlo_text"))
                             print("  hlo:", summary, flush=True)
                         times = time_serving_loop(engine, args.steps, args.warmup)
@@ -246,14 +260,15 @@ def main(argv: list[str] | None = None) -> int:
                         # The profile comes after the timing, so that the tracer cannot touch the timed steps.
                         prof = None
                         if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
-                            prof = profile_steps(engine, 8, f"{args.profile_dir}/tp{tp}-{strategy}-{attn}")
+                            prof = profile_steps(engine, 8, f"{args.profile_dir}/{name}")
                             print("  profile:", json.dumps(prof, indent=1), flush=True)
                         setup = time.perf_counter() - t0
                         ms = 1000 * statistics.median(times)
                         per_gpu = spec.decode_bytes_per_step(batch, context) / tp
                         roofline_ms = 1000 * per_gpu / bandwidth
                         row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
-                               "attention": attn, "min_batch_bucket": min_bucket, "ms_per_token": round(ms, 4),
+                               "attention": attn, "k_splits": k_splits, "min_batch_bucket": min_bucket,
+                               "ms_per_token": round(ms, 4),
                                "tokens_per_s": round(batch * 1000 / ms, 1),
                                "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
                                "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
@@ -262,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                             row["profile"] = prof
                         rows.append(row)
                         print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
-                              f"min-bucket {min_bucket} "
+                              f"k-splits {k_splits} min-bucket {min_bucket} "
                               f"{ms:8.3f} ms/token "
                               f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
                               f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)

@@ -14,6 +14,7 @@ from switchyard.kernels.collectives import (
     all_reduce_residual_rmsnorm,
     plan,
     rmsnorm,
+    split_product,
 )
 from switchyard.kernels.native import KernelError, check_errors, init, reset, set_timeout, status
 
@@ -29,5 +30,6 @@ __all__ = [
     "reset",
     "rmsnorm",
     "set_timeout",
+    "split_product",
     "status",
 ]

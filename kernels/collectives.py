@@ -17,7 +17,25 @@ import numpy as np
 from switchyard.kernels import native
 from switchyard.kernels.selection import STRATEGIES, check_strategy, choose, choose_fused
 
-__all__ = ["STRATEGIES", "all_reduce", "all_reduce_residual_rmsnorm", "plan", "rmsnorm"]
+__all__ = ["MAX_PARTIALS", "STRATEGIES", "all_reduce", "all_reduce_residual_rmsnorm", "plan", "rmsnorm",
+           "split_product"]
+
+MAX_PARTIALS = 4  # kMaxPartials in csrc/fused_rmsnorm.cuh
+
+
+def split_product(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+    """``x @ w`` as ``splits`` float32 partial products over equal slices of K: [splits, ..., N].
+
+    Their sum (rounded to x's dtype) is the product. The fused all-reduce takes them as they are: at
+    decode sizes XLA runs its own split-K GEMM for ``x @ w`` and sums the partials in a kernel of
+    their own in front of a custom call (benchmarks/NOTES.md); written this way, one batched GEMM.
+    """
+    *lead, k = x.shape
+    if splits < 1 or k % splits:
+        raise ValueError(f"cannot split K = {k} into {splits} equal slices")
+    xs = x.reshape(*lead, splits, k // splits)
+    ws = w.reshape(splits, k // splits, w.shape[-1])
+    return jnp.einsum("...sk,skn->s...n", xs, ws, preferred_element_type=jnp.float32)
 
 
 def rmsnorm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -90,26 +108,37 @@ def all_reduce_residual_rmsnorm(
 ) -> tuple[jax.Array, jax.Array]:
     """``residual + all_reduce(x)`` and its RMSNorm: returns ``(new_residual, normed)``.
 
-    The fused kernel needs x, residual and weight of one dtype, ``residual.shape == x.shape`` and
-    ``weight.shape == x.shape[-1:]``; otherwise the all-reduce alone uses the custom kernel.
+    ``x`` is this device's contribution, shaped like ``residual``, or up to ``MAX_PARTIALS`` float32
+    partial products [S, ...residual shape] (``split_product``) whose sum, rounded to the residual's
+    dtype, is the contribution: the fused kernel sums them as it loads them.
+    The fused kernel needs x (or its sum), residual and weight of one dtype and ``weight.shape ==
+    residual.shape[-1:]``; otherwise the all-reduce alone uses the custom kernel.
     """
+    partials = x.ndim == residual.ndim + 1
+    if partials and not (x.dtype == jnp.float32 and 1 <= x.shape[0] <= MAX_PARTIALS and x.shape[1:] == residual.shape):
+        raise ValueError(f"partial products must be float32 [S <= {MAX_PARTIALS}, *{residual.shape}], "
+                         f"got {x.dtype} {x.shape}")
+
+    def contribution(v: jax.Array) -> jax.Array:
+        return v.sum(0).astype(residual.dtype) if partials else v
+
     fusable = (
-        x.ndim >= 1
-        and residual.shape == x.shape
-        and weight.shape == x.shape[-1:]
-        and residual.dtype == x.dtype == weight.dtype
+        residual.ndim >= 1
+        and (partials or (residual.shape == x.shape and x.dtype == residual.dtype))
+        and weight.shape == residual.shape[-1:]
+        and residual.dtype == weight.dtype
     )
-    impl = plan("fused", strategy, x, axis) if fusable else plan("allreduce", strategy, x, axis)
+    impl = plan("fused", strategy, residual, axis) if fusable else plan("allreduce", strategy, residual, axis)
     if impl == "fused":
 
         def reference(x, residual, weight):
-            return _reference_residual_rmsnorm(x, residual, weight, eps, axis)
+            return _reference_residual_rmsnorm(contribution(x), residual, weight, eps, axis)
 
         def kernel(x, residual, weight):
             return _ffi_fused(x, residual, weight, eps)
 
         return jax.lax.platform_dependent(x, residual, weight, default=reference, cuda=kernel)
     # Not fused: all-reduce (custom or psum), then residual add and RMSNorm in XLA.
-    reduced = _staged_all_reduce(impl, x, axis)
+    reduced = _staged_all_reduce(impl, contribution(x), axis)
     new_residual = residual + reduced.astype(residual.dtype)
     return new_residual, rmsnorm(new_residual, weight, eps)

@@ -37,6 +37,9 @@ SHIPPED_ATTENTION = "kernel"
 # The engine's all-reduce strategies (switchyard.kernels.STRATEGIES; the operator does not import
 # the kernels). Benchmark rows with any other (``none``: no communication) are not the engine.
 ENGINE_STRATEGIES = ("xla", "oneshot", "twoshot", "auto")
+# Partial products per row-parallel product in front of the fused all-reduce, as shipped; rows with
+# another count are experiments (rows without the field come from engines before it: plain dots).
+SHIPPED_K_SPLITS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,12 +252,14 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
       older engine's figures are superseded), rows of that file are kept;
     * ``copy_bandwidth_bytes_per_s`` of the newest result on a device sets that device's HBM figure.
 
-    Anything the result files do not cover stays as it was, with its provenance.
+    Result files marked ``experiment`` (code that is not the shipped engine, kept for the record)
+    are skipped whole. Anything the result files do not cover stays as it was, with its provenance.
     """
     out = copy.deepcopy(dict(base))
     results = list(results)
     labels = list(names) or [f"result {i}" for i in range(len(results))]
-    ordered = sorted(zip(labels, results, strict=True), key=lambda pair: str(pair[1].get("date", "")))
+    ordered = sorted(((label, result) for label, result in zip(labels, results, strict=True)
+                      if not result.get("experiment")), key=lambda pair: str(pair[1].get("date", "")))
     tables: dict[str, dict[int, list[float]]] = {}
     table_source: dict[str, str] = {}
     gpus_seen: set[int] = set()
@@ -287,7 +292,8 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 newest_check[key] = (where, [check])
             elif "ms_per_token" in row and "model" in row:
                 if (row.get("xla_flags") or row.get("attention", "xla") != SHIPPED_ATTENTION
-                        or row.get("strategy", "xla") not in ENGINE_STRATEGIES):
+                        or row.get("strategy", "xla") not in ENGINE_STRATEGIES
+                        or row.get("k_splits", SHIPPED_K_SPLITS) != SHIPPED_K_SPLITS):
                     continue  # a compiler-flag, attention-kernel or no-communication experiment
                 key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")

@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, attention, rmsnorm
+from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, attention, plan, rmsnorm, split_product
+from switchyard.kernels.collectives import MAX_PARTIALS
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
@@ -136,12 +137,19 @@ class ForwardConfig:
     # ops elsewhere). On by default: faster than XLA's ops, or within 1%, at every batch and context
     # measured (benchmarks/NOTES.md).
     attention_kernel: bool = True
+    # Where the fused all-reduce kernel runs, the row-parallel products in front of it are written as
+    # this many float32 partial products over slices of K, which the kernel sums (1: a plain dot).
+    k_splits: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k_splits <= MAX_PARTIALS:
+            raise ValueError(f"k_splits must be 1..{MAX_PARTIALS}, got {self.k_splits}")
 
     @classmethod
     def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024,
-             attention_kernel: bool = True) -> ForwardConfig:
+             attention_kernel: bool = True, k_splits: int = 4) -> ForwardConfig:
         return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk,
-                   attention_kernel)
+                   attention_kernel, k_splits)
 
 
 def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -155,11 +163,11 @@ def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array,
     return q, k, v
 
 
-def _mlp(h: jax.Array, layer: Params, shape: ShardShape) -> jax.Array:
+def _mlp_activation(h: jax.Array, layer: Params, shape: ShardShape) -> jax.Array:
+    """SwiGLU's input to the down projection."""
     gu = h @ layer["wgu"]
     gate, up = gu[..., : shape.inter], gu[..., shape.inter :]
-    act = (jax.nn.silu(gate.astype(jnp.float32)).astype(h.dtype)) * up
-    return act @ layer["wdown"]
+    return (jax.nn.silu(gate.astype(jnp.float32)).astype(h.dtype)) * up
 
 
 def run_layers(
@@ -173,16 +181,26 @@ def run_layers(
     stage's).
     """
     eps = cfg.shape.spec.rms_norm_eps
+
+    def project_add_norm(a: jax.Array, w: jax.Array, residual: jax.Array, norm: jax.Array):
+        """Row-parallel product a @ w, summed over the GPUs, + residual, then RMSNorm."""
+        k = a.shape[-1]
+        if (cfg.k_splits > 1 and k % cfg.k_splits == 0 and cfg.shape.tp > 1
+                and plan("fused", cfg.strategy, residual, AXIS) == "fused"):
+            return all_reduce_residual_rmsnorm(split_product(a, w, cfg.k_splits), residual, norm, eps, AXIS,
+                                               cfg.strategy)
+        return all_reduce_residual_rmsnorm(a @ w, residual, norm, eps, AXIS, cfg.strategy)
+
     residual = x
     h = rmsnorm(x, layers[0]["attn_norm"], eps)
     for i, layer in enumerate(layers):
-        partial = attention(i, h) @ layer["wo"]
-        residual, h = all_reduce_residual_rmsnorm(partial, residual, layer["mlp_norm"], eps, AXIS, cfg.strategy)
-        mlp = _mlp(h, layer, cfg.shape)
+        residual, h = project_add_norm(attention(i, h), layer["wo"], residual, layer["mlp_norm"])
+        act = _mlp_activation(h, layer, cfg.shape)
         next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else final_norm
         if next_norm is None:
+            mlp = act @ layer["wdown"]
             return residual + all_reduce(mlp, AXIS, cfg.strategy).astype(residual.dtype), None
-        residual, h = all_reduce_residual_rmsnorm(mlp, residual, next_norm, eps, AXIS, cfg.strategy)
+        residual, h = project_add_norm(act, layer["wdown"], residual, next_norm)
     return residual, h
 
 

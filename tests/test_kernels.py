@@ -130,6 +130,92 @@ def test_cuda_lowering_emits_the_custom_calls(fake_gpu_capability) -> None:
     assert "all_reduce" not in text  # no psum left on the CUDA path
 
 
+def test_split_product_sums_to_the_product() -> None:
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 24)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((24, 7)), jnp.float32)
+    parts = kernels.split_product(x, w, 4)
+    assert parts.shape == (4, 3, 7) and parts.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(parts.sum(0)), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(parts[1]), np.asarray(x[:, 6:12]) @ np.asarray(w[6:12]), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="cannot split K = 24 into 5"):
+        kernels.split_product(x, w, 5)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["plain", "staged"])
+def test_partial_products_reduce_like_their_sum(staged: bool, fake_gpu_capability) -> None:
+    """Partial products in place of x: the same result as passing their sum rounded to the residual's
+    dtype, on every strategy's path; malformed partials are refused."""
+    world = 2
+    if staged:
+        fake_gpu_capability(world)
+    mesh = _mesh(world)
+    rng = np.random.default_rng(8)
+    parts = jnp.asarray(rng.standard_normal((world, 3, 2, 40)), jnp.float32)
+    res = jnp.asarray(rng.standard_normal((2, 40)), jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, 40), jnp.bfloat16)
+
+    def run(strategy: str, summed: bool):
+        def body(p, r, g):
+            x = p[0].sum(0).astype(r.dtype) if summed else p[0]
+            nr, normed = kernels.all_reduce_residual_rmsnorm(x, r, g, 1e-5, "tp", strategy)
+            return nr[None], normed[None]
+
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P("tp"),) * 2,
+                                   check_vma=False))
+        return [np.asarray(o.astype(jnp.float32)) for o in fn(parts, res, w)]
+
+    for strategy in ("xla", "oneshot", "auto"):
+        for a, b in zip(run(strategy, False), run(strategy, True), strict=True):
+            assert np.array_equal(a, b), strategy
+    bad = [(jnp.ones((5, 2, 40), jnp.float32), "S <= 4"), (jnp.ones((2, 2, 40), jnp.bfloat16), "float32"),
+           (jnp.ones((2, 3, 40), jnp.float32), "float32")]
+    for x, match in bad:
+        with pytest.raises(ValueError, match=match):
+            kernels.all_reduce_residual_rmsnorm(x, res, w, 1e-5, "tp", "xla")
+
+
+def test_cuda_lowering_hands_the_partials_to_the_fused_kernel(fake_gpu_capability) -> None:
+    fake_gpu_capability(2)
+    mesh = _mesh(2)
+
+    def body(a, wo, r, g):
+        _, h = kernels.all_reduce_residual_rmsnorm(kernels.split_product(a, wo, 4), r, g, 1e-5, "tp", "oneshot")
+        return h[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None), P(), P()),
+                               out_specs=P("tp"), check_vma=False))
+    specs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+             for shape, spec in (((2, 256), P(None, "tp")), ((256, 64), P("tp", None)), ((2, 64), P()), ((64,), P()))]
+    text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @switchyard_fused_rmsnorm(%" in text
+    call = next(ln for ln in text.splitlines() if "custom_call @switchyard_fused_rmsnorm" in ln)
+    assert "tensor<4x2x64xf32>" in call, call
+
+
+def test_engine_with_partial_products_decodes_like_xla(fake_gpu_capability) -> None:
+    """TP=2 engine whose fused all-reduce takes partial products (staged; the reference runs on CPU):
+    float32 logits equal those of the psum engine on the same weights."""
+    from switchyard.service.engine import Engine
+    from switchyard.service.modelspec import ServingLayout, preset
+
+    fake_gpu_capability(2)
+    spec = preset("tiny")
+    engines = [Engine.from_random(spec, ServingLayout(tp=2, strategy=s, batch_slots=2, max_seq_len=64),
+                                  devices=jax.devices("cpu")[:2], dtype="float32", cache_init="zeros", seed=3)
+               for s in ("oneshot", "xla")]
+    step = engines[0]._step_fn(2, True, False)
+    text = step.trace(engines[0].params, engines[0]._state).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "custom_call @switchyard_fused_rmsnorm" in ln]
+    assert len(calls) == 2 * spec.num_layers and all("tensor<4x2x128xf32>" in c for c in calls), calls[:1]
+    for engine in engines:
+        engine.insert(engine.prefill([1, 5, 9, 13]), 0)
+    for _ in range(4):
+        a, b = (np.asarray(e.generate(return_logits=True).logits, np.float32)[:1] for e in engines)
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
 def test_check_vma_uses_reference_path(fake_gpu_capability) -> None:
     fake_gpu_capability(2)
     mesh = _mesh(2)

@@ -15,6 +15,13 @@
 //      new_residual output, which has to be written anyway (and is read back only for rows
 //      longer than kKeep packs per thread).
 // With world == 1 nothing is exchanged: the kernel is a one-pass residual add + RMSNorm.
+//
+// Partial products. Instead of x, a rank may pass S <= kMaxPartials float32 slices [S, M, H] whose
+// sum is its contribution: the row-parallel product written as a dot batched over K slices. XLA
+// runs its own split-K GEMMs at decode sizes and sums their partial products in the kernel that
+// consumes them; in front of this kernel that sum was a launch of its own (1.1-1.3 us). Here the
+// slices are summed in float32 in slice order and rounded to T as that sum would be, while the
+// own packs are loaded.
 // Workspace reuse is the one-shot argument (two halves selected by epoch parity), see lamport.cuh.
 #pragma once
 #include "common.cuh"
@@ -45,11 +52,48 @@ __device__ __forceinline__ float block_sum(float v, int parity) {
 // W must divide H (the host picks W = 1 otherwise), so every row starts on a pack boundary.
 constexpr int kFusedThreads = 512;  // at most, per block
 
+constexpr int kMaxPartials = 4;
+
+// The sum of S float32 slices (`slice` elements apart) of the W elements at element `at`, rounded
+// to a pack of T. Every load goes out before any is added.
 template <typename T, int W>
+__device__ __forceinline__ Pack<T, W> sum_partials(const float* __restrict__ parts, int S, int64_t slice,
+                                                   int64_t at) {
+  constexpr int V = W % 4 == 0 ? 4 : 1;  // floats per load
+  using Unit = typename std::conditional<V == 4, float4, float>::type;
+  Unit u[kMaxPartials][W / V];
+#pragma unroll
+  for (int k = 0; k < kMaxPartials; ++k) {
+    if (k < S) {
+#pragma unroll
+      for (int i = 0; i < W / V; ++i) u[k][i] = __ldg(reinterpret_cast<const Unit*>(parts + k * slice + at) + i);
+    }
+  }
+  float acc[W];
+#pragma unroll
+  for (int k = 0; k < kMaxPartials; ++k) {
+    if (k < S) {
+#pragma unroll
+      for (int i = 0; i < W / V; ++i) {
+        const float* f = reinterpret_cast<const float*>(&u[k][i]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[i * V + e] = k == 0 ? f[e] : acc[i * V + e] + f[e];
+      }
+    }
+  }
+  Pack<T, W> r;
+#pragma unroll
+  for (int e = 0; e < W; ++e) r.v[e] = from_f32<T>(acc[e]);
+  return r;
+}
+
+// kPartials: x is null and `parts` holds `splits` slices (a separate instantiation, so that the
+// plain kernel keeps its registers).
+template <typename T, int W, bool kPartials = false>
 __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
-    Peers P, Layout L, const T* __restrict__ x, const T* __restrict__ residual,
-    const T* __restrict__ weight, T* __restrict__ new_residual, T* __restrict__ normed, int64_t rows,
-    int64_t hidden, float eps) {
+    Peers P, Layout L, const T* __restrict__ x, const float* __restrict__ parts, int splits,
+    const T* __restrict__ residual, const T* __restrict__ weight, T* __restrict__ new_residual,
+    T* __restrict__ normed, int64_t rows, int64_t hidden, float eps) {
   PhaseClock clock;
   const uint32_t epoch = read_epoch(P);
   const uint32_t half = epoch & 1u;
@@ -61,6 +105,11 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
   const PackT* wp = reinterpret_cast<const PackT*>(weight);
   PackT* nrp = reinterpret_cast<PackT*>(new_residual);
   PackT* np = reinterpret_cast<PackT*>(normed);
+  // This rank's contribution to pack p of a row: x's pack, or the sum of its partial products.
+  auto own_pack = [&](int64_t row, int64_t p) -> PackT {
+    if constexpr (!kPartials) return canonical_pack(load_vec(xp + row * hp + p));
+    else return canonical_pack(sum_partials<T, W>(parts, splits, rows * hidden, (row * hp + p) * W));
+  };
 
   // The first kKeep packs of each thread stay in registers (a row of up to kKeep x blockDim
   // packs: every Llama hidden size); packs beyond that are re-read. The block's first row (its
@@ -75,7 +124,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
 #pragma unroll
   for (int j = 0; j < kKeep; ++j) {
     const int64_t p = threadIdx.x + j * bd;
-    if (p < hp) own0[j] = canonical_pack(load_vec(xp + row0 * hp + p));
+    if (p < hp) own0[j] = own_pack(row0, p);
   }
 
   // Phase 1: push this block's rows to every peer.
@@ -90,9 +139,9 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
 #pragma unroll
       for (int j = 0; j < kKeep; ++j) {
         const int64_t p = threadIdx.x + j * bd;
-        if (p < hp) push(row, p, row == row0 ? own0[j] : canonical_pack(load_vec(xp + row * hp + p)));
+        if (p < hp) push(row, p, row == row0 ? own0[j] : own_pack(row, p));
       }
-      for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) push(row, p, canonical_pack(load_vec(xp + row * hp + p)));
+      for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd) push(row, p, own_pack(row, p));
     }
   }
 #pragma unroll
@@ -144,7 +193,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
       for (int j = 0; j < kKeep; ++j) {
         const int64_t p = threadIdx.x + j * bd;
         if (p < hp) {
-          own0[j] = canonical_pack(load_vec(xp + row * hp + p));
+          own0[j] = own_pack(row, p);
           res0[j] = load_vec(rp + row * hp + p);
         }
       }
@@ -155,7 +204,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
       if (p < hp) keep[j] = reduce_add(row, p, own0[j], res0[j], sumsq);
     }
     for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd)
-      reduce_add(row, p, canonical_pack(load_vec(xp + row * hp + p)), load_vec(rp + row * hp + p), sumsq);
+      reduce_add(row, p, own_pack(row, p), load_vec(rp + row * hp + p), sumsq);
     clock.mark(2);
     const float rstd = rsqrtf(block_sum(sumsq, parity) / static_cast<float>(hidden) + eps);
     clock.mark(3);

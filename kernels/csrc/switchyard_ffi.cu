@@ -175,35 +175,50 @@ ffi::Error TwoShotImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
   });
 }
 
+// x is either this rank's contribution [..., H] in the residual's dtype, or S float32 partial
+// products [S, ..., H] whose sum it is (fused_rmsnorm.cuh): one more dimension than residual.
 ffi::Error FusedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                      ffi::Result<ffi::AnyBuffer> new_residual, ffi::Result<ffi::AnyBuffer> normed, float eps) {
   Peers P;
   if (auto err = resolve(device, &P); err.failure()) return err;
-  const auto dims = x.dimensions();
-  if (dims.size() < 1) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "x must have a hidden axis");
+  const auto dims = residual.dimensions();
+  if (dims.size() < 1) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "residual must have a hidden axis");
   const int64_t hidden = dims.back();
-  const int64_t n = static_cast<int64_t>(x.element_count());
+  const int64_t n = static_cast<int64_t>(residual.element_count());
+  const bool partials = x.dimensions().size() == dims.size() + 1;
+  const int64_t splits = partials ? x.dimensions()[0] : 0;
+  if (partials && (x.element_type() != ffi::DataType::F32 || splits < 1 || splits > kMaxPartials ||
+                   static_cast<int64_t>(x.element_count()) != splits * n))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "partial products must be float32 [S, ...residual shape] with 1 <= S <= 4");
+  if (!partials && (x.element_type() != residual.element_type() || static_cast<int64_t>(x.element_count()) != n))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "x, residual: dtype/shape mismatch");
   if (n == 0) return ffi::Error::Success();
-  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type() ||
-      static_cast<int64_t>(residual.element_count()) != n ||
-      static_cast<int64_t>(weight.element_count()) != hidden)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "x, residual, weight: dtype/shape mismatch");
-  if (static_cast<int64_t>(x.size_bytes()) > g.oneshot_bytes)
+  if (weight.element_type() != residual.element_type() || static_cast<int64_t>(weight.element_count()) != hidden)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "residual, weight: dtype/shape mismatch");
+  if (static_cast<int64_t>(residual.size_bytes()) > g.oneshot_bytes)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "message larger than the one-shot workspace");
   const int64_t rows = n / hidden;
-  const int vec_elems = x.element_type() == ffi::DataType::F32 ? 4 : 8;
+  const int vec_elems = residual.element_type() == ffi::DataType::F32 ? 4 : 8;
   const bool vec = hidden % vec_elems == 0 && aligned16(x.untyped_data()) &&
                    aligned16(residual.untyped_data()) && aligned16(weight.untyped_data()) &&
                    aligned16(new_residual->untyped_data()) && aligned16(normed->untyped_data());
-  return dispatch(x.element_type(), vec, [&](auto t, auto w) {
+  return dispatch(residual.element_type(), vec, [&](auto t, auto w) {
     using T = decltype(t);
     constexpr int W = decltype(w)::value;
     const int threads = static_cast<int>(std::min<int64_t>(kFusedThreads, std::max<int64_t>(32, round_up(hidden / W, 32))));
     const int blocks = static_cast<int>(std::min<int64_t>(kFusedMaxBlocks, rows));
-    fused_rmsnorm_kernel<T, W><<<blocks, threads, 0, stream>>>(
-        P, g.layout, static_cast<const T*>(x.untyped_data()), static_cast<const T*>(residual.untyped_data()),
-        static_cast<const T*>(weight.untyped_data()), static_cast<T*>(new_residual->untyped_data()),
-        static_cast<T*>(normed->untyped_data()), rows, hidden, eps);
+    const T* res = static_cast<const T*>(residual.untyped_data());
+    const T* wt = static_cast<const T*>(weight.untyped_data());
+    T* nr = static_cast<T*>(new_residual->untyped_data());
+    T* out = static_cast<T*>(normed->untyped_data());
+    if (partials)
+      fused_rmsnorm_kernel<T, W, true><<<blocks, threads, 0, stream>>>(
+          P, g.layout, nullptr, static_cast<const float*>(x.untyped_data()), static_cast<int>(splits), res, wt, nr,
+          out, rows, hidden, eps);
+    else
+      fused_rmsnorm_kernel<T, W, false><<<blocks, threads, 0, stream>>>(
+          P, g.layout, static_cast<const T*>(x.untyped_data()), nullptr, 0, res, wt, nr, out, rows, hidden, eps);
     return launched();
   });
 }
@@ -425,7 +440,8 @@ static cudaError_t preload_kernels() {
   cudaError_t e;
   if ((e = cudaFuncGetAttributes(&a, oneshot_kernel<T, W>)) != cudaSuccess) return e;
   if ((e = cudaFuncGetAttributes(&a, twoshot_kernel<T, W>)) != cudaSuccess) return e;
-  return cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<T, W>);
+  if ((e = cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<T, W, false>)) != cudaSuccess) return e;
+  return cudaFuncGetAttributes(&a, fused_rmsnorm_kernel<T, W, true>);
 }
 
 static cudaError_t preload_all_kernels() {
