@@ -5,8 +5,7 @@ produces them) runs the CUDA kernel of ``csrc/decode_attention.cuh`` on GPUs whe
 library is loaded (one launch; the sequence is split across up to 8 blocks of one cluster when the
 batch is small), and otherwise the pure-JAX reference below, with the same semantics.
 ``decode_attention`` takes them separately. Called inside ``jax.shard_map``
-on one device's shard: rows are the first ``n`` rows of the caches. With ``rope_inv_freq`` the
-rotary embedding of q and k_new happens here too (in the kernel, it costs no pass of its own).
+on one device's shard: rows are the first ``n`` rows of the caches.
 """
 
 from __future__ import annotations
@@ -32,25 +31,6 @@ MAX_PAIRS = (1 << 31) - 1  # (row, KV head) pairs: the grid's x dimension
 def splits_for(n: int, kv_heads: int, cache_len: int) -> int:
     """How many slices of the sequence each (row, KV head) is split into."""
     return max(1, min(TARGET_BLOCKS // max(n * kv_heads, 1), math.ceil(cache_len / MIN_SLICE), MAX_SPLITS))
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding of x [..., tokens, heads, head_dim] at positions [..., tokens] (rotate-half
-    convention, angles in float32, the result in x's dtype)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., tokens, dim/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[..., None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[..., None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
-
-
-def rope_packed(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array, kv_heads: int) -> jax.Array:
-    """``apply_rope`` on the query and K heads of a packed qkv [n, H + 2 kv, D]; V unchanged."""
-    roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
-    is_qk = jnp.arange(qkv.shape[1]) < qkv.shape[1] - kv_heads
-    return jnp.where(is_qk[None, :, None], roped, qkv)
 
 
 def kernel_supports(dtype: jnp.dtype, head_dim: int, group: int) -> bool:
@@ -85,75 +65,44 @@ def reference_decode_attention(
 
 def reference_decode_attention_packed(
     qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, write_at: jax.Array,
-    rope_inv_freq: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """As :func:`reference_decode_attention`, with q, k_new and v_new packed per row in ``qkv``
-    [n, H + 2 kv, D] (query heads, then K heads, then V heads); with ``rope_inv_freq`` [D / 2], q
-    and k_new are rotated at ``positions`` first."""
+    [n, H + 2 kv, D] (query heads, then K heads, then V heads)."""
     kv = k_cache.shape[1]
     heads = qkv.shape[1] - 2 * kv
-    if rope_inv_freq is not None:
-        qkv = rope_packed(qkv, positions, rope_inv_freq, kv)
     return reference_decode_attention(qkv[:, :heads], qkv[:, heads:heads + kv], qkv[:, heads + kv:],
                                       k_cache, v_cache, positions, write_at)
 
 
-MAX_PARTS = 4  # kAttnMaxParts in csrc/decode_attention.cuh: partial products of qkv the kernel sums
-
-
-def kernel_runs(qkv_shape: tuple[int, ...], k_cache: jax.Array, *, use_kernel: bool = True) -> bool:
-    """Whether :func:`decode_attention_packed` runs the CUDA kernel (on CUDA) for a packed qkv of
-    ``qkv_shape`` [n, H + 2 kv, D] against ``k_cache``; False where the reference runs."""
-    n, total, d = qkv_shape
-    kv = k_cache.shape[1]
-    heads = total - 2 * kv
-    return bool(use_kernel and heads > 0 and heads % kv == 0 and kernel_supports(k_cache.dtype, d, heads // kv)
-                and n * kv <= MAX_PAIRS and native.attention_ready())
-
-
-def _kernel(qkv, k_cache, v_cache, positions, write_at, inv_freq):
-    n, total, d = qkv.shape[-3:]
+def _kernel(qkv, k_cache, v_cache, positions, write_at):
+    n, total, d = qkv.shape
     kv = k_cache.shape[1]
     splits = splits_for(n, kv, k_cache.shape[2])
     out, k_cache, v_cache = jax.ffi.ffi_call(
         "switchyard_decode_attention",
-        (jax.ShapeDtypeStruct((n, total - 2 * kv, d), k_cache.dtype),
-         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        (jax.ShapeDtypeStruct((n, total - 2 * kv, d), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
         input_output_aliases={1: 1, 2: 2},
-    )(qkv, k_cache, v_cache, positions.astype(jnp.int32), write_at.astype(jnp.int32), inv_freq.astype(jnp.float32),
+    )(qkv, k_cache, v_cache, positions.astype(jnp.int32), write_at.astype(jnp.int32),
       scale=np.float32(1.0 / math.sqrt(d)), splits=np.int32(splits))
     return out, k_cache, v_cache
 
 
 def decode_attention_packed(
     qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, write_at: jax.Array,
-    *, use_kernel: bool = True, rope_inv_freq: jax.Array | None = None,
+    *, use_kernel: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """As :func:`reference_decode_attention_packed`; on CUDA with the kernel library, one fused kernel
-    that reads q, k_new and v_new in place from ``qkv`` [n, H + 2 kv, D] (and rotates them).
-
-    ``qkv`` may also be up to ``MAX_PARTS`` float32 partial products [S, n, H + 2 kv, D] (the QKV
-    projection as ``kernels.split_product`` writes it): their sum rounded to the caches' dtype is qkv,
-    and the kernel sums them as it loads them.
-    """
-    partial = qkv.ndim == 4
-    if partial and not (qkv.dtype == jnp.float32 and 1 <= qkv.shape[0] <= MAX_PARTS):
-        raise ValueError(f"partial products of qkv must be float32 [S <= {MAX_PARTS}, n, H + 2 kv, D], "
-                         f"got {qkv.dtype} {qkv.shape}")
-    d = qkv.shape[-1]
-    if rope_inv_freq is not None and rope_inv_freq.shape != (d // 2,):
-        raise ValueError(f"rope_inv_freq must have head_dim / 2 = {d // 2} entries, got shape {rope_inv_freq.shape}")
-    freqs = jnp.zeros((0,), jnp.float32) if rope_inv_freq is None else rope_inv_freq
-    args = (qkv, k_cache, v_cache, positions, write_at, freqs)
-
-    def reference(qkv, *rest):
-        if partial:
-            qkv = qkv.sum(0).astype(k_cache.dtype)
-        return reference_decode_attention_packed(qkv, *rest[:4], rope_inv_freq)
-
-    if not (kernel_runs(qkv.shape[-3:], k_cache, use_kernel=use_kernel) and (partial or qkv.dtype == k_cache.dtype)):
-        return reference(*args)
-    return jax.lax.platform_dependent(*args, default=reference, cuda=_kernel)
+    that reads q, k_new and v_new in place from ``qkv`` [n, H + 2 kv, D]."""
+    args = (qkv, k_cache, v_cache, positions, write_at)
+    kv = k_cache.shape[1]
+    heads = qkv.shape[1] - 2 * kv
+    usable = (use_kernel and heads > 0 and heads % kv == 0 and qkv.dtype == k_cache.dtype
+              and kernel_supports(qkv.dtype, qkv.shape[2], heads // kv) and qkv.shape[0] * kv <= MAX_PAIRS
+              and native.attention_ready())
+    if not usable:
+        return reference_decode_attention_packed(*args)
+    return jax.lax.platform_dependent(*args, default=reference_decode_attention_packed, cuda=_kernel)
 
 
 def decode_attention(

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, attention, plan, rmsnorm, split_product
-from switchyard.kernels.attention import apply_rope
 from switchyard.kernels.collectives import MAX_PARTIALS
 from switchyard.service.modelspec import ModelSpec
 
@@ -114,6 +113,17 @@ def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [..., tokens, heads, head_dim] with positions [..., tokens] (rotate-half convention)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., tokens, dim/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[..., None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[..., None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
 # ---- forward passes (per shard) ------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
@@ -127,9 +137,8 @@ class ForwardConfig:
     # ops elsewhere). On by default: faster than XLA's ops, or within 1%, at every batch and context
     # measured (benchmarks/NOTES.md).
     attention_kernel: bool = True
-    # Products that our kernels consume (QKV by decode attention, the row-parallel ones by the fused
-    # all-reduce) are written, where those kernels run, as this many float32 partial products over
-    # slices of K, which the kernels sum (1: plain dots; XLA then sums its split-K partials itself).
+    # Where the fused all-reduce kernel runs, the row-parallel products in front of it are written as
+    # this many float32 partial products over slices of K, which the kernel sums (1: a plain dot).
     k_splits: int = 4
 
     def __post_init__(self) -> None:
@@ -212,18 +221,16 @@ def decode_attention(
     n = h.shape[0]
     inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
     hd = shape.spec.head_dim
-    # [n, q heads | k heads | v heads, hd]: the attention reads q, k and v from it in place (no
-    # per-layer slice copies) and applies rope to q and k itself (the kernel: no pass of its own).
-    packed = (n, shape.q_heads + 2 * shape.kv_heads, hd)
-    if (cfg.k_splits > 1 and h.shape[-1] % cfg.k_splits == 0
-            and attention.kernel_runs(packed, k_cache, use_kernel=cfg.attention_kernel)):
-        qkv = split_product(h, layer["wqkv"], cfg.k_splits).reshape(cfg.k_splits, *packed)  # summed by the kernel
-    else:
-        qkv = (h @ layer["wqkv"]).reshape(packed)
+    # [n, q heads | k heads | v heads, hd], rope applied to q and k in one elementwise pass; the
+    # attention reads q, k and v from it in place (no per-layer slice copies).
+    qkv = (h @ layer["wqkv"]).reshape(n, shape.q_heads + 2 * shape.kv_heads, hd)
+    roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
+    is_qk = jnp.arange(qkv.shape[1]) < shape.q_heads + shape.kv_heads
+    qkv = jnp.where(is_qk[None, :, None], roped, qkv)
     # Rows that must not write aim past the cache's end: the write is dropped.
     at = positions if write is None else jnp.where(write, positions, k_cache.shape[2])
     out, k_cache, v_cache = attention.decode_attention_packed(qkv, k_cache, v_cache, positions, at,
-                                                              use_kernel=cfg.attention_kernel, rope_inv_freq=inv_freq)
+                                                              use_kernel=cfg.attention_kernel)
     return out.reshape(n, shape.q_heads * shape.spec.head_dim).astype(h.dtype), k_cache, v_cache
 
 

@@ -76,80 +76,6 @@ def test_packed_layout_is_q_then_k_then_v_heads():
         assert np.array_equal(np.asarray(g), np.asarray(w))
 
 
-def rope_f64(x, positions, inv_freq):
-    """Rotate-half rope in float64: x [n, heads, D] at positions [n]."""
-    x = np.asarray(x, np.float64)
-    angles = np.asarray(positions, np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
-    cos, sin = np.concatenate([np.cos(angles)] * 2, -1)[:, None], np.concatenate([np.sin(angles)] * 2, -1)[:, None]
-    half = x.shape[-1] // 2
-    return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
-
-
-def llama3_freqs(d):
-    return (1.0 / 500000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32)
-
-
-def test_packed_rope_is_applied_to_q_and_k_before_attending():
-    rng = np.random.default_rng(3)
-    q, k_new, v_new, k_cache, v_cache, positions, write_at = random_case(rng, n=4, kv=2, group=2, d=16, slots=4,
-                                                                         length=40, dtype=jnp.float32)
-    freqs = llama3_freqs(16)
-    qkv = jnp.asarray(np.concatenate([q, k_new, v_new], axis=1))
-    got = jax.jit(lambda *a: attention.decode_attention_packed(*a[:5], rope_inv_freq=a[5]))(
-        qkv, k_cache, v_cache, positions, write_at, freqs)
-    want = reference_f64(rope_f64(q, positions, freqs), rope_f64(k_new, positions, freqs), v_new, k_cache, v_cache,
-                         positions, write_at)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-5, atol=2e-5)
-    with pytest.raises(ValueError, match="head_dim / 2 = 8 entries"):
-        attention.decode_attention_packed(qkv, k_cache, v_cache, positions, write_at, rope_inv_freq=jnp.ones(16))
-
-
-def test_cuda_lowering_passes_the_rope_frequencies(monkeypatch: pytest.MonkeyPatch):
-    from switchyard.kernels import native
-
-    monkeypatch.setattr(native, "attention_ready", lambda: True)
-    specs = [jax.ShapeDtypeStruct(s, dt) for s, dt in (((2, 12, 128), jnp.bfloat16), ((2, 2, 256, 128), jnp.bfloat16),
-                                                       ((2, 2, 256, 128), jnp.bfloat16), ((2,), jnp.int32),
-                                                       ((64,), jnp.float32))]
-
-    def lowered(rope: bool) -> str:
-        fn = jax.jit(lambda qkv, kc, vc, pos, freqs: attention.decode_attention_packed(
-            qkv, kc, vc, pos, pos, rope_inv_freq=freqs if rope else None))
-        return fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-
-    with_rope, without = lowered(True), lowered(False)
-    assert "custom_call @switchyard_decode_attention" in with_rope and "tensor<64xf32>" in with_rope
-    assert "custom_call @switchyard_decode_attention" in without and "tensor<0xf32>" in without
-    assert "cosine" not in with_rope  # no rope pass of XLA's own
-
-
-def test_partial_products_of_qkv_attend_like_their_sum(monkeypatch: pytest.MonkeyPatch):
-    from switchyard.kernels import native
-
-    rng = np.random.default_rng(4)
-    *_, k_cache, v_cache, positions, write_at = (
-        jnp.asarray(a) for a in random_case(rng, n=2, kv=2, group=2, d=64, slots=2, length=30, dtype=jnp.bfloat16))
-    k_cache, v_cache = k_cache.astype(jnp.bfloat16), v_cache.astype(jnp.bfloat16)
-    parts = jnp.asarray(rng.standard_normal((4, 2, 8, 64)), jnp.float32)
-    freqs = jnp.asarray(llama3_freqs(64))
-    got = attention.decode_attention_packed(parts, k_cache, v_cache, positions, write_at, rope_inv_freq=freqs)
-    want = attention.decode_attention_packed(parts.sum(0).astype(jnp.bfloat16), k_cache, v_cache, positions, write_at,
-                                             rope_inv_freq=freqs)
-    for g, w in zip(got, want, strict=True):
-        assert np.array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
-    for bad in (parts[:, :, :, :].astype(jnp.bfloat16), jnp.concatenate([parts, parts]).astype(jnp.float32)):
-        with pytest.raises(ValueError, match="partial products of qkv"):
-            attention.decode_attention_packed(bad, k_cache, v_cache, positions, write_at)
-    monkeypatch.setattr(native, "attention_ready", lambda: True)
-    specs = [jax.ShapeDtypeStruct(s_, dt) for s_, dt in (((4, 2, 8, 64), jnp.float32), ((2, 2, 30, 64), jnp.bfloat16),
-                                                         ((2, 2, 30, 64), jnp.bfloat16), ((2,), jnp.int32))]
-    text = jax.jit(lambda p, kc, vc, pos: attention.decode_attention_packed(p, kc, vc, pos, pos)).trace(
-        *specs).lower(lowering_platforms=("cuda",)).as_text()
-    call = next(ln for ln in text.splitlines() if "custom_call @switchyard_decode_attention" in ln)
-    assert "tensor<4x2x8x64xf32>" in call, call
-
-
 def test_without_gpu_kernel_the_reference_runs():
     rng = np.random.default_rng(1)
     case = [jnp.asarray(a) for a in random_case(rng, 2, 2, 2, 64, 2, 16, jnp.bfloat16)]
@@ -217,51 +143,6 @@ def test_kernel_matches_float64_and_writes_only_its_positions(case, dtype):
         np.testing.assert_array_equal(got[written], want[written])
         np.testing.assert_array_equal(np.isnan(got), np.isnan(before) & ~written)
         np.testing.assert_array_equal(got[~written & ~np.isnan(before)], before[~written & ~np.isnan(before)])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("parts", [0, 3], ids=["qkv", "3-partial-products"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "n{}-kv{}-g{}-d{}-s{}-L{}".format(*c))
-def test_kernel_rope_matches_float64(case, dtype, parts):
-    """q and k_new rotated by the kernel: outputs against float64, and the K written to the cache is
-    k_new rotated (rounded to the dtype), on NaN-poisoned caches; qkv given as such or as float32
-    partial products (halves and quarters of it: their sum is exact)."""
-    from switchyard.kernels import native
-
-    assert native.attention_ready(), native.status()
-    n, kv, group, d, slots, length = case
-    rng = np.random.default_rng()
-    q, k_new, v_new, k_cache, v_cache, positions, write_at = random_case(rng, n, kv, group, d, slots, length, dtype)
-    for arr in (k_cache, v_cache):
-        for b in range(n):
-            arr[b, :, positions[b] + 1:] = np.nan
-        arr[n:] = np.nan
-    freqs = llama3_freqs(d)
-    k_rot = rope_f64(k_new, positions, freqs)
-    want_out, _, _ = reference_f64(rope_f64(q, positions, freqs), k_rot, v_new, np.nan_to_num(k_cache),
-                                   np.nan_to_num(v_cache), positions, write_at)
-    qkv = jnp.asarray(np.concatenate([q, k_new, v_new], axis=1), dtype)
-    if parts:
-        whole = np.asarray(qkv.astype(jnp.float32))
-        qkv = jnp.asarray(np.stack([whole * 0.5, whole * 0.25, whole * 0.25]))
-    fn = jax.jit(lambda *a: attention.decode_attention_packed(*a[:5], rope_inv_freq=a[5]), donate_argnums=(1, 2))
-    caches = [jnp.asarray(c, dtype) for c in (k_cache, v_cache)]
-    text = fn.lower(qkv, *caches, positions, write_at, freqs).as_text()
-    call = next(ln for ln in text.splitlines() if "switchyard_decode_attention" in ln)
-    operand = f"tensor<3x{n}x{qkv.shape[-2]}x{d}xf32>" if parts else f"tensor<{n}x{qkv.shape[-2]}x{d}x"
-    assert f" : ({operand}" in call, call
-    out, kc, vc = fn(qkv, *caches, jnp.asarray(positions), jnp.asarray(write_at), jnp.asarray(freqs))
-    out = np.asarray(out.astype(jnp.float32), np.float64)
-    assert np.isfinite(out).all(), "the kernel read a position beyond a row's own"
-    err = np.linalg.norm(out - want_out) / np.linalg.norm(want_out)
-    assert err < (1e-2 if dtype == "bfloat16" else 2e-3), err
-    kc, vc = (np.asarray(c.astype(jnp.float32), np.float64) for c in (kc, vc))
-    for b in range(n):
-        if 0 <= write_at[b] < length:
-            np.testing.assert_allclose(kc[b, :, write_at[b]], k_rot[b], rtol=1e-2, atol=1e-2 if dtype == "bfloat16"
-                                       else 2e-3)
-            np.testing.assert_array_equal(vc[b, :, write_at[b]], np.asarray(v_new[b], np.float64))
 
 
 @pytest.mark.gpu

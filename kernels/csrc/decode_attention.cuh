@@ -3,14 +3,8 @@
 //
 // Layouts (one device's shard, as the engine keeps them):
 //   qkv      [n, kv * G + 2 * kv, D]  per row: the new token's query heads, then its K heads and
-//            its V heads: the engine's QKV projection output, read in place (no slice copies and
-//            no rope pass per layer)
-//            or, instead, float32 partial products [S, n, kv * G + 2 * kv, D] whose sum (rounded to
-//            the cache dtype) is qkv: the QKV projection written as a dot over S slices of K, so
-//            that no kernel of XLA's sums its split-K partials in front of this one
-//   inv_freq [D / 2] float32, or none: rotary embedding (rotate-half convention) applied here to
-//            the queries and the new K at angle pos[b] * inv_freq[i], each rounded to the input
-//            dtype as a separate rope pass would leave it (none: q and K arrive rotated)
+//            its V heads (rope applied to q and K): the engine's QKV projection output after one
+//            rope fusion, read in place (no slice copies per layer)
 //   k_cache  [slots, kv, L, D], v_cache the same; rows 0..n-1 are the batch (slots >= n)
 //   pos      [n]  row b attends over cache positions [0, pos[b]]
 //   write_at [n]  row b's new K/V go to position write_at[b]; outside [0, L) = not written
@@ -40,12 +34,11 @@
 // HBM round trip for K/V and two cluster barriers. The host lowers S until all clusters fit on
 // the GPU at once (switchyard_ffi.cu, g_attn_clusters).
 //
-// The new K/V. Warp 0 of slice 0 takes the new token from qkv (rotating K, with rope), stores
-// it into the cache and, when it is within the attended range, scores it outside the chunk loop.
-// In the usual step it is the last attended position and the slices split only the cached
-// positions before it (so 1024 cached positions are 32 whole chunks); written elsewhere in the
-// range, the chunk loop masks that position out (its loads read another attended position, never
-// the one being written). No block reads what another writes, so one launch suffices.
+// The new K/V. In the usual step the new token is the last attended position: warp 0 of slice 0
+// takes it from qkv outside the chunk loop (so 1024 cached positions are 32 whole chunks), and
+// the slices split only the cached positions. Written elsewhere in the range, that position is
+// read by at most one block, which uses k_new/v_new for it instead of the cache. Block s == 0
+// stores them into the cache. No block reads what another writes, so one launch suffices.
 //
 // Numerics: scores, softmax and accumulation in fp32; products of bf16/fp16 inputs.
 #pragma once
@@ -66,14 +59,9 @@ constexpr int kAttnChunk = 32;  // positions per warp per step: one per lane
 constexpr int kAttnMaxGroup = 8;  // query heads per KV head (GQA ratio) the kernel supports
 constexpr float kAttnFloor = -1e30f;
 constexpr int kAttnMaxSplits = 8;  // the portable thread-block cluster size
-constexpr int kAttnMaxParts = 4;   // partial products of qkv the kernel sums
 
 struct AttnArgs {
   const void* qkv;  // [n, kv * G + 2 * kv, D]: each row's query heads, then its new K and V heads
-  const float* parts;  // or (splits > 0) qkv as float32 partial products [splits, n, kv * G + 2 * kv, D]
-  int splits;
-  int64_t slice;  // elements per partial product
-  const float* inv_freq;  // [D / 2], or nullptr: no rope
   void* k_cache;
   void* v_cache;
   const int32_t* pos;
@@ -82,6 +70,15 @@ struct AttnArgs {
   int n, kv, G, L, S;
   float scale;
 };
+
+template <typename T, int E>
+__device__ __forceinline__ void attn_copy(const T* src, T* dst) {
+  if constexpr (E == 4) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
+  }
+}
 
 __device__ __forceinline__ float attn_warp_max(float v) {
 #pragma unroll
@@ -92,13 +89,6 @@ __device__ __forceinline__ float attn_warp_sum(float v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
-}
-
-// Rotate-half rope of one element: x at index d of a head, xp its partner at d +- D/2, with the
-// cosine and sine of its angle. The result is rounded to T, as a separate rope pass would store it.
-template <typename T, int D>
-__device__ __forceinline__ float attn_rope(float x, float xp, int d, float cs, float sn) {
-  return to_f32(from_f32<T>(d < D / 2 ? x * cs - xp * sn : x * cs + xp * sn));
 }
 
 template <typename T, int D, int G>
@@ -114,147 +104,76 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   const int wat = a.write_at[b];
   const bool writes = wat >= 0 && wat < a.L;
   const int total = min(pos + 1, a.L);
-  // The usual decode step writes the new token at the end of the range; the slices then split
+  // The usual decode step writes the new token at the end of the range. That position is then
+  // taken from k_new/v_new by warp 0 of slice 0, outside the chunk loop, and the slices split
   // only the cached positions: a context of 1024 is 32 chunks for the 32 warps of 8 slices, not
   // 33 (one warp doing a second chunk for one position cost a whole extra HBM round trip).
   const bool tail = writes && wat == total - 1;
-  const bool new_in_range = writes && wat < total;
-  const bool takes_new = new_in_range && s == 0 && warp == 0;
+  const bool takes_tail = tail && s == 0 && warp == 0;
   const int cached = tail ? total - 1 : total;
   const int chunk = (cached + a.S - 1) / a.S;
   const int t0 = s * chunk, t1 = min(cached, t0 + chunk);
 
-  // Element offsets (in qkv, and in each partial product) of this row's queries, new K and new V.
-  const int64_t row = static_cast<int64_t>(b) * (a.kv * G + 2 * a.kv) * D;
-  const int64_t q = row + h * G * D;
-  const int64_t kn = row + (a.kv * G + h) * D;
-  const int64_t vn = row + (a.kv * G + a.kv + h) * D;
-  const T* qkv = static_cast<const T*>(a.qkv);
-  // One element, or n elements as one load, of qkv: read, or summed over the partial products in
-  // float32 (slice order) and rounded to T, as XLA rounds the product it would have written.
-  auto element = [&](int64_t at) -> T {
-    if (a.splits == 0) return qkv[at];
-    float f[kAttnMaxParts];
-#pragma unroll
-    for (int k = 0; k < kAttnMaxParts; ++k) f[k] = k < a.splits ? __ldg(a.parts + k * a.slice + at) : 0.f;
-    float sum = f[0];
-#pragma unroll
-    for (int k = 1; k < kAttnMaxParts; ++k) sum += f[k];  // + 0.f past the last: exact
-    return from_f32<T>(sum);
-  };
-  auto lane_pack = [&](int64_t at) -> VRaw {  // the E elements at `at`
-    if (a.splits == 0) return *reinterpret_cast<const VRaw*>(qkv + at);
-    using F = typename std::conditional<E == 4, float4, float2>::type;
-    F f[kAttnMaxParts];
-#pragma unroll
-    for (int k = 0; k < kAttnMaxParts; ++k)
-      if (k < a.splits) f[k] = __ldg(reinterpret_cast<const F*>(a.parts + k * a.slice + at));
-    float sum[E] = {};
-#pragma unroll
-    for (int k = 0; k < kAttnMaxParts; ++k) {
-      const float* fe = reinterpret_cast<const float*>(&f[k]);
-#pragma unroll
-      for (int e = 0; e < E; ++e)
-        if (k < a.splits) sum[e] += fe[e];
-    }
-    VRaw r;
-    T* rt = reinterpret_cast<T*>(&r);
-#pragma unroll
-    for (int e = 0; e < E; ++e) rt[e] = from_f32<T>(sum[e]);
-    return r;
-  };
+  const T* row = static_cast<const T*>(a.qkv) + static_cast<int64_t>(b) * (a.kv * G + 2 * a.kv) * D;
+  const T* q = row + h * G * D;
+  const T* kn = row + (a.kv * G + h) * D;
+  const T* vn = row + (a.kv * G + a.kv + h) * D;
   const int64_t head = (static_cast<int64_t>(b) * a.kv + h);
   T* kc = static_cast<T*>(a.k_cache) + head * a.L * D;
   T* vc = static_cast<T*>(a.v_cache) + head * a.L * D;
 
   // The queries' loads go out first: they are few, and their trip to shared memory (and the
   // barrier after it) then overlaps the K/V loads instead of queueing behind them.
-  // With rope each element also needs its partner (d +- D/2) and its frequency.
   constexpr int kQPerThread = (G * D + kAttnWarps * 32 - 1) / (kAttnWarps * 32);
-  const bool rope = a.inv_freq != nullptr;
-  T qv[kQPerThread], qp[kQPerThread];
+  T qv[kQPerThread];
 #pragma unroll
   for (int j = 0; j < kQPerThread; ++j) {
     const int i = threadIdx.x + j * kAttnWarps * 32;
-    if (i < G * D) {
-      qv[j] = element(q + i);
-      if (rope) qp[j] = element(q + i - i % D + (i % D + D / 2) % D);
-    }
+    if (i < G * D) qv[j] = q[i];
   }
-  const float freq = rope && threadIdx.x < D / 2 ? a.inv_freq[threadIdx.x] : 0.f;
 
   // Chunk loads: this lane's K row, and every V row of the chunk at this lane's elements. Past
   // the slice's end they re-read its last position (no branch around the loads); masked below.
   uint4 kraw[P16];
   VRaw vraw[kAttnChunk];
-  // The position being written in this launch (only inside the range when the new token is not
-  // the last one) is masked out below; its loads read another attended position instead.
-  const int stand_in = wat == 0 ? 1 : 0;
   auto load_k = [&](int base) {
-    int t = min(base + lane, t1 - 1);
-    if (new_in_range && t == wat) t = stand_in;
-    const T* krow = kc + static_cast<int64_t>(t) * D;
+    const int t = min(base + lane, t1 - 1);
+    const T* krow = (writes && t == wat) ? kn : kc + static_cast<int64_t>(t) * D;
 #pragma unroll
     for (int c = 0; c < P16; ++c) kraw[c] = *reinterpret_cast<const uint4*>(krow + c * 8);
   };
   auto load_v = [&](int base) {
 #pragma unroll
     for (int j = 0; j < kAttnChunk; ++j) {
-      int tj = min(base + j, t1 - 1);
-      if (new_in_range && tj == wat) tj = stand_in;
-      const T* vrow = vc + static_cast<int64_t>(tj) * D;
+      const int tj = min(base + j, t1 - 1);
+      const T* vrow = (writes && tj == wat) ? vn : vc + static_cast<int64_t>(tj) * D;
       vraw[j] = *reinterpret_cast<const VRaw*>(vrow + lane * E);
     }
   };
   // The first chunk's loads go out before anything else (they need only pos), so the queries'
   // trip to shared memory and the barrier below overlap them. The new K/V's store into the cache
-  // may land before or after these loads: the loads never read the position it writes.
+  // may land before or after these loads: the position it writes is read from k_new/v_new.
   const int first = t0 + warp * kAttnChunk;
   if (first < t1) {
     load_k(first);
     load_v(first);
   }
-  // Warp 0 of slice 0 owns the new token's K and V (this lane's E elements): it stores them into
-  // the cache and, when it is the last attended position, scores it.
-  const bool owns_new = writes && s == 0 && warp == 0;
-  VRaw knew, vnew, kpart;
-  if (owns_new) {
-    knew = lane_pack(kn + lane * E);
-    vnew = lane_pack(vn + lane * E);
-    if (rope) kpart = lane_pack(kn + (lane ^ 16) * E);  // 16 * E == D / 2
+  VRaw ktail, vtail;  // the new token's K and V at this lane's E elements
+  if (takes_tail) {
+    ktail = *reinterpret_cast<const VRaw*>(kn + lane * E);
+    vtail = *reinterpret_cast<const VRaw*>(vn + lane * E);
   }
 
   __shared__ __align__(16) float qs[G][D];            // scaled queries, read by every lane
   __shared__ float sp[kAttnWarps][G][kAttnChunk];     // a chunk's probabilities, per warp
-  // Rope: the cosine and sine of the D / 2 angles pos * inv_freq, once per block. sincosf, not the
-  // fast intrinsic: the angle reaches 1e5 radians at long contexts.
-  __shared__ float rope_cs[D / 2], rope_sn[D / 2];
-  if (rope) {
-    if (threadIdx.x < D / 2) sincosf(static_cast<float>(pos) * freq, &rope_sn[threadIdx.x], &rope_cs[threadIdx.x]);
-    __syncthreads();
-  }
 #pragma unroll
   for (int j = 0; j < kQPerThread; ++j) {
     const int i = threadIdx.x + j * kAttnWarps * 32;
-    if (i < G * D) {
-      const int f = i % (D / 2);
-      qs[i / D][i % D] =
-          (rope ? attn_rope<T, D>(to_f32(qv[j]), to_f32(qp[j]), i % D, rope_cs[f], rope_sn[f]) : to_f32(qv[j])) *
-          a.scale;
-    }
+    if (i < G * D) qs[i / D][i % D] = to_f32(qv[j]) * a.scale;
   }
-  if (owns_new) {
-    if (rope) {
-      T* kt = reinterpret_cast<T*>(&knew);
-      const T* kp = reinterpret_cast<const T*>(&kpart);
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const int d = lane * E + e;
-        kt[e] = from_f32<T>(attn_rope<T, D>(to_f32(kt[e]), to_f32(kp[e]), d, rope_cs[d % (D / 2)], rope_sn[d % (D / 2)]));
-      }
-    }
-    *reinterpret_cast<VRaw*>(kc + static_cast<int64_t>(wat) * D + lane * E) = knew;
-    *reinterpret_cast<VRaw*>(vc + static_cast<int64_t>(wat) * D + lane * E) = vnew;
+  if (s == 0 && warp == 0 && writes) {
+    attn_copy<T, E>(kn + lane * E, kc + static_cast<int64_t>(wat) * D + lane * E);
+    attn_copy<T, E>(vn + lane * E, vc + static_cast<int64_t>(wat) * D + lane * E);
   }
   __syncthreads();
   clock.mark(1);
@@ -267,9 +186,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
   }
-  if (takes_new) {  // the new token alone: m = its score, l = 1, acc = its V
-    const T* kt = reinterpret_cast<const T*>(&knew);
-    const T* vt = reinterpret_cast<const T*>(&vnew);
+  if (takes_tail) {  // the new token alone: m = its score, l = 1, acc = its V
+    const T* kt = reinterpret_cast<const T*>(&ktail);
+    const T* vt = reinterpret_cast<const T*>(&vtail);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float part = 0.f;
@@ -287,7 +206,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // as soon as the V pass has consumed vraw (they overlap the next chunk's scores).
   for (int base = first; base < t1; base += kAttnWarps * kAttnChunk) {
     const int next = base + kAttnWarps * kAttnChunk;
-    const bool valid = base + lane < t1 && !(new_in_range && base + lane == wat);  // warp 0 of slice 0 has it
+    const bool valid = base + lane < t1;
 
     // Scores of this lane's position for the G query heads.
     float sc[G];

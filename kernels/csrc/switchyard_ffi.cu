@@ -327,21 +327,14 @@ cudaError_t launch_attention_dtype(const AttnArgs& a, int head_dim, int device, 
 }
 
 ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv, ffi::AnyBuffer, ffi::AnyBuffer,
-                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> write_at, ffi::Buffer<ffi::F32> inv_freq,
-                         ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> write_at, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::AnyBuffer> k_cache, ffi::Result<ffi::AnyBuffer> v_cache, float scale,
                          int32_t splits) {
   // k_cache / v_cache results alias the cache operands (input_output_aliases): read and write them.
-  // qkv is [n, H + 2 kv, D] in the caches' dtype, or float32 partial products [S, n, H + 2 kv, D].
-  const auto qd = qkv.dimensions(), cd = k_cache->dimensions();
+  const auto pd = qkv.dimensions(), cd = k_cache->dimensions();
   auto bad = [](const char* why) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, why); };
-  const bool partial = qd.size() == 4;
-  if ((qd.size() != 3 && !partial) || cd.size() != 4)
-    return bad("decode attention: qkv [n, H + 2 kv, D] (or partial products [S, n, H + 2 kv, D]), cache [slots, kv, L, D]");
-  const int64_t parts = partial ? qd[0] : 0;
-  if (partial && (qkv.element_type() != ffi::DataType::F32 || parts < 1 || parts > kAttnMaxParts))
-    return bad("decode attention: partial products must be float32, 1 to 4 of them");
-  const int64_t n = qd[partial], heads = qd[partial + 1], d = qd[partial + 2], kv = cd[1], len = cd[2];
+  if (pd.size() != 3 || cd.size() != 4) return bad("decode attention: qkv [n, H + 2 kv, D], cache [slots, kv, L, D]");
+  const int64_t n = pd[0], heads = pd[1], d = pd[2], kv = cd[1], len = cd[2];
   const int64_t hq = heads - 2 * kv;
   if (kv == 0 || hq <= 0 || hq % kv != 0)
     return bad("decode attention: qkv needs H query heads (a multiple of the KV heads) then K and V heads");
@@ -350,20 +343,16 @@ ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv
     return bad("decode attention: shapes of qkv, the caches and the output do not agree");
   if (static_cast<int64_t>(pos.element_count()) != n || static_cast<int64_t>(write_at.element_count()) != n)
     return bad("decode attention: positions and write positions need one entry per row");
-  if (inv_freq.element_count() != 0 && static_cast<int64_t>(inv_freq.element_count()) * 2 != d)
-    return bad("decode attention: inv_freq needs head_dim / 2 entries (or none: no rope)");
-  const auto dt = k_cache->element_type();
-  if ((!partial && qkv.element_type() != dt) || v_cache->element_type() != dt || out->element_type() != dt)
+  const auto dt = qkv.element_type();
+  if (k_cache->element_type() != dt || v_cache->element_type() != dt || out->element_type() != dt)
     return bad("decode attention: qkv, caches and output must share one dtype");
   if (splits < 1 || splits > kAttnMaxSplits) return bad("decode attention: splits must be 1..8");
   if (n * kv > std::numeric_limits<int32_t>::max()) return bad("decode attention: too many (row, KV head) pairs");
   if (device < 0 || device >= kMaxOrdinals || !g_attn_loaded[device])
     return bad("decode attention: kernels not loaded on this GPU (switchyard.kernels.native.attention_ready)");
   if (n == 0) return ffi::Error::Success();
-  const float* freqs = inv_freq.element_count() ? inv_freq.typed_data() : nullptr;
-  const float* partials = partial ? static_cast<const float*>(qkv.untyped_data()) : nullptr;
-  AttnArgs a{partial ? nullptr : qkv.untyped_data(), partials, static_cast<int>(parts), n * heads * d, freqs,
-             k_cache->untyped_data(), v_cache->untyped_data(), pos.typed_data(), write_at.typed_data(), out->untyped_data(), static_cast<int>(n), static_cast<int>(kv),
+  AttnArgs a{qkv.untyped_data(), k_cache->untyped_data(), v_cache->untyped_data(), pos.typed_data(),
+             write_at.typed_data(), out->untyped_data(), static_cast<int>(n), static_cast<int>(kv),
              static_cast<int>(hq / kv), static_cast<int>(len), static_cast<int>(splits), scale};
   cudaError_t e = cudaErrorNotSupported;
   if (dt == ffi::DataType::BF16) e = launch_attention_dtype<__nv_bfloat16>(a, static_cast<int>(d), device, stream);
@@ -427,7 +416,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeAttention, AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()           // v_cache (aliased to result 2)
                                   .Arg<ffi::Buffer<ffi::S32>>()    // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()    // write positions
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // rope inv_freq [D / 2], or [0]: none
                                   .Ret<ffi::AnyBuffer>()           // out
                                   .Ret<ffi::AnyBuffer>()           // k_cache
                                   .Ret<ffi::AnyBuffer>()           // v_cache
