@@ -84,12 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--shapes", nargs="+", default=[name for name, *_ in SHAPES],
+                        choices=[name for name, *_ in SHAPES], metavar="SHAPE", help="which products (default: all)")
     parser.add_argument("--out", help="result JSON path")
     args = parser.parse_args(argv)
     variants = ["dot", "dot+add"] + [f"split{s}{a}" for s in args.splits for a in ("", "+add")]
     key = jax.random.PRNGKey(0)
     rows = []
-    for name, m, k, n in SHAPES:
+    for name, m, k, n in (shape for shape in SHAPES if shape[0] in args.shapes):
         xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(args.layers)]
         ws = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (k, n), jnp.bfloat16) * 0.02
               for i in range(args.layers)]
