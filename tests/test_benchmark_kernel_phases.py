@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+import bench_scripts
 from switchyard.kernels import native
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_phases.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("kernel_phases", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_summary_means_per_block_launch_and_spread_of_the_last_launch():
-    kp = _module()
+    kp = bench_scripts.load("kernel_phases")
     slots, blocks = native.PHASE_SLOTS, native.PHASE_BLOCKS
     cycles, ns = [0] * slots, [0] * slots
     cycles[0] = 4  # block launches
@@ -35,4 +24,4 @@ def test_summary_means_per_block_launch_and_spread_of_the_last_launch():
 
 
 def test_a_library_without_timers_gives_only_chain_times():
-    assert _module().summarise("fused", None) == {}
+    assert bench_scripts.load("kernel_phases").summarise("fused", None) == {}

@@ -3,26 +3,16 @@ counted from the optimised HLO and a result row written (the times need a GPU's 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
+import bench_scripts
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "split_product.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("split_product", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_variants_compute_the_same_product():
-    sp = _module()
+    sp = bench_scripts.load("split_product")
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)
@@ -35,7 +25,7 @@ def test_variants_compute_the_same_product():
 
 
 def test_result_file_has_a_row_per_variant(tmp_path):
-    sp = _module()
+    sp = bench_scripts.load("split_product")
     out = tmp_path / "split.json"
     assert sp.main(["--layers", "2", "--reps", "1", "--splits", "2", "--shapes", "o_proj tp2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
