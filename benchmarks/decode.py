@@ -31,6 +31,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import jax
 import jax.numpy as jnp
 from switchyard.service.engine import Engine, make_mesh
+from switchyard.service.model import K_SPLITS
 from switchyard.service.modelspec import ServingLayout, preset
 
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="all-reduce strategies to compare; 'none' times the step without communication")
     parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "xla"],
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
-    parser.add_argument("--k-splits", type=int, nargs="+", default=[4],
+    parser.add_argument("--k-splits", type=int, nargs="+", default=[K_SPLITS],
                         help="row-parallel products as this many partial products for the fused kernel (1: plain dot)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                                             cache_init="random", min_batch_bucket=min_bucket,
                                             attention_kernel=attn == "kernel", k_splits=k_splits)
                         engine.occupy_slots(context, count=batch)
-                        name = f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == 4 else f"-k{k_splits}")
+                        name = f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == K_SPLITS else f"-k{k_splits}")
                         if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
                             summary = hlo_summary(engine, batch)
                             Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from switchyard.service.checkpoint import NP_DTYPES, load_params
 from switchyard.service.errors import InvalidRequestError, OutOfRangeError
 from switchyard.service.model import (
     AXIS,
+    K_SPLITS,
     ForwardConfig,
     ShardShape,
     decode_forward,
@@ -215,7 +216,7 @@ class Engine(SlotBook):
         min_batch_bucket: int = 2,
         prefill_chunk: int = 1024,
         attention_kernel: bool = True,
-        k_splits: int = 4,
+        k_splits: int = K_SPLITS,
     ) -> None:
         check_strategy(strategy)
         super().__init__(spec, batch_slots, max_seq_len)
@@ -254,7 +255,7 @@ class Engine(SlotBook):
     def from_random(
         cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
         devices: Sequence[jax.Device] | None = None, cache_init: str = "random", min_batch_bucket: int = 2,
-        attention_kernel: bool = True, k_splits: int = 4,
+        attention_kernel: bool = True, k_splits: int = K_SPLITS,
     ) -> Engine:
         """Random weights made on the devices, shard by shard (for benchmarks of large shapes)."""
         mesh = make_mesh(layout.tp, devices)

@@ -125,6 +125,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 # ---- forward passes (per shard) ------------------------------------------------------------------
+# Partial products per product for the fused all-reduce (ForwardConfig.k_splits): 4 and 8 were
+# equally fast, and 4 keeps the kernel's loads per pack fewer (benchmarks/NOTES.md).
+K_SPLITS = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
     shape: ShardShape
@@ -139,7 +144,7 @@ class ForwardConfig:
     attention_kernel: bool = True
     # Where the fused all-reduce kernel runs, the row-parallel products in front of it are written as
     # this many float32 partial products over slices of K, which the kernel sums (1: a plain dot).
-    k_splits: int = 4
+    k_splits: int = K_SPLITS
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_splits <= MAX_PARTIALS:
@@ -147,7 +152,7 @@ class ForwardConfig:
 
     @classmethod
     def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024,
-             attention_kernel: bool = True, k_splits: int = 4) -> ForwardConfig:
+             attention_kernel: bool = True, k_splits: int = K_SPLITS) -> ForwardConfig:
         return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk,
                    attention_kernel, k_splits)
 
