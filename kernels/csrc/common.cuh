@@ -208,6 +208,13 @@ __device__ __forceinline__ bool timed_out_before(const Peers& P) {
   return *reinterpret_cast<volatile uint32_t*>(&P.self->error) != 0;
 }
 
+// The rank k places after ours (0 <= k < world), without an integer division on the way to the
+// first store.
+__device__ __forceinline__ int rank_after(const Peers& P, int k) {
+  const int r = P.rank + k;
+  return r < P.world ? r : r - P.world;
+}
+
 // Barrier `bar` for this block across all ranks.
 //
 // Memory ordering, step by step:

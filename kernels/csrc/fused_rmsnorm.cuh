@@ -31,26 +31,30 @@
 
 namespace switchyard {
 
-// Sum of v over the block. One barrier per row: warps leave their sums in half `parity` of
-// `partial`, and every warp then adds all of them up itself. Alternating halves between rows
-// makes a barrier before reuse unnecessary: a thread writes a half again two rows later, after
-// the next row's barrier, which every thread reaches only once it has read this row's sums.
+// Sum of v over the block, the same bits in every thread. One barrier per row: warps leave their
+// sums in half `parity` of `partial`, and every thread then adds them up in warp order from
+// shared memory (broadcast reads; a second round of shuffles would be five dependent steps).
+// Alternating halves between rows makes a barrier before reuse unnecessary: a thread writes a
+// half again two rows later, after the next row's barrier, which every thread reaches only once
+// it has read this row's sums.
+constexpr int kFusedThreads = 512;  // at most, per block
 __device__ __forceinline__ float block_sum(float v, int parity) {
-  __shared__ float partial[2][32];
+  constexpr int kWarps = kFusedThreads / 32;
+  __shared__ __align__(16) float partial[2][kWarps];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) partial[parity][warp] = v;
   __syncthreads();
   const int nwarps = (blockDim.x + 31) / 32;
-  float s = lane < nwarps ? partial[parity][lane] : 0.f;
+  float s = partial[parity][0];
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  for (int i = 1; i < kWarps; ++i)
+    if (i < nwarps) s += partial[parity][i];
   return s;
 }
 
 // W must divide H (the host picks W = 1 otherwise), so every row starts on a pack boundary.
-constexpr int kFusedThreads = 512;  // at most, per block
 
 constexpr int kMaxPartials = 4;
 
@@ -96,7 +100,9 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     T* __restrict__ normed, int64_t rows, int64_t hidden, float eps) {
   PhaseClock clock;
   const uint32_t epoch = read_epoch(P);
+  bool gave_up = timed_out_before(P);
   const uint32_t half = epoch & 1u;
+  const float inv_hidden = 1.f / static_cast<float>(hidden);  // off the path after the arrival
   const int64_t hp = hidden / W;  // packs per row
   using PackT = Pack<T, W>;
   const PackT* xp = reinterpret_cast<const PackT*>(x);
@@ -130,7 +136,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
   // Phase 1: push this block's rows to every peer.
   auto push = [&](int64_t row, int64_t p, const PackT& v) {
     for (int k = 1; k < P.world; ++k) {
-      const int gpu = (P.rank + k) % P.world;
+      const int gpu = rank_after(P, k);
       st_volatile(oneshot_slot<T, W>(P, L, gpu, half, P.rank) + row * hp + p, v);
     }
   };
@@ -160,7 +166,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
   auto reduce_add = [&](int64_t row, int64_t p, const PackT& own, const PackT& res, float& sumsq) -> PackT {
     float acc[W];
     for (int q = 0; q < P.world; ++q) {
-      const PackT v = q == P.rank ? own : take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + row * hp + p, P);
+      const PackT v = q == P.rank ? own : take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + row * hp + p, P, gave_up);
       accumulate<T, W>(acc, v, q == 0);
     }
     const PackT reduced = to_pack<T, W>(acc);
@@ -206,7 +212,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     for (int64_t p = threadIdx.x + kKeep * bd; p < hp; p += bd)
       reduce_add(row, p, own_pack(row, p), load_vec(rp + row * hp + p), sumsq);
     clock.mark(2);
-    const float rstd = rsqrtf(block_sum(sumsq, parity) / static_cast<float>(hidden) + eps);
+    const float rstd = rsqrtf(block_sum(sumsq, parity) * inv_hidden + eps);
     clock.mark(3);
 #pragma unroll
     for (int j = 0; j < kKeep; ++j) {

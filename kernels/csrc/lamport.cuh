@@ -114,17 +114,21 @@ __device__ __forceinline__ Pack<T, W> empty_pack() {
 }
 
 // Wait (bounded) until a peer's pack has arrived in our slot, take it, and empty the slot.
-// After a timeout (this call or an earlier one on this GPU) it returns whatever is there: the
-// launch's results are invalid and the host raises (common.cuh, "Bounded wait").
+// `gave_up`: whether an earlier wait gave up, read once per thread at the kernel's start
+// (timed_out_before) and set here on a timeout; reading the error word inside the wait would put
+// a second L2 round trip between the first empty poll and the next. After a timeout it returns
+// whatever is there: the launch's results are invalid and the host raises (common.cuh, "Bounded
+// wait"). Threads of the same launch do not see each other's timeouts; each waits at most once.
 template <typename T, int W>
-__device__ __forceinline__ Pack<T, W> take_pack(Pack<T, W>* slot, const Peers& P) {
+__device__ __forceinline__ Pack<T, W> take_pack(Pack<T, W>* slot, const Peers& P, bool& gave_up) {
   Pack<T, W> v = ld_volatile(slot);
-  if (pack_empty(v) && !timed_out_before(P)) {
+  if (pack_empty(v) && !gave_up) {
     const unsigned long long start = globaltimer();
     do {
       v = ld_volatile(slot);
       if (globaltimer() - start > P.timeout_ns) {
         record_timeout(P);
+        gave_up = true;
         break;
       }
     } while (pack_empty(v));

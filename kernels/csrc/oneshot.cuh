@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const 
                                                        T* __restrict__ out, int64_t n) {
   PhaseClock clock;
   const uint32_t epoch = read_epoch(P);
+  bool gave_up = timed_out_before(P);
   const uint32_t half = epoch & 1u;
   const int64_t packs = ceil_div(n, W);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const 
     const Pack<T, W> p = canonical_pack(load_pack<T, W>(in, i, n));
     if (i == first) mine = p;
     for (int k = 1; k < P.world; ++k) {
-      const int gpu = (P.rank + k) % P.world;
+      const int gpu = rank_after(P, k);
       st_volatile(oneshot_slot<T, W>(P, L, gpu, half, P.rank) + i, p);
     }
   }
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const 
   for (int64_t i = first; i < packs; i += stride) {
     float acc[W];
     for (int q = 0; q < P.world; ++q) {
-      const Pack<T, W> v = q != P.rank ? take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + i, P)
+      const Pack<T, W> v = q != P.rank ? take_pack(oneshot_slot<T, W>(P, L, P.rank, half, q) + i, P, gave_up)
                            : i == first ? mine
                                         : canonical_pack(load_pack<T, W>(in, i, n));
       accumulate<T, W>(acc, v, q == 0);

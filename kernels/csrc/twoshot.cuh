@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(1024) twoshot_kernel(Peers P, Layout L, const 
   // Phase 1: scatter slices to their owners (packs past the end are zero-filled by load_pack).
   for (int64_t j = first; j < S; j += stride) {
     for (int k = 0; k < P.world; ++k) {
-      const int s = (P.rank + k) % P.world;
+      const int s = rank_after(P, k);
       scatter(s, P.rank)[j] = load_pack<T, W>(in, s * S + j, n);
     }
   }
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(1024) twoshot_kernel(Peers P, Layout L, const 
       accumulate<T, W>(acc, load_vec<T, W, Via::kL2>(scatter(P.rank, q) + j), q == 0);
     const Pack<T, W> r = to_pack<T, W>(acc);
     store_pack<T, W>(out, P.rank * S + j, n, r);
-    for (int k = 1; k < P.world; ++k) gather((P.rank + k) % P.world, P.rank)[j] = r;
+    for (int k = 1; k < P.world; ++k) gather(rank_after(P, k), P.rank)[j] = r;
   }
 
   block_barrier(P, 1, epoch);
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(1024) twoshot_kernel(Peers P, Layout L, const 
   // Phase 3: copy the other ranks' reduced slices out of the local gather area.
   for (int64_t j = first; j < S; j += stride) {
     for (int k = 1; k < P.world; ++k) {
-      const int s = (P.rank + k) % P.world;
+      const int s = rank_after(P, k);
       store_pack<T, W>(out, s * S + j, n, load_vec<T, W, Via::kL2>(gather(P.rank, s) + j));
     }
   }
