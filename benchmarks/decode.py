@@ -205,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="all-reduce strategies to compare; 'none' times the step without communication")
     parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "xla"],
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
-    parser.add_argument("--product", nargs="+", default=["kernel"], choices=["kernel", "xla"],
-                        help="QKV (and at TP=1 output and down) products: the decode-product kernel, or XLA's dot")
     parser.add_argument("--k-splits", type=int, nargs="+", default=[K_SPLITS],
                         help="row-parallel products as this many partial products for the fused kernel (1: plain dot)")
     parser.add_argument("--steps", type=int, default=64)
@@ -230,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         mesh_devices = jax.devices()[:tp]
         make_mesh(tp, mesh_devices)
         base = None
-        for strategy, min_bucket, attn, k_splits, product in itertools.product(
-                args.strategy, args.min_batch_bucket, args.attention, args.k_splits, args.product):
+        for strategy, min_bucket, attn, k_splits in itertools.product(
+                args.strategy, args.min_batch_bucket, args.attention, args.k_splits):
             # "none": the all-reduce call sites patched out for this strategy's engines
             engine_strategy = "xla" if strategy == "none" else strategy
             with without_communication(strategy == "none"):
@@ -243,18 +241,15 @@ def main(argv: list[str] | None = None) -> int:
                         t0 = time.perf_counter()
                         if base is None:
                             engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket,
-                                                        attention_kernel=attn == "kernel", k_splits=k_splits,
-                                                        product_kernel=product == "kernel")
+                                                        attention_kernel=attn == "kernel", k_splits=k_splits)
                             base = engine.params
                         else:
                             engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
                                             max_seq_len=layout.max_seq_len, strategy=engine_strategy, dtype="bfloat16",
                                             cache_init="random", min_batch_bucket=min_bucket,
-                                            attention_kernel=attn == "kernel", k_splits=k_splits,
-                                            product_kernel=product == "kernel")
+                                            attention_kernel=attn == "kernel", k_splits=k_splits)
                         engine.occupy_slots(context, count=batch)
-                        name = (f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == K_SPLITS else f"-k{k_splits}")
-                                + ("" if product == "kernel" else "-xla-products"))
+                        name = f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == K_SPLITS else f"-k{k_splits}")
                         if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
                             summary = hlo_summary(engine, batch)
                             Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
@@ -273,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                         per_gpu = spec.decode_bytes_per_step(batch, context) / tp
                         roofline_ms = 1000 * per_gpu / bandwidth
                         row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
-                               "attention": attn, "k_splits": k_splits, "product": product,
-                               "min_batch_bucket": min_bucket,
+                               "attention": attn, "k_splits": k_splits, "min_batch_bucket": min_bucket,
                                "ms_per_token": round(ms, 4),
                                "tokens_per_s": round(batch * 1000 / ms, 1),
                                "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
@@ -284,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                             row["profile"] = prof
                         rows.append(row)
                         print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
-                              f"k-splits {k_splits} products {product} min-bucket {min_bucket} "
+                              f"k-splits {k_splits} min-bucket {min_bucket} "
                               f"{ms:8.3f} ms/token "
                               f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
                               f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)

@@ -7,7 +7,7 @@ NCCL on GPU), and the custom CUDA kernels of ``kernels/csrc`` (``oneshot``, ``tw
 up the GPUs (workspaces, peer access); the first custom all-reduce does it lazily otherwise.
 """
 
-from switchyard.kernels import attention, products
+from switchyard.kernels import attention
 from switchyard.kernels.collectives import (
     STRATEGIES,
     all_reduce,
@@ -27,7 +27,6 @@ __all__ = [
     "check_errors",
     "init",
     "plan",
-    "products",
     "reset",
     "rmsnorm",
     "set_timeout",

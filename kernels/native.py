@@ -29,8 +29,6 @@ TARGETS = {
     "switchyard_fused_rmsnorm": "SyFusedRmsNorm",
     "switchyard_timestamp": "SyTimestamp",
     "switchyard_decode_attention": "SyDecodeAttention",
-    "switchyard_decode_product": "SyDecodeProduct",
-    "switchyard_decode_product_residual": "SyDecodeProductResidual",
 }
 
 
@@ -172,9 +170,9 @@ def init(
 
 
 def attention_ready() -> bool:
-    """Whether the single-GPU kernels (decode attention, decode product) can run here: the library
-    is loaded, its handlers are registered and its kernels are loaded on this process's GPUs (they
-    need no workspace, so no ``init()``). False without GPUs or library; the reference path runs instead."""
+    """Whether the decode-attention kernel can run here: the library is loaded, its handlers are
+    registered and its kernels are loaded on this process's GPUs (it needs no workspace, so no
+    ``init()``). False without GPUs or library; the reference path runs instead."""
     if _state.attention is None:
         devs = _gpu_devices()
         lib = load() if devs else None

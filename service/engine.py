@@ -217,7 +217,6 @@ class Engine(SlotBook):
         prefill_chunk: int = 1024,
         attention_kernel: bool = True,
         k_splits: int = K_SPLITS,
-        product_kernel: bool = True,
     ) -> None:
         check_strategy(strategy)
         super().__init__(spec, batch_slots, max_seq_len)
@@ -227,8 +226,7 @@ class Engine(SlotBook):
         self.strategy = strategy
         self.dtype = dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp)
-        self._cfg = ForwardConfig.make(spec, self.tp, strategy, prefill_chunk, attention_kernel, k_splits,
-                                       product_kernel)
+        self._cfg = ForwardConfig.make(spec, self.tp, strategy, prefill_chunk, attention_kernel, k_splits)
         self._pspecs = param_specs(spec)
         # A step for one sequence can run as two rows: XLA on GPU compiles some [1, K] x [K, N] products
         # as a broadcast-multiply plus reduce that writes a K x N temporary (see benchmarks/NOTES.md).
@@ -257,14 +255,14 @@ class Engine(SlotBook):
     def from_random(
         cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
         devices: Sequence[jax.Device] | None = None, cache_init: str = "random", min_batch_bucket: int = 2,
-        attention_kernel: bool = True, k_splits: int = K_SPLITS, product_kernel: bool = True,
+        attention_kernel: bool = True, k_splits: int = K_SPLITS,
     ) -> Engine:
         """Random weights made on the devices, shard by shard (for benchmarks of large shapes)."""
         mesh = make_mesh(layout.tp, devices)
         params = random_params(param_shapes(ShardShape(spec, layout.tp)), param_specs(spec), mesh, dtype, seed)
         return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
                    strategy=layout.strategy, dtype=dtype, cache_init=cache_init, min_batch_bucket=min_batch_bucket,
-                   attention_kernel=attention_kernel, k_splits=k_splits, product_kernel=product_kernel)
+                   attention_kernel=attention_kernel, k_splits=k_splits)
 
     def _new_state(self, cache_init: str) -> dict[str, Any]:
         s = self.spec

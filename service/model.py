@@ -31,7 +31,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, attention, plan, rmsnorm, split_product
 from switchyard.kernels.collectives import MAX_PARTIALS
-from switchyard.kernels.products import decode_product
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
@@ -146,9 +145,6 @@ class ForwardConfig:
     # Where the fused all-reduce kernel runs, the row-parallel products in front of it are written as
     # this many float32 partial products over slices of K, which the kernel sums (1: a plain dot).
     k_splits: int = K_SPLITS
-    # The QKV product, and at TP=1 the output and down products with their residual add, through
-    # the decode-product kernel where it runs (switchyard.kernels.products; XLA elsewhere).
-    product_kernel: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_splits <= MAX_PARTIALS:
@@ -156,9 +152,9 @@ class ForwardConfig:
 
     @classmethod
     def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024,
-             attention_kernel: bool = True, k_splits: int = K_SPLITS, product_kernel: bool = True) -> ForwardConfig:
+             attention_kernel: bool = True, k_splits: int = K_SPLITS) -> ForwardConfig:
         return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk,
-                   attention_kernel, k_splits, product_kernel)
+                   attention_kernel, k_splits)
 
 
 def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -193,9 +189,6 @@ def run_layers(
 
     def project_add_norm(a: jax.Array, w: jax.Array, residual: jax.Array, norm: jax.Array):
         """Row-parallel product a @ w, summed over the GPUs, + residual, then RMSNorm."""
-        if cfg.shape.tp == 1:  # nothing to sum: the residual add rides on the product
-            residual = decode_product(a, w, residual, use_kernel=cfg.product_kernel)
-            return residual, rmsnorm(residual, norm, eps)
         k = a.shape[-1]
         if (cfg.k_splits > 1 and k % cfg.k_splits == 0 and cfg.shape.tp > 1
                 and plan("fused", cfg.strategy, residual, AXIS) == "fused"):
@@ -235,8 +228,7 @@ def decode_attention(
     hd = shape.spec.head_dim
     # [n, q heads | k heads | v heads, hd], rope applied to q and k in one elementwise pass; the
     # attention reads q, k and v from it in place (no per-layer slice copies).
-    qkv = decode_product(h, layer["wqkv"], use_kernel=cfg.product_kernel)
-    qkv = qkv.reshape(n, shape.q_heads + 2 * shape.kv_heads, hd)
+    qkv = (h @ layer["wqkv"]).reshape(n, shape.q_heads + 2 * shape.kv_heads, hd)
     roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
     is_qk = jnp.arange(qkv.shape[1]) < shape.q_heads + shape.kv_heads
     qkv = jnp.where(is_qk[None, :, None], roped, qkv)

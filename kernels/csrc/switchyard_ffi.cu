@@ -20,7 +20,6 @@
 
 #include "common.cuh"
 #include "decode_attention.cuh"
-#include "decode_product.cuh"
 #include "fused_rmsnorm.cuh"
 #include "layout.cuh"
 #include "oneshot.cuh"
@@ -374,83 +373,6 @@ cudaError_t preload_attention_dtype_dim(int device) {
   return preload_attention<T, D, 8>(device);
 }
 
-// ---- decode product (decode_product.cuh) ------------------------------------------------------
-template <typename T, bool kResidual>
-cudaError_t launch_product(const void* x, const void* w, const void* res, void* y, int n, int K, int N,
-                           cudaStream_t stream) {
-  const dim3 grid(N / kProductTileCols), block(kProductThreads);
-  auto args = [&](auto kernel) {
-    kernel<<<grid, block, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(res),
-                                       static_cast<T*>(y), n, K, N);
-  };
-  if (n <= 2) args(decode_product_kernel<T, 2, kResidual>);
-  else if (n <= 4) args(decode_product_kernel<T, 4, kResidual>);
-  else args(decode_product_kernel<T, 8, kResidual>);
-  return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t preload_product() {
-  cudaFuncAttributes a;
-  cudaError_t e = cudaSuccess;
-  auto load = [&](auto kernel) {
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, kernel);
-  };
-  load(decode_product_kernel<T, 2, false>);
-  load(decode_product_kernel<T, 4, false>);
-  load(decode_product_kernel<T, 8, false>);
-  load(decode_product_kernel<T, 2, true>);
-  load(decode_product_kernel<T, 4, true>);
-  load(decode_product_kernel<T, 8, true>);
-  return e;
-}
-
-// residual: null for y = x @ w.
-ffi::Error ProductImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       const ffi::AnyBuffer* residual, ffi::Result<ffi::AnyBuffer> y) {
-  auto bad = [](const char* why) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, why); };
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) return bad("decode product: x [n, K], w [K, N], y [n, N]");
-  const int64_t n = xd[0], K = xd[1], N = wd[1];
-  if (wd[0] != K || yd[0] != n || yd[1] != N) return bad("decode product: shapes of x, w and y do not agree");
-  if (residual != nullptr && !same_dims(residual->dimensions(), yd)) return bad("decode product: residual must be [n, N]");
-  const auto dt = x.element_type();
-  if (w.element_type() != dt || y->element_type() != dt || (residual != nullptr && residual->element_type() != dt))
-    return bad("decode product: x, w, residual and y must share one dtype");
-  if (n < 1 || n > kProductMaxRows) return bad("decode product: 1 to 8 rows");
-  if (K % (8 * kProductSlices) != 0 || N % kProductTileCols != 0 || K > std::numeric_limits<int32_t>::max() ||
-      N > std::numeric_limits<int32_t>::max())
-    return bad("decode product: K must be a multiple of 512 and N of 32");
-  if (!aligned16(x.untyped_data()) || !aligned16(w.untyped_data()))
-    return bad("decode product: x and w must be 16-byte aligned");
-  if (device < 0 || device >= kMaxOrdinals || !g_attn_loaded[device])
-    return bad("decode product: kernels not loaded on this GPU (switchyard.kernels.native.attention_ready)");
-  const void* res = residual != nullptr ? residual->untyped_data() : nullptr;
-  const int in = static_cast<int>(n), iK = static_cast<int>(K), iN = static_cast<int>(N);
-  cudaError_t e;
-  if (dt == ffi::DataType::BF16)
-    e = res ? launch_product<__nv_bfloat16, true>(x.untyped_data(), w.untyped_data(), res, y->untyped_data(), in, iK, iN, stream)
-            : launch_product<__nv_bfloat16, false>(x.untyped_data(), w.untyped_data(), res, y->untyped_data(), in, iK, iN, stream);
-  else if (dt == ffi::DataType::F16)
-    e = res ? launch_product<__half, true>(x.untyped_data(), w.untyped_data(), res, y->untyped_data(), in, iK, iN, stream)
-            : launch_product<__half, false>(x.untyped_data(), w.untyped_data(), res, y->untyped_data(), in, iK, iN, stream);
-  else
-    return bad("decode product: supports bf16 and fp16");
-  if (e != cudaSuccess)
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("decode product launch: ") + cudaGetErrorString(e));
-  return launched();
-}
-
-ffi::Error PlainProductImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                            ffi::Result<ffi::AnyBuffer> y) {
-  return ProductImpl(stream, device, x, w, nullptr, y);
-}
-
-ffi::Error ResidualProductImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                               ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> y) {
-  return ProductImpl(stream, device, x, w, &residual, y);
-}
-
 }  // namespace
 
 // Exported symbols (the library is built with -fvisibility=hidden so that the statically linked
@@ -501,25 +423,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeAttention, AttentionImpl,
                                   .Attr<int32_t>("splits"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeProduct, PlainProductImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x [n, K]
-                                  .Arg<ffi::AnyBuffer>()  // w [K, N]
-                                  .Ret<ffi::AnyBuffer>(),  // y [n, N]
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeProductResidual, ResidualProductImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // x [n, K]
-                                  .Arg<ffi::AnyBuffer>()  // w [K, N]
-                                  .Arg<ffi::AnyBuffer>()  // residual [n, N]
-                                  .Ret<ffi::AnyBuffer>(),  // y = residual + x @ w
-                              {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SyTimestamp, TimestampImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -558,8 +461,7 @@ extern "C" {
 
 const char* sy_last_error() { return g_last_error.c_str(); }
 
-// Load the single-GPU kernels (decode attention, decode product) into GPU `ordinal`'s context now
-// (see preload_all_kernels).
+// Load the decode-attention kernels into GPU `ordinal`'s context now (see preload_all_kernels).
 int sy_preload_attention(int ordinal) {
   int prev = 0;
   cudaGetDevice(&prev);
@@ -569,8 +471,6 @@ int sy_preload_attention(int ordinal) {
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 64>(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 128>(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 64>(ordinal);
-  if (e == cudaSuccess) e = preload_product<__nv_bfloat16>();
-  if (e == cudaSuccess) e = preload_product<__half>();
   cudaSetDevice(prev);
   if (e != cudaSuccess) return fail(std::string("preload attention kernels: ") + cudaGetErrorString(e));
   g_attn_loaded[ordinal] = true;
