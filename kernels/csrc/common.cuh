@@ -16,8 +16,10 @@
 //
 // Bounded wait. A peer that never arrives would spin a kernel forever and wedge the GPU. Waits
 // give up after `timeout_ns` of %globaltimer, set a sticky error word in device memory and in
-// mapped pinned host memory (the host reads it without synchronising), and later barriers skip
-// waiting once the sticky word is set. Results after an error are garbage; the host raises.
+// mapped pinned host memory (the host reads it without synchronising), and later waits skip
+// waiting once the sticky word is set (barriers check it before they spin; the one-shot and fused
+// kernels' threads read it once at their start, lamport.cuh). Results after an error are garbage;
+// the host raises.
 #pragma once
 
 #include <cuda_bf16.h>
