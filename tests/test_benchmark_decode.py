@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from switchyard.service.modelspec import preset
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
 
 
@@ -22,8 +24,6 @@ def test_decode_benchmark_rows_and_the_variant_without_communication(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tp"], r["strategy"]) for r in rows] == [(2, "xla"), (2, "none")]
-    from switchyard.service.modelspec import preset
-
     spec = preset("tiny")
     for row in rows:
         assert row["ms_per_token"] > 0 and row["fraction_of_roofline"] > 0

@@ -54,8 +54,6 @@ __device__ __forceinline__ float block_sum(float v, int parity) {
   return s;
 }
 
-// W must divide H (the host picks W = 1 otherwise), so every row starts on a pack boundary.
-
 constexpr int kMaxPartials = 4;
 
 // The sum of S float32 slices (`slice` elements apart) of the W elements at element `at`, rounded
@@ -91,6 +89,7 @@ __device__ __forceinline__ Pack<T, W> sum_partials(const float* __restrict__ par
   return r;
 }
 
+// W must divide H (the host picks W = 1 otherwise), so every row starts on a pack boundary.
 // kPartials: x is null and `parts` holds `splits` slices (a separate instantiation, so that the
 // plain kernel keeps its registers).
 template <typename T, int W, bool kPartials = false>
