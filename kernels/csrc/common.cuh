@@ -7,12 +7,16 @@
 // device pointer (UVA over NVLink). Each XLA FFI call on GPU r launches ONE kernel; the N kernels
 // (one per GPU, launched by XLA's per-device threads) meet at barriers made of flag words.
 //
-// Epochs. Every kernel launch is one "call". Each GPU keeps a call counter in its own device
-// memory (State::calls). A launch uses epoch = calls + 1 for all its flags; the last block of the
-// launch to finish stores calls = epoch. Nothing comes from the host per call, so the same kernel
-// node can be replayed from a CUDA graph forever. All GPUs run the same sequence of calls
-// (SPMD), so their counters stay equal. Comparisons are wrap-safe (int32 difference), and a peer
-// is at most one call ahead of us at a barrier, so the 32-bit counter may wrap freely.
+// Epochs. Every kernel launch is one "call". Each GPU counts its completed launches in its own
+// device memory, once per block index (State::calls[b], every entry equal between launches): block
+// b of a launch reads entry b at its start (epoch = calls + 1, used for all its flags and halves)
+// and stores the new count at its end into entry b, and the grid together into every entry that
+// no block of this launch reads (finish_launch). So no block waits for another and no fence or
+// atomic closes a launch, yet the next launch (stream order) finds every entry equal to it. Nothing comes from the host per
+// call, so the same kernel node can be replayed from a CUDA graph forever. All GPUs run the same
+// sequence of calls (SPMD), so their counters stay equal. Comparisons are wrap-safe (int32
+// difference), and a peer is at most one call ahead of us at a barrier, so the 32-bit counter may
+// wrap freely.
 //
 // Bounded wait. A peer that never arrives would spin a kernel forever and wedge the GPU. Waits
 // give up after `timeout_ns` of %globaltimer, set a sticky error word in device memory and in
@@ -33,7 +37,8 @@
 namespace switchyard {
 
 constexpr int kMaxRanks = 8;      // 2, 4 or 8 GPUs of one NVSwitch node (any 1..8 works)
-constexpr int kMaxBlocks = 128;   // flag slots per barrier; launches never use more blocks
+constexpr int kMaxBlocks = 128;   // flag slots per barrier; barrier kernels never use more blocks
+constexpr int kMaxGrid = 1024;    // launch counters: no kernel with an epoch uses more blocks
 constexpr int kNumBarriers = 2;   // two-shot needs two distinct barrier points per call
 constexpr int kPackBytes = 16;    // one 128-bit load/store per thread per step
 
@@ -42,13 +47,13 @@ constexpr uint32_t kErrTimeout = 1;
 
 // Per-GPU state words at the start of every workspace.
 struct State {
-  uint32_t calls;   // completed launches (epoch of the last one)
-  uint32_t done;    // blocks of the current launch that have finished (reset by the last one)
   uint32_t error;   // sticky: non-zero once any barrier timed out on this GPU
-  uint32_t pad;
+  uint32_t pad[3];
   // flags[bar][block][peer]: written by `peer` (remotely) when its block `block` reaches
   // barrier `bar` in launch `epoch`; read only by this GPU.
   uint32_t flags[kNumBarriers][kMaxBlocks][kMaxRanks];
+  // calls[b]: completed launches (epoch of the last one), one copy per block index (see Epochs).
+  alignas(16) uint32_t calls[kMaxGrid];
 };
 
 // Arguments shared by all kernels. Peer pointers come from the registry (stable for the life of
@@ -171,31 +176,23 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
-// Epoch of this launch: calls + 1. Every thread reads it itself (one L2 line, broadcast within a
-// warp), so no block-wide synchronisation sits before the first store of a launch.
+// Epoch of this launch: calls + 1. Every thread reads its block's entry itself (one L2 line,
+// broadcast within a warp), so no block-wide synchronisation sits before the first store of a launch.
 __device__ __forceinline__ uint32_t read_epoch(const Peers& P) {
-  return *reinterpret_cast<volatile uint32_t*>(&P.self->calls) + 1u;
+  return *reinterpret_cast<volatile uint32_t*>(&P.self->calls[blockIdx.x]) + 1u;
 }
 
-// Called by every block at its very end. The last block to finish publishes calls = epoch; all
-// other blocks have read `calls` already (every thread reads it before its block's
-// __syncthreads here, and thread 0's atomicAdd follows that), so no block of this launch can see
-// the new value, and the next launch (stream order) sees it. A one-block launch is its own last
-// block and skips the counter.
+// Called by every block at its very end: once all its threads have read entry b (the barrier),
+// the block stores `epoch` into entries b, b + G, b + 2G, ... (G = gridDim.x). Entry b is read
+// only by this block and entries >= G by no block of this launch, so the stores need no order
+// among blocks: the launch's end makes them all visible to the next launch on this stream. (The
+// earlier version counted finished blocks with a fence and an atomic on one word: a round trip
+// to L2, behind a fence, closing every launch of more than one block.)
 __device__ __forceinline__ void finish_launch(const Peers& P, uint32_t epoch) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    if (gridDim.x == 1) {
-      *reinterpret_cast<volatile uint32_t*>(&P.self->calls) = epoch;
-      return;
-    }
-    __threadfence();
-    if (atomicAdd(&P.self->done, 1u) == gridDim.x - 1) {
-      P.self->done = 0;
-      *reinterpret_cast<volatile uint32_t*>(&P.self->calls) = epoch;
-      __threadfence();
-    }
-  }
+  const int step = blockDim.x * gridDim.x;
+  for (int j = blockIdx.x + threadIdx.x * gridDim.x; j < kMaxGrid; j += step)
+    *reinterpret_cast<volatile uint32_t*>(&P.self->calls[j]) = epoch;
 }
 
 // A bounded wait gave up: record it where the host sees it without a sync, and make every later

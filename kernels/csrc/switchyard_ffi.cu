@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -21,6 +22,7 @@
 #include "common.cuh"
 #include "decode_attention.cuh"
 #include "fused_rmsnorm.cuh"
+#include "launch.cuh"
 #include "layout.cuh"
 #include "oneshot.cuh"
 #include "twoshot.cuh"
@@ -32,12 +34,6 @@ using namespace switchyard;
 namespace {
 
 constexpr int kMaxOrdinals = 64;
-constexpr int kThreads = 512;
-constexpr int kOneshotMaxBlocks = 64;
-constexpr int kFusedMaxBlocks = 1024;  // one row per block (no barrier pairs blocks: any grid works)
-constexpr int kTwoshotMaxBlocks = kMaxBlocks;
-static_assert(kTwoshotMaxBlocks <= kMaxBlocks, "flag slots of the two-shot barriers");
-
 struct Registry {
   bool ready = false;
   int world = 0;
@@ -59,13 +55,6 @@ struct Registry {
 
 Registry g;
 std::string g_last_error;
-
-int64_t round_up(int64_t v, int64_t m) { return ceil_div(v, m) * m; }
-
-// Every one-shot slot of a workspace empty (lamport.cuh: all bits set), on the current device.
-cudaError_t empty_oneshot_slots(char* base, size_t state_bytes, const Layout& L) {
-  return cudaMemset(base + state_bytes + L.oneshot_off, kEmptyByte, L.scatter_off - L.oneshot_off);
-}
 
 int fail(const std::string& msg) {
   g_last_error = msg;
@@ -131,10 +120,6 @@ ffi::Error dispatch(ffi::DataType dt, bool vec, F&& f) {
   }
 }
 
-int threads_for(int64_t work) {
-  return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, round_up(work, 32))));
-}
-
 ffi::Error OneShotImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
   Peers P;
   if (auto err = resolve(device, &P); err.failure()) return err;
@@ -146,10 +131,8 @@ ffi::Error OneShotImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
   return dispatch(x.element_type(), vec, [&](auto t, auto w) {
     using T = decltype(t);
     constexpr int W = decltype(w)::value;
-    const int64_t packs = ceil_div(n, W);
-    const int threads = threads_for(packs);
-    const int blocks = static_cast<int>(std::min<int64_t>(kOneshotMaxBlocks, ceil_div(packs, threads)));
-    oneshot_kernel<T, W><<<blocks, threads, 0, stream>>>(
+    const Grid grid = oneshot_grid(ceil_div(n, W));
+    oneshot_kernel<T, W><<<grid.blocks, grid.threads, 0, stream>>>(
         P, g.layout, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), n);
     return launched();
   });
@@ -166,10 +149,8 @@ ffi::Error TwoShotImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
   return dispatch(x.element_type(), vec, [&](auto t, auto w) {
     using T = decltype(t);
     constexpr int W = decltype(w)::value;
-    const int64_t slice = ceil_div(ceil_div(n, W), P.world);
-    const int threads = threads_for(slice);
-    const int blocks = static_cast<int>(std::min<int64_t>(kTwoshotMaxBlocks, ceil_div(slice, threads)));
-    twoshot_kernel<T, W><<<blocks, threads, 0, stream>>>(
+    const Grid grid = twoshot_grid(ceil_div(n, W), P.world);
+    twoshot_kernel<T, W><<<grid.blocks, grid.threads, 0, stream>>>(
         P, g.layout, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), n);
     return launched();
   });
@@ -206,18 +187,17 @@ ffi::Error FusedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi:
   return dispatch(residual.element_type(), vec, [&](auto t, auto w) {
     using T = decltype(t);
     constexpr int W = decltype(w)::value;
-    const int threads = static_cast<int>(std::min<int64_t>(kFusedThreads, std::max<int64_t>(32, round_up(hidden / W, 32))));
-    const int blocks = static_cast<int>(std::min<int64_t>(kFusedMaxBlocks, rows));
+    const Grid grid = fused_grid(rows, hidden / W);
     const T* res = static_cast<const T*>(residual.untyped_data());
     const T* wt = static_cast<const T*>(weight.untyped_data());
     T* nr = static_cast<T*>(new_residual->untyped_data());
     T* out = static_cast<T*>(normed->untyped_data());
     if (partials)
-      fused_rmsnorm_kernel<T, W, true><<<blocks, threads, 0, stream>>>(
+      fused_rmsnorm_kernel<T, W, true><<<grid.blocks, grid.threads, 0, stream>>>(
           P, g.layout, nullptr, static_cast<const float*>(x.untyped_data()), static_cast<int>(splits), res, wt, nr,
           out, rows, hidden, eps);
     else
-      fused_rmsnorm_kernel<T, W, false><<<blocks, threads, 0, stream>>>(
+      fused_rmsnorm_kernel<T, W, false><<<grid.blocks, grid.threads, 0, stream>>>(
           P, g.layout, static_cast<const T*>(x.untyped_data()), nullptr, 0, res, wt, nr, out, rows, hidden, eps);
     return launched();
   });
@@ -539,16 +519,10 @@ int sy_init(int world, const int* ordinals, long long oneshot_bytes, long long t
       }
     }
   }
-  const int64_t os_slot = round_up(std::max<long long>(oneshot_bytes, kPackBytes), 256);
-  const int64_t ts_area = round_up(std::max<long long>(twoshot_bytes, kPackBytes) + world * kPackBytes * 2, 256);
-  Layout L{};
-  L.oneshot_off = 0;
-  L.oneshot_slot = os_slot;
-  L.scatter_off = 2 * world * os_slot;
-  L.gather_off = L.scatter_off + ts_area;
-  L.twoshot_bytes = twoshot_bytes;
-  const size_t state_bytes = round_up(sizeof(State), 256);
-  const size_t total = state_bytes + L.gather_off + ts_area;
+  const Workspace ws = make_workspace(world, oneshot_bytes, twoshot_bytes);
+  const Layout& L = ws.layout;
+  const size_t state_bytes = ws.state_bytes;
+  const size_t total = ws.total_bytes;
 
   uint32_t* host_error = nullptr;
   SY_CHECK(cudaHostAlloc(&host_error, sizeof(uint32_t) * kMaxRanks, cudaHostAllocMapped | cudaHostAllocPortable));
@@ -582,7 +556,7 @@ int sy_init(int world, const int* ordinals, long long oneshot_bytes, long long t
   g.layout = L;
   g.world = world;
   g.state_bytes = state_bytes;
-  g.oneshot_bytes = os_slot;
+  g.oneshot_bytes = ws.oneshot_bytes;
   g.twoshot_bytes = twoshot_bytes;
   g.ready = true;
   return 0;
@@ -608,7 +582,7 @@ int sy_reset(unsigned int epoch) {
   }
   State s;
   std::memset(&s, 0, sizeof(s));
-  s.calls = epoch;
+  for (auto& c : s.calls) c = epoch;
   for (auto& bar : s.flags)
     for (auto& blk : bar)
       for (auto& f : blk) f = epoch;
@@ -626,11 +600,12 @@ int sy_reset(unsigned int epoch) {
 // Completed launches on GPU `rank` (synchronous read; for tests and diagnostics only).
 long long sy_device_calls(int rank) {
   if (!g.ready || rank < 0 || rank >= g.world) return -1;
-  State s;
   if (cudaSetDevice(g.ordinals[rank]) != cudaSuccess) return -1;
   if (cudaDeviceSynchronize() != cudaSuccess) return -1;
-  if (cudaMemcpy(&s, g.base[rank], 16, cudaMemcpyDeviceToHost) != cudaSuccess) return -1;
-  return s.calls;
+  uint32_t calls = 0;
+  if (cudaMemcpy(&calls, g.base[rank] + offsetof(State, calls), sizeof(calls), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return -1;
+  return calls;
 }
 
 }  // extern "C"

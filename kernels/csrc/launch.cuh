@@ -1,0 +1,82 @@
+// Host side of the all-reduce kernels: the launch configuration of each kernel and the workspace
+// layout. The XLA FFI handlers (switchyard_ffi.cu) and the one-GPU multi-rank check
+// (tests/emulated_ranks.cu) both use these, so the check launches exactly the handlers' grids.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+
+#include "common.cuh"
+#include "fused_rmsnorm.cuh"
+#include "lamport.cuh"
+#include "layout.cuh"
+
+namespace switchyard {
+
+constexpr int kThreads = 512;
+constexpr int kOneshotMaxBlocks = 64;
+constexpr int kFusedMaxBlocks = 1024;  // one row per block (no barrier pairs blocks: any grid works)
+constexpr int kTwoshotMaxBlocks = kMaxBlocks;
+static_assert(kTwoshotMaxBlocks <= kMaxBlocks, "flag slots of the two-shot barriers");
+static_assert(kOneshotMaxBlocks <= kMaxGrid && kFusedMaxBlocks <= kMaxGrid && kTwoshotMaxBlocks <= kMaxGrid,
+              "one launch counter per block index (common.cuh, Epochs)");
+
+struct Grid {
+  int blocks;
+  int threads;
+};
+
+inline int64_t round_up(int64_t v, int64_t m) { return ceil_div(v, m) * m; }
+
+inline int threads_for(int64_t work) {
+  return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, round_up(work, 32))));
+}
+
+// `packs`: packs of W elements in the message.
+inline Grid oneshot_grid(int64_t packs) {
+  const int threads = threads_for(packs);
+  return {static_cast<int>(std::min<int64_t>(kOneshotMaxBlocks, ceil_div(packs, threads))), threads};
+}
+
+inline Grid twoshot_grid(int64_t packs, int world) {
+  const int64_t slice = ceil_div(packs, world);
+  const int threads = threads_for(slice);
+  return {static_cast<int>(std::min<int64_t>(kTwoshotMaxBlocks, ceil_div(slice, threads))), threads};
+}
+
+// `row_packs`: packs of W elements per row (W divides the row).
+inline Grid fused_grid(int64_t rows, int64_t row_packs) {
+  const int threads = static_cast<int>(std::min<int64_t>(kFusedThreads, std::max<int64_t>(32, round_up(row_packs, 32))));
+  return {static_cast<int>(std::min<int64_t>(kFusedMaxBlocks, rows)), threads};
+}
+
+// A workspace: the State words, then the data areas of `Layout` (same offsets on every GPU).
+struct Workspace {
+  Layout layout;
+  size_t state_bytes;  // the data area starts here
+  size_t total_bytes;
+  int64_t oneshot_bytes;  // the largest one-shot (and fused) message per rank
+};
+
+inline Workspace make_workspace(int world, int64_t oneshot_bytes, int64_t twoshot_bytes) {
+  const int64_t os_slot = round_up(std::max<int64_t>(oneshot_bytes, kPackBytes), 256);
+  const int64_t ts_area = round_up(std::max<int64_t>(twoshot_bytes, kPackBytes) + world * kPackBytes * 2, 256);
+  Workspace w{};
+  w.layout.oneshot_off = 0;
+  w.layout.oneshot_slot = os_slot;
+  w.layout.scatter_off = 2 * world * os_slot;
+  w.layout.gather_off = w.layout.scatter_off + ts_area;
+  w.layout.twoshot_bytes = twoshot_bytes;
+  w.state_bytes = round_up(sizeof(State), 256);
+  w.total_bytes = w.state_bytes + w.layout.gather_off + ts_area;
+  w.oneshot_bytes = os_slot;
+  return w;
+}
+
+// Every one-shot slot of a workspace empty (lamport.cuh: all bits set), on the current device.
+inline cudaError_t empty_oneshot_slots(char* base, size_t state_bytes, const Layout& L) {
+  return cudaMemset(base + state_bytes + L.oneshot_off, kEmptyByte, L.scatter_off - L.oneshot_off);
+}
+
+}  // namespace switchyard
