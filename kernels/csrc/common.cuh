@@ -8,13 +8,14 @@
 // (one per GPU, launched by XLA's per-device threads) meet at barriers made of flag words.
 //
 // Epochs. Every kernel launch is one "call". Each GPU counts its completed launches in its own
-// device memory, once per block index (State::calls[b], every entry equal between launches): block
-// b of a launch reads entry b at its start (epoch = calls + 1, used for all its flags and halves)
-// and stores the new count at its end into entry b, and the grid together into every entry that
-// no block of this launch reads (finish_launch). So no block waits for another and no fence or
-// atomic closes a launch, yet the next launch (stream order) finds every entry equal to it. Nothing comes from the host per
-// call, so the same kernel node can be replayed from a CUDA graph forever. All GPUs run the same
-// sequence of calls (SPMD), so their counters stay equal. Comparisons are wrap-safe (int32
+// device memory, once per block index (State::calls[b], every entry equal between launches):
+// block b of a launch reads entry b at its start (epoch = calls + 1, used for all its flags and
+// halves) and stores the new count there at its end (finish_launch); while they wait for their
+// peers, the grid's threads store it into every entry that no block of this launch reads
+// (store_absent_counters). So no block waits for another and no fence or atomic closes a launch,
+// yet the next launch (stream order) finds every entry equal to it. Nothing comes from the host
+// per call, so the same kernel node can be replayed from a CUDA graph forever. All GPUs run the
+// same sequence of calls (SPMD), so their counters stay equal. Comparisons are wrap-safe (int32
 // difference), and a peer is at most one call ahead of us at a barrier, so the 32-bit counter may
 // wrap freely.
 //
@@ -182,28 +183,37 @@ __device__ __forceinline__ uint32_t read_epoch(const Peers& P) {
   return *reinterpret_cast<volatile uint32_t*>(&P.self->calls[blockIdx.x]) + 1u;
 }
 
-// Called by every block at its very end: once all its threads have read entry b (the barrier),
-// the block stores `epoch` into entry b, and the grid's threads together into every entry >= G
-// (G = gridDim.x; whole 16-byte vectors from the first multiple of 4, a few single words before
-// it). Entry b is read only by this block and entries >= G by no block of this launch, so the
-// stores need no order among blocks: the launch's end makes them visible to the next launch on
-// this stream. The earlier version counted finished blocks with a fence and an atomic on one word,
-// which closed every launch of more than one block 0.7-1 us later; a first per-block version
-// stored one volatile word at a time, 1024 / blockDim in series per thread, and made one-block
-// launches up to 0.6 us slower (benchmarks/results/emulated-counters-strided-h100.json).
-__device__ __forceinline__ void finish_launch(const Peers& P, uint32_t epoch) {
+// Entries >= G (G = gridDim.x) are read by no block of this launch, so any thread may store the
+// new count there at any time of the launch: the kernels do it while they wait for their peers'
+// data (after their own stores went out). The grid's threads share them: whole 16-byte vectors
+// from the first multiple of 4, single words before it.
+__device__ __forceinline__ void store_absent_counters(const Peers& P, uint32_t epoch) {
   static_assert(kMaxGrid % 4 == 0, "whole vectors of counters");
-  __syncthreads();
   uint32_t* calls = P.self->calls;
   const int G = gridDim.x;
-  if (threadIdx.x == 0) calls[blockIdx.x] = epoch;
-  const int lo = (G + 3) & ~3;
-  if (blockIdx.x == 0 && G + static_cast<int>(threadIdx.x) < lo && G + static_cast<int>(threadIdx.x) < kMaxGrid)
-    calls[G + threadIdx.x] = epoch;
+  const int lo = (G + 3) & ~3;  // <= kMaxGrid, a multiple of 4
+  const int head = G + static_cast<int>(threadIdx.x);
+  if (blockIdx.x == 0 && head < lo) calls[head] = epoch;
   const uint4 v = make_uint4(epoch, epoch, epoch, epoch);
   uint4* vec = reinterpret_cast<uint4*>(calls + lo);
   const int nvec = (kMaxGrid - lo) / 4;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += G * blockDim.x) vec[i] = v;
+}
+
+// Called by every block at its very end: once all its threads have read entry b (the barrier),
+// the block stores the new count into entry b, which only this block reads, so no block waits
+// for another: the launch's end makes every entry visible to the next launch on this stream.
+// History, on emulated ranks (benchmarks/results/emulated-counters-*-h100.json: strided,
+// vector-end, while-waiting): counting finished blocks with a fence and an atomic on one word
+// closed every launch of more than one block 0.7-1 us later; storing every entry here, one
+// volatile word at a time (1024 / blockDim per thread), made one-block launches up to 0.6 us
+// slower; vector stores here still cost them ~0.1 us. Stored while waiting (this version),
+// multi-block launches close 0.7-1.2 us sooner than with the one counter and one-block launches
+// are 0.0-0.3 us slower (2-8 ranks, 1 KB-1 MB). Emulated ranks wait for local stores; over NVLink
+// the wait these stores sit in is about a microsecond.
+__device__ __forceinline__ void finish_launch(const Peers& P, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) P.self->calls[blockIdx.x] = epoch;
 }
 
 // A bounded wait gave up: record it where the host sees it without a sync, and make every later

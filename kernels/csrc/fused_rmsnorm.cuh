@@ -158,6 +158,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_rmsnorm_kernel(
     }
   }
 
+  store_absent_counters(P, epoch);  // while the peers' packs travel
   clock.mark(1);
 
   // Reduce one pack of a row (own = this rank's canonical pack), add the residual, write and

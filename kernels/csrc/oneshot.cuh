@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(1024) oneshot_kernel(Peers P, Layout L, const 
     }
   }
 
+  store_absent_counters(P, epoch);  // while the peers' packs travel
   clock.mark(1);
 
   // Phase 2: reduce, rank order fixed; peers' packs from local memory as they arrive.

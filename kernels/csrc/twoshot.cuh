@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(1024) twoshot_kernel(Peers P, Layout L, const 
     }
   }
 
+  store_absent_counters(P, epoch);  // local stores; the barrier's release waits for the NVLink ones anyway
   block_barrier(P, 0, epoch);
 
   // Phase 2: reduce the owned slice in rank order; keep it and send it to every peer.
