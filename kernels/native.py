@@ -235,7 +235,8 @@ def set_timeout(seconds: float) -> None:
 
 
 def device_calls(rank: int) -> int:
-    """Launches completed on ``rank`` (synchronous; diagnostics and tests)."""
+    """Launches completed on ``rank`` (synchronous; diagnostics and tests); -1 where its per-block
+    launch counters disagree."""
     lib = _state.lib
     return -1 if lib is None else int(lib.sy_device_calls(rank))
 

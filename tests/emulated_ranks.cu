@@ -256,19 +256,7 @@ int emu_init(int world, long long oneshot_bytes, long long twoshot_bytes, unsign
     EMU_CHECK(empty_oneshot_slots(g.base[r], g.ws.state_bytes, g.ws.layout));
     EMU_CHECK(cudaStreamCreateWithFlags(&g.stream[r], cudaStreamNonBlocking));
   }
-  for (int r = 0; r < world; ++r) {
-    Peers& P = g.peers[r];
-    std::memset(&P, 0, sizeof(P));
-    P.rank = r;
-    P.world = world;
-    for (int q = 0; q < world; ++q) {
-      P.state[q] = reinterpret_cast<State*>(g.base[q]);
-      P.data[q] = g.base[q] + g.ws.state_bytes;
-    }
-    P.self = P.state[r];
-    P.host_error = dev_err + r;
-    P.timeout_ns = timeout_ns;
-  }
+  for (int r = 0; r < world; ++r) g.peers[r] = make_peers(r, world, g.base, g.ws.state_bytes, dev_err, timeout_ns);
   EMU_CHECK(cudaDeviceSynchronize());
   g.world = world;
   return 0;
@@ -289,12 +277,7 @@ int emu_shutdown() {
 // Every counter and flag = epoch, every one-shot slot empty, errors cleared (as sy_reset).
 int emu_reset(unsigned int epoch) {
   EMU_CHECK(cudaDeviceSynchronize());
-  State s;
-  std::memset(&s, 0, sizeof(s));
-  for (auto& c : s.calls) c = epoch;
-  for (auto& bar : s.flags)
-    for (auto& blk : bar)
-      for (auto& f : blk) f = epoch;
+  const State s = fresh_state(epoch);
   for (int r = 0; r < g.world; ++r) {
     EMU_CHECK(cudaMemcpy(g.base[r], &s, sizeof(s), cudaMemcpyHostToDevice));
     EMU_CHECK(empty_oneshot_slots(g.base[r], g.ws.state_bytes, g.ws.layout));

@@ -39,6 +39,16 @@ def mesh() -> Mesh:
     return Mesh(np.array(devs), ("tp",))
 
 
+def test_registry_sets_and_reads_the_launch_counters_on_every_gpu() -> None:
+    """Any number of GPUs (one too): init gives every GPU a workspace whose launch counters all start
+    equal, reset sets every entry (a counter that disagreed between block indices reads -1)."""
+    devs = jax.devices("gpu")
+    assert kernels.init(devs).available, kernels.status()
+    for epoch in (123, 2**32 - 1, 0):
+        kernels.reset(epoch)
+        assert [native.device_calls(r) for r in range(len(devs))] == [epoch] * len(devs)
+
+
 def _put(mesh: Mesh, a: np.ndarray, dtype: str, spec: P) -> jax.Array:
     return jax.device_put(jnp.asarray(a, dtype=dtype), NamedSharding(mesh, spec))
 

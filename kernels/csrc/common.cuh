@@ -204,13 +204,11 @@ __device__ __forceinline__ void store_absent_counters(const Peers& P, uint32_t e
 // the block stores the new count into entry b, which only this block reads, so no block waits
 // for another: the launch's end makes every entry visible to the next launch on this stream.
 // History, on emulated ranks (benchmarks/results/emulated-counters-*-h100.json: strided,
-// vector-end, while-waiting): counting finished blocks with a fence and an atomic on one word
-// closed every launch of more than one block 0.7-1 us later; storing every entry here, one
-// volatile word at a time (1024 / blockDim per thread), made one-block launches up to 0.6 us
-// slower; vector stores here still cost them ~0.1 us. Stored while waiting (this version),
-// multi-block launches close 0.7-1.2 us sooner than with the one counter and one-block launches
-// are 0.0-0.3 us slower (2-8 ranks, 1 KB-1 MB). Emulated ranks wait for local stores; over NVLink
-// the wait these stores sit in is about a microsecond.
+// vector-end, while-waiting; benchmarks/NOTES.md): counting finished blocks with a fence and an
+// atomic on one word closed every launch of more than one block 0.6-1.2 us later; storing every
+// entry here, one volatile word at a time (1024 / blockDim per thread), made one-block launches
+// up to 0.7 us slower; 16-byte vectors up to 0.25 us. Stored while waiting (this version) they
+// cost as much on emulated ranks, which barely wait; over NVLink they sit in a ~1 us wait.
 __device__ __forceinline__ void finish_launch(const Peers& P, uint32_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) P.self->calls[blockIdx.x] = epoch;

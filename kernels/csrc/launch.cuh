@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstring>
 
 #include "common.cuh"
 #include "fused_rmsnorm.cuh"
@@ -72,6 +73,36 @@ inline Workspace make_workspace(int world, int64_t oneshot_bytes, int64_t twosho
   w.total_bytes = w.state_bytes + w.layout.gather_off + ts_area;
   w.oneshot_bytes = os_slot;
   return w;
+}
+
+// The state words of a fresh workspace, or of one reset: every launch counter and barrier flag =
+// epoch, no error (common.cuh, State).
+inline State fresh_state(uint32_t epoch) {
+  State s;
+  std::memset(&s, 0, sizeof(s));
+  for (auto& c : s.calls) c = epoch;
+  for (auto& bar : s.flags)
+    for (auto& blk : bar)
+      for (auto& f : blk) f = epoch;
+  return s;
+}
+
+// Rank r's view of the workspaces: bases[q] is rank q's workspace (a peer pointer where q != r),
+// host_error the device address of the mapped host error words (one per rank).
+inline Peers make_peers(int r, int world, char* const* bases, size_t state_bytes, uint32_t* host_error,
+                        unsigned long long timeout_ns) {
+  Peers P;
+  std::memset(&P, 0, sizeof(P));
+  P.rank = r;
+  P.world = world;
+  for (int q = 0; q < world; ++q) {
+    P.state[q] = reinterpret_cast<State*>(bases[q]);
+    P.data[q] = bases[q] + state_bytes;
+  }
+  P.self = P.state[r];
+  P.host_error = host_error + r;
+  P.timeout_ns = timeout_ns;
+  return P;
 }
 
 // Every one-shot slot of a workspace empty (lamport.cuh: all bits set), on the current device.

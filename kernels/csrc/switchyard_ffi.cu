@@ -537,18 +537,9 @@ int sy_init(int world, const int* ordinals, long long oneshot_bytes, long long t
     SY_CHECK(cudaDeviceSynchronize());
   }
   for (int r = 0; r < world; ++r) {
-    Peers& P = g.peers[r];
-    std::memset(&P, 0, sizeof(P));
-    P.rank = r;
-    P.world = world;
-    for (int q = 0; q < world; ++q) {
-      P.state[q] = reinterpret_cast<State*>(g.base[q]);
-      P.data[q] = g.base[q] + state_bytes;
-    }
-    P.self = P.state[r];
     uint32_t* dev_err = nullptr;
     SY_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_err), host_error, 0));
-    P.host_error = dev_err + r;
+    g.peers[r] = make_peers(r, world, g.base, state_bytes, dev_err, g.timeout_ns.load());
     g.ordinals[r] = ordinals[r];
     g.rank_of[ordinals[r]] = r;
   }
@@ -580,12 +571,7 @@ int sy_reset(unsigned int epoch) {
     SY_CHECK(cudaSetDevice(g.ordinals[r]));
     SY_CHECK(cudaDeviceSynchronize());
   }
-  State s;
-  std::memset(&s, 0, sizeof(s));
-  for (auto& c : s.calls) c = epoch;
-  for (auto& bar : s.flags)
-    for (auto& blk : bar)
-      for (auto& f : blk) f = epoch;
+  const State s = fresh_state(epoch);
   for (int r = 0; r < g.world; ++r) {
     SY_CHECK(cudaSetDevice(g.ordinals[r]));
     SY_CHECK(cudaMemcpy(g.base[r], &s, sizeof(s), cudaMemcpyHostToDevice));
@@ -597,15 +583,18 @@ int sy_reset(unsigned int epoch) {
   return 0;
 }
 
-// Completed launches on GPU `rank` (synchronous read; for tests and diagnostics only).
+// Completed launches on GPU `rank` (synchronous read; for tests and diagnostics only): the count
+// every launch counter holds, or -1 where they differ between block indices (common.cuh, Epochs).
 long long sy_device_calls(int rank) {
   if (!g.ready || rank < 0 || rank >= g.world) return -1;
   if (cudaSetDevice(g.ordinals[rank]) != cudaSuccess) return -1;
   if (cudaDeviceSynchronize() != cudaSuccess) return -1;
-  uint32_t calls = 0;
-  if (cudaMemcpy(&calls, g.base[rank] + offsetof(State, calls), sizeof(calls), cudaMemcpyDeviceToHost) != cudaSuccess)
+  uint32_t calls[kMaxGrid];
+  if (cudaMemcpy(calls, g.base[rank] + offsetof(State, calls), sizeof(calls), cudaMemcpyDeviceToHost) != cudaSuccess)
     return -1;
-  return calls;
+  for (uint32_t c : calls)
+    if (c != calls[0]) return -1;
+  return calls[0];
 }
 
 }  // extern "C"
