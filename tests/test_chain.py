@@ -203,6 +203,15 @@ async def test_install_apply_generate_trace(tmp_path):
                     op = await stack.enter_async_context(process(argv, op_env, op_log))
                     await until_http_ok(f"http://127.0.0.1:{health}{probe['path']}", op, op_log)
 
+                # Peering is eventually consistent: until each replica has seen the other's record,
+                # both act. As a rollout would, wait until both are in the peering object and a
+                # keep-alive round has passed, so that "created exactly once" below is about peering.
+                peering_name = next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--peering="))
+                peering = c.api.plural_of("kopf.dev/v1", "ClusterKopfPeering")
+                await eventually(lambda: len((c.api.stored(peering, None, peering_name) or {}).get("status", {})) >= 2,
+                                 what="both replicas in the peering object")
+                await asyncio.sleep(1.0)
+
                 # 3. The tiny example, then the StatefulSet the operator plans for it.
                 example = yaml.safe_load(EXAMPLE.read_text())
                 name, ns = example["metadata"]["name"], example["metadata"]["namespace"]
