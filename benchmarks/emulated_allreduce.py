@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from emulated_ranks import Emulation, HarnessError, build_harness, load  # noqa: E402
+from emulated_ranks import Emulation, HarnessError, build_harness, load, rel  # noqa: E402
 
 SIZES = [1 << 10, 8 << 10, 16 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20]  # bytes per rank, bf16
 HIDDEN = 4096
@@ -114,12 +114,7 @@ def check(kernel: str, x: np.ndarray, extra: dict, out: np.ndarray, normed: np.n
         refs = [(out, nr.ravel()), (normed, (w * nr / np.sqrt(np.mean(nr**2, -1, keepdims=True) + 1e-5)).ravel())]
     else:
         refs = [(out, total)]
-    err = 0.0
-    for got, ref in refs:
-        for r in range(got.shape[0]):
-            g = np.asarray(got[r], np.float64)
-            err = max(err, float(np.linalg.norm(g - ref) / max(np.linalg.norm(ref), 1e-30)))
-    return err
+    return max(rel(np.asarray(got[r], np.float64), ref) for got, ref in refs for r in range(got.shape[0]))
 
 
 def main() -> int:

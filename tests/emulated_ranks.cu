@@ -52,33 +52,35 @@ int fail(const std::string& msg) {
     if (e_ != cudaSuccess) return fail(std::string(#call) + ": " + cudaGetErrorString(e_));   \
   } while (0)
 
-// One call of `kernel` on rank r's stream; the grid is the handler's (launch.cuh).
+// The handler's grid for `kernel` (launch.cuh).
+template <int W>
+Grid grid_of(int kernel, int64_t n, int64_t hidden) {
+  if (kernel == kOneShot) return oneshot_grid(ceil_div(n, W));
+  if (kernel == kTwoShot) return twoshot_grid(ceil_div(n, W), g.world);
+  return fused_grid(n / hidden, hidden / W);
+}
+
+// One call of `kernel` on rank r's stream, with the grid of grid_of.
 template <typename T, int W>
-cudaError_t launch(int kernel, int r, const void* x, const T* residual, const T* weight, T* out, T* out2,
-                   int64_t n, int64_t hidden, int splits, float eps, Grid* grid_out) {
+cudaError_t launch(int kernel, int r, Grid grid, const void* x, const T* residual, const T* weight, T* out, T* out2,
+                   int64_t n, int64_t hidden, int splits, float eps) {
   const Peers& P = g.peers[r];
   const Layout& L = g.ws.layout;
-  Grid grid{};
   switch (kernel) {
     case kOneShot:
-      grid = oneshot_grid(ceil_div(n, W));
       oneshot_kernel<T, W><<<grid.blocks, grid.threads, 0, g.stream[r]>>>(P, L, static_cast<const T*>(x), out, n);
       break;
     case kTwoShot:
-      grid = twoshot_grid(ceil_div(n, W), P.world);
       twoshot_kernel<T, W><<<grid.blocks, grid.threads, 0, g.stream[r]>>>(P, L, static_cast<const T*>(x), out, n);
       break;
     case kFused:
-      grid = fused_grid(n / hidden, hidden / W);
       fused_rmsnorm_kernel<T, W, false><<<grid.blocks, grid.threads, 0, g.stream[r]>>>(
           P, L, static_cast<const T*>(x), nullptr, 0, residual, weight, out, out2, n / hidden, hidden, eps);
       break;
     default:
-      grid = fused_grid(n / hidden, hidden / W);
       fused_rmsnorm_kernel<T, W, true><<<grid.blocks, grid.threads, 0, g.stream[r]>>>(
           P, L, nullptr, static_cast<const float*>(x), splits, residual, weight, out, out2, n / hidden, hidden, eps);
   }
-  if (grid_out) *grid_out = grid;
   return cudaGetLastError();
 }
 
@@ -107,9 +109,7 @@ int run_typed(int kernel, int64_t n, int64_t hidden, int splits, float eps, int6
   int sms = 0, dev = 0, per_sm = 0;
   EMU_CHECK(cudaGetDevice(&dev));
   EMU_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const Grid grid = kernel == kOneShot   ? oneshot_grid(ceil_div(n, W))
-                    : kernel == kTwoShot ? twoshot_grid(ceil_div(n, W), world)
-                                         : fused_grid(n / hidden, hidden / W);
+  const Grid grid = grid_of<W>(kernel, n, hidden);
   EMU_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_fn<T, W>(kernel), grid.threads, 0));
   if (static_cast<int64_t>(grid.blocks) * world > static_cast<int64_t>(per_sm) * sms)
     return fail("does not fit: " + std::to_string(world) + " ranks x " + std::to_string(grid.blocks) +
@@ -158,9 +158,9 @@ int run_typed(int kernel, int64_t n, int64_t hidden, int splits, float eps, int6
       for (int64_t c = 0; c < calls; ++c) {
         for (int r = 0; r < world; ++r) {
           if (r == absent) continue;
-          EMU_CHECK((launch<T, W>(kernel, r, xs[r], reinterpret_cast<const T*>(res), reinterpret_cast<const T*>(wt),
-                                  reinterpret_cast<T*>(outs[r]), reinterpret_cast<T*>(outs2[r]), n, hidden, splits,
-                                  eps, nullptr)));
+          EMU_CHECK((launch<T, W>(kernel, r, grid, xs[r], reinterpret_cast<const T*>(res),
+                                  reinterpret_cast<const T*>(wt), reinterpret_cast<T*>(outs[r]),
+                                  reinterpret_cast<T*>(outs2[r]), n, hidden, splits, eps)));
         }
       }
       return 0;
@@ -279,11 +279,9 @@ int emu_reset(unsigned int epoch) {
   EMU_CHECK(cudaDeviceSynchronize());
   const State s = fresh_state(epoch);
   for (int r = 0; r < g.world; ++r) {
-    EMU_CHECK(cudaMemcpy(g.base[r], &s, sizeof(s), cudaMemcpyHostToDevice));
-    EMU_CHECK(empty_oneshot_slots(g.base[r], g.ws.state_bytes, g.ws.layout));
+    EMU_CHECK(reset_workspace(g.base[r], s, g.ws.state_bytes, g.ws.layout));
     g.host_error[r] = 0;
   }
-  EMU_CHECK(cudaDeviceSynchronize());
   return 0;
 }
 
@@ -294,16 +292,10 @@ int emu_error() {
   return static_cast<int>(e);
 }
 
-// Rank r's launch counters: every entry must hold the same count (common.cuh, Epochs). Returns
-// that count, or -1 where entries differ or the read fails.
+// Rank r's completed launches, or -1 where its launch counters disagree (launch_count).
 long long emu_calls(int rank) {
-  if (rank < 0 || rank >= g.world || cudaDeviceSynchronize() != cudaSuccess) return -1;
-  static uint32_t calls[kMaxGrid];
-  if (cudaMemcpy(calls, g.base[rank] + offsetof(State, calls), sizeof(calls), cudaMemcpyDeviceToHost) != cudaSuccess)
-    return -1;
-  for (uint32_t c : calls)
-    if (c != calls[0]) return -1;
-  return calls[0];
+  if (rank < 0 || rank >= g.world) return -1;
+  return launch_count(g.base[rank]);
 }
 
 // `calls` back-to-back calls of `kernel` (0 one-shot, 1 two-shot, 2 fused, 3 fused taking float32

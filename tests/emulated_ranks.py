@@ -21,6 +21,17 @@ DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "floa
 EPS = 1e-5
 
 
+def rel(got: np.ndarray, ref: np.ndarray) -> float:
+    """||got - ref|| / ||ref||."""
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def same_bits(per_rank: np.ndarray) -> bool:
+    """Whether every rank's result [rank, ...] has the bits of rank 0's."""
+    raw = per_rank.view(np.uint8).reshape(per_rank.shape[0], -1)
+    return all(np.array_equal(raw[0], raw[r]) for r in range(1, per_rank.shape[0]))
+
+
 class HarnessError(RuntimeError):
     """The harness refused a call or a CUDA call failed; the message says which."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from emulated_ranks import DTYPES, EPS, Emulation, build_harness, load
+from emulated_ranks import DTYPES, EPS, Emulation, build_harness, load, rel, same_bits
 from switchyard.kernels import build
 
 # Relative error against float64, as tests/test_kernels_gpu.py: the final rounding of each result.
@@ -24,15 +24,6 @@ needs_nvcc = pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not on P
 
 def f64(a: np.ndarray) -> np.ndarray:
     return np.asarray(a, np.float64)
-
-
-def rel(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def same_bits(per_rank: np.ndarray) -> bool:
-    raw = per_rank.view(np.uint8).reshape(per_rank.shape[0], -1)
-    return all(np.array_equal(raw[0], raw[r]) for r in range(1, per_rank.shape[0]))
 
 
 def rounded(a: np.ndarray, dtype: str) -> np.ndarray:

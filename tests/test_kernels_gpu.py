@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from emulated_ranks import rel, same_bits
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from switchyard import kernels
@@ -57,15 +58,6 @@ def _f64(a: jax.Array) -> np.ndarray:
     return np.asarray(a.astype(jnp.float32)).astype(np.float64)
 
 
-def _rel(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def _same_bits(per_rank: np.ndarray) -> bool:
-    raw = per_rank.view(np.uint8).reshape(per_rank.shape[0], -1)
-    return all(np.array_equal(raw[0], raw[r]) for r in range(1, per_rank.shape[0]))
-
-
 @functools.cache
 def _allreduce_fn(mesh: Mesh, strategy: str):
     """Per-rank outputs [world, n]; the second argument is a NaN-filled buffer donated for the
@@ -101,8 +93,8 @@ def test_all_reduce_matches_float64(mesh: Mesh, strategy: str, dtype: str) -> No
         assert not np.isnan(got.astype(np.float32)).any(), f"unwritten or stale elements, n={n}"
         ref = _f64(x).sum(axis=0)
         for r in range(world):
-            assert _rel(_f64(out)[r], ref) < TOL[dtype], (n, r)
-        assert _same_bits(got), f"ranks differ, n={n}"
+            assert rel(_f64(out)[r], ref) < TOL[dtype], (n, r)
+        assert same_bits(got), f"ranks differ, n={n}"
     kernels.check_errors()
 
 
@@ -131,9 +123,9 @@ def test_fused_matches_float64(mesh: Mesh, dtype: str, rows: int, hidden: int) -
     ref_nr = _f64(res) + s
     ref_normed = _f64(w) * ref_nr / np.sqrt(np.mean(ref_nr**2, axis=-1, keepdims=True) + eps)
     for r in range(world):
-        assert _rel(_f64(nr)[r], ref_nr) < TOL[dtype]
-        assert _rel(_f64(normed)[r], ref_normed) < 3 * TOL[dtype]
-    assert _same_bits(np.asarray(nr)) and _same_bits(np.asarray(normed))
+        assert rel(_f64(nr)[r], ref_nr) < TOL[dtype]
+        assert rel(_f64(normed)[r], ref_normed) < 3 * TOL[dtype]
+    assert same_bits(np.asarray(nr)) and same_bits(np.asarray(normed))
     kernels.check_errors()
 
 
@@ -163,9 +155,9 @@ def test_fused_with_partial_products_matches_float64(mesh: Mesh, dtype: str, spl
     ref_normed = _f64(w) * ref_nr / np.sqrt(np.mean(ref_nr**2, axis=-1, keepdims=True) + eps)
     assert not np.isnan(_f64(nr)).any() and not np.isnan(_f64(normed)).any()
     for r in range(world):
-        assert _rel(_f64(nr)[r], ref_nr) < 2 * TOL[dtype]
-        assert _rel(_f64(normed)[r], ref_normed) < 4 * TOL[dtype]
-    assert _same_bits(np.asarray(nr)) and _same_bits(np.asarray(normed))
+        assert rel(_f64(nr)[r], ref_nr) < 2 * TOL[dtype]
+        assert rel(_f64(normed)[r], ref_normed) < 4 * TOL[dtype]
+    assert same_bits(np.asarray(nr)) and same_bits(np.asarray(normed))
     kernels.check_errors()
 
 
@@ -259,8 +251,8 @@ def test_decode_like_step_with_command_buffers(mesh: Mesh) -> None:
     for i in range(steps):
         r1, n1 = custom(n1, r1, w1, w2, g)
         r2, n2 = ref(n2, r2, w1, w2, g)
-        assert _rel(_f64(r1), _f64(r2)) < 2e-2, i
-        assert _rel(_f64(n1), _f64(n2)) < 2e-2, i
+        assert rel(_f64(r1), _f64(r2)) < 2e-2, i
+        assert rel(_f64(n1), _f64(n2)) < 2e-2, i
     kernels.check_errors()
     handler_calls = native.host_calls() - calls_before
     print(f"handler invocations for {steps} steps x {world} GPUs x 2 custom calls: {handler_calls}")

@@ -110,4 +110,26 @@ inline cudaError_t empty_oneshot_slots(char* base, size_t state_bytes, const Lay
   return cudaMemset(base + state_bytes + L.oneshot_off, kEmptyByte, L.scatter_off - L.oneshot_off);
 }
 
+// A workspace as after init, with every counter and flag = `state`'s (fresh_state): a call cut
+// short (timeout) can leave packs in one-shot slots, so they are emptied again. Current device;
+// nothing may be in flight on it.
+inline cudaError_t reset_workspace(char* base, const State& state, size_t state_bytes, const Layout& L) {
+  cudaError_t e = cudaMemcpy(base, &state, sizeof(state), cudaMemcpyHostToDevice);
+  if (e == cudaSuccess) e = empty_oneshot_slots(base, state_bytes, L);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  return e;
+}
+
+// The launches a workspace has completed (synchronous; current device): the count every launch
+// counter holds, or -1 where they differ between block indices (common.cuh, Epochs) or the read fails.
+inline long long launch_count(const char* base) {
+  uint32_t calls[kMaxGrid];
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpy(calls, base + offsetof(State, calls), sizeof(calls), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return -1;
+  for (uint32_t c : calls)
+    if (c != calls[0]) return -1;
+  return calls[0];
+}
+
 }  // namespace switchyard

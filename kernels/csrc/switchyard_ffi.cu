@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -574,27 +573,17 @@ int sy_reset(unsigned int epoch) {
   const State s = fresh_state(epoch);
   for (int r = 0; r < g.world; ++r) {
     SY_CHECK(cudaSetDevice(g.ordinals[r]));
-    SY_CHECK(cudaMemcpy(g.base[r], &s, sizeof(s), cudaMemcpyHostToDevice));
-    // A call cut short (timeout) can leave packs in one-shot slots: empty them all again.
-    SY_CHECK(empty_oneshot_slots(g.base[r], g.state_bytes, g.layout));
-    SY_CHECK(cudaDeviceSynchronize());
+    SY_CHECK(reset_workspace(g.base[r], s, g.state_bytes, g.layout));
     reinterpret_cast<volatile uint32_t*>(g.host_error)[r] = 0;
   }
   return 0;
 }
 
-// Completed launches on GPU `rank` (synchronous read; for tests and diagnostics only): the count
-// every launch counter holds, or -1 where they differ between block indices (common.cuh, Epochs).
+// Completed launches on GPU `rank` (launch_count; for tests and diagnostics only).
 long long sy_device_calls(int rank) {
   if (!g.ready || rank < 0 || rank >= g.world) return -1;
   if (cudaSetDevice(g.ordinals[rank]) != cudaSuccess) return -1;
-  if (cudaDeviceSynchronize() != cudaSuccess) return -1;
-  uint32_t calls[kMaxGrid];
-  if (cudaMemcpy(calls, g.base[rank] + offsetof(State, calls), sizeof(calls), cudaMemcpyDeviceToHost) != cudaSuccess)
-    return -1;
-  for (uint32_t c : calls)
-    if (c != calls[0]) return -1;
-  return calls[0];
+  return launch_count(g.base[rank]);
 }
 
 }  // extern "C"
