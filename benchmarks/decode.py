@@ -33,8 +33,8 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import jax
 import jax.numpy as jnp
-from switchyard.service.engine import Engine, make_mesh
-from switchyard.service.model import K_SPLITS
+from switchyard.service.engine.model import K_SPLITS
+from switchyard.service.engine.tensor_parallel import Engine, make_mesh
 from switchyard.service.modelspec import ServingLayout, preset
 
 
@@ -153,7 +153,7 @@ def without_communication(enabled: bool):
         yield
         return
     from switchyard.kernels import rmsnorm
-    from switchyard.service import model
+    from switchyard.service.engine import model
 
     def all_reduce(x, axis, strategy="xla"):
         return x

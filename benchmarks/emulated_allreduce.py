@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""All-reduce kernels with 2, 4 and 8 ranks emulated on ONE GPU (tests/emulated_ranks.cu).
+"""All-reduce kernels with 2, 4 and 8 ranks emulated on ONE GPU (tests/helpers/emulated_ranks.cu).
 
 What it is for: a GPU run of the kernels' exchange protocol, and of changes to it, where no
 machine with several GPUs is lent. Every rank is a stream of its own with its own workspace; a
@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from emulated_ranks import Emulation, HarnessError, build_harness, load, rel  # noqa: E402
+from helpers.emulated_ranks import Emulation, HarnessError, build_harness, load, rel  # noqa: E402
 
 SIZES = [1 << 10, 8 << 10, 16 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20]  # bytes per rank, bf16
 HIDDEN = 4096

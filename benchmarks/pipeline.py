@@ -68,9 +68,9 @@ def check_spec() -> Any:
 
 def serve_requests(engine: Any, checkpoint: str) -> dict[str, list[int]]:
     """Run CHECK_REQUESTS through the scheduler on ``engine``; each request's tokens."""
-    from switchyard.service.sampling import SamplingParams
-    from switchyard.service.scheduler import GenerationRequest, Scheduler
-    from switchyard.service.tokenizer import Tokenizer
+    from switchyard.service.engine.sampling import SamplingParams
+    from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
+    from switchyard.service.engine.tokenizer import Tokenizer
 
     sched = Scheduler(engine, Tokenizer.from_dir(checkpoint), max_queue=64)
     tokens: dict[str, list[int]] = {}
@@ -88,7 +88,7 @@ def serve_requests(engine: Any, checkpoint: str) -> dict[str, list[int]]:
 
 
 def role_check_reference(args: argparse.Namespace) -> None:
-    from switchyard.service.engine import Engine
+    from switchyard.service.engine.tensor_parallel import Engine
     from switchyard.service.modelspec import ServingLayout
 
     engine = Engine.from_checkpoint(args.checkpoint, ServingLayout(tp=1, batch_slots=4, max_seq_len=128),
@@ -103,8 +103,8 @@ def group_layout(args: argparse.Namespace, **kw: Any) -> Any:
 
 
 def role_check_stage(args: argparse.Namespace) -> None:
-    from switchyard.service.pipeline import PipelineEngine
-    from switchyard.service.pipeline_group import CommandChannel, LeaderEngine, follow, join
+    from switchyard.service.engine.pipeline import PipelineEngine
+    from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine, follow, join
 
     layout = group_layout(args, batch_slots=4, max_seq_len=128)
     join(layout)
@@ -149,9 +149,9 @@ def speed_row(layout: str, streams: int, slots: int, times: list[float], emitted
 
 
 def role_speed_stage(args: argparse.Namespace) -> None:
+    from switchyard.service.engine.pipeline import PipelineEngine
+    from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine, follow, join
     from switchyard.service.modelspec import preset
-    from switchyard.service.pipeline import PipelineEngine
-    from switchyard.service.pipeline_group import CommandChannel, LeaderEngine, follow, join
 
     spec = preset(args.model)
     group = group_layout(args, batch_slots=PP, max_seq_len=args.context + 2)
@@ -181,7 +181,7 @@ def role_speed_stage(args: argparse.Namespace) -> None:
 
 def role_speed_tp(args: argparse.Namespace) -> None:
     import jax
-    from switchyard.service.engine import Engine
+    from switchyard.service.engine.tensor_parallel import Engine
     from switchyard.service.modelspec import ServingLayout, preset
 
     spec = preset(args.model)
@@ -252,7 +252,7 @@ def run_group(args: argparse.Namespace, role: str, result: Path, extra_env: dict
 
 
 def drive(args: argparse.Namespace) -> int:
-    from switchyard.service.checkpoint import write_checkpoint
+    from switchyard.service.engine.checkpoint import write_checkpoint
 
     started = datetime.datetime.now(datetime.UTC)
     result: dict[str, Any] = {
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.role.endswith("stage"):  # a group member: no shutdown barrier with a broken group
                 import traceback
 
-                from switchyard.service.pipeline_group import exit_now
+                from switchyard.service.engine.pipeline_group import exit_now
 
                 traceback.print_exc()
                 exit_now(1)

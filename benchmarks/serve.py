@@ -96,8 +96,8 @@ def summarize(start: float, streams: list[list[float]]) -> dict[str, float]:
 
 def make_recorder(tracing_on: bool, folder: Path) -> Any:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-    from switchyard.service.otlp_json import OtlpJsonFileSpanExporter
-    from switchyard.service.tracing import RequestRecorder, Telemetry
+    from switchyard.service.telemetry.otlp_json import OtlpJsonFileSpanExporter
+    from switchyard.service.telemetry.tracing import RequestRecorder, Telemetry
 
     if not tracing_on:
         return RequestRecorder(None)
@@ -106,8 +106,8 @@ def make_recorder(tracing_on: bool, folder: Path) -> Any:
 
 
 def run_in_process(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, recorder: Any) -> dict:
-    from switchyard.service.sampling import SamplingParams
-    from switchyard.service.scheduler import GenerationRequest, Scheduler
+    from switchyard.service.engine.sampling import SamplingParams
+    from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
 
     scheduler = Scheduler(engine, tokenizer, max_queue=len(prompts) + 8, on_finish=recorder.on_finish)
     stop = threading.Event()
@@ -139,9 +139,9 @@ def run_in_process(engine: Any, tokenizer: Any, prompts: list[list[int]], max_to
 
 def run_grpc(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, recorder: Any,
              clients: concurrent.futures.Executor) -> dict:
-    from switchyard.service.scheduler import Scheduler
-    from switchyard.service.server import DecodeApp, ServerThread
-    from switchyard.service.wire import Limits
+    from switchyard.service.api.server import DecodeApp, ServerThread
+    from switchyard.service.api.wire import Limits
+    from switchyard.service.engine.scheduler import Scheduler
 
     scheduler = Scheduler(engine, tokenizer, max_queue=len(prompts) + 8, on_finish=recorder.on_finish)
     app = DecodeApp(model_name="bench", limits=Limits(default_max_tokens=max_tokens), recorder=recorder)
@@ -157,9 +157,9 @@ def run_grpc(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: 
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
-    from switchyard.service.engine import Engine
+    from switchyard.service.engine.tensor_parallel import Engine
+    from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
     from switchyard.service.modelspec import ServingLayout, preset
-    from switchyard.service.tokenizer import Tokenizer, build_tokenizer
 
     layout = ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
                            max_seq_len=args.max_seq_len)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="sys.setswitchinterval, as switchyard serve --switch-interval (default: CPython's)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/serve-<device>.json")
     args = parser.parse_args(argv)
-    from switchyard.service.server import tune_interpreter
+    from switchyard.service.api.server import tune_interpreter
 
     tune_interpreter(args.switch_interval)
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -13,14 +13,14 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("switchyard.service.demo", "generate text with the embedded tiny model, printing per-token timings"),
-    "make-checkpoint": ("switchyard.service.make_checkpoint",
+    "demo": ("switchyard.cli.demo", "generate text with the embedded tiny model, printing per-token timings"),
+    "make-checkpoint": ("switchyard.cli.make_checkpoint",
                         "write a random-weight Hugging Face checkpoint (with a tokenizer)"),
-    "serve": ("switchyard.service.serve_cli", "run the gRPC decode service"),
-    "generate": ("switchyard.service.client_cli", "stream a generation from a running service"),
-    "trace": ("switchyard.service.trace_cli", "inspect per-token traces"),
-    "plan": ("switchyard.operator.plan_cli", "choose a parallel layout for a model on a set of nodes"),
-    "operator": ("switchyard.operator.main", "run the Kubernetes operator"),
+    "serve": ("switchyard.cli.serve", "run the gRPC decode service"),
+    "generate": ("switchyard.cli.generate", "stream a generation from a running service"),
+    "trace": ("switchyard.cli.trace", "inspect per-token traces"),
+    "plan": ("switchyard.cli.plan", "choose a parallel layout for a model on a set of nodes"),
+    "operator": ("switchyard.cli.operator", "run the Kubernetes operator"),
 }
 
 

@@ -8,7 +8,7 @@
 
 Both are for linux x86_64, CPython 3.12 (the images' Python). Resolution is pip's own (``pip install
 --dry-run --report``) against the configured index; run ``python scripts/lock_images.py`` after
-changing dependencies. tests/test_images.py checks the locks against pyproject.toml offline.
+changing dependencies. tests/deploy/test_images.py checks the locks against pyproject.toml offline.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 * ``manifests/install.yaml``: the chart rendered by a real Helm (``scripts/get-helm.sh``) for users
   without Helm, with the namespace it installs into.
 
-``python scripts/sync_chart.py`` rewrites them; tests/test_chart.py fails when any of them drifts.
+``python scripts/sync_chart.py`` rewrites them; tests/deploy/test_chart.py fails when any of them drifts.
 """
 
 from __future__ import annotations

@@ -37,6 +37,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
     """A random-weight tiny Llama checkpoint written by ``switchyard make-checkpoint``'s code path."""
-    from engine_fixtures import tiny_checkpoint
+    from helpers.engine_fixtures import tiny_checkpoint
 
     return tiny_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))

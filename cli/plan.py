@@ -1,0 +1,83 @@
+"""``switchyard plan``: the planner's decision and reasons for a model on a set of nodes, offline.
+
+    switchyard plan --model config.json --nodes nodes.yaml --objective latency
+
+``--model`` takes a Hugging Face config.json (or its folder) or a preset name; ``--nodes`` a YAML or
+JSON file with Node objects (a ``kubectl get nodes -o yaml`` List, a list, or several documents).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="config.json, a checkpoint folder, or a preset name")
+    parser.add_argument("--nodes", required=True, type=Path, help="Node objects (YAML or JSON)")
+    parser.add_argument("--pods", type=Path, help="Pod objects already using GPUs (optional)")
+    parser.add_argument("--objective", choices=("latency", "throughput", "balanced"), default="balanced")
+    parser.add_argument("--input-tokens", type=int, default=1024)
+    parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tpot-ms", type=float, help="SLO: max time per output token")
+    parser.add_argument("--max-ttft-ms", type=float, help="SLO: max time to first token")
+    parser.add_argument("--target-tokens-per-s", type=float)
+    parser.add_argument("--replicas", type=int, help="pin data-parallel replicas")
+    parser.add_argument("--tp", type=int, choices=(1, 2, 4, 8))
+    parser.add_argument("--pp", type=int)
+    parser.add_argument("--strategy", choices=("auto", "xla", "oneshot", "twoshot"), default="auto")
+    parser.add_argument("--calibration", type=Path, help="calibration JSON (default: the packaged one)")
+    parser.add_argument("--json", action="store_true", help="print the status the operator would write")
+
+
+def load_objects(path: Path) -> list[dict[str, Any]]:
+    import yaml
+
+    out: list[dict[str, Any]] = []
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc is None:
+            continue
+        if isinstance(doc, list):
+            out += doc
+        elif isinstance(doc, dict) and "items" in doc:
+            out += doc["items"]
+        else:
+            out.append(doc)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from switchyard.operator import calibration, inventory, planner, render
+    from switchyard.service.modelspec import PRESETS, ModelSpec, ModelSpecError
+
+    try:
+        model = PRESETS[args.model] if args.model in PRESETS else ModelSpec.from_file(args.model)
+    except ModelSpecError as err:
+        print(f"switchyard plan: {err}", file=sys.stderr)
+        return 2
+    nodes = load_objects(args.nodes)
+    pods = load_objects(args.pods) if args.pods else []
+    request = planner.Request(
+        objective=args.objective, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+        concurrency=args.concurrency, max_tpot_ms=args.max_tpot_ms, max_ttft_ms=args.max_ttft_ms,
+        target_tokens_per_s=args.target_tokens_per_s, replicas=args.replicas, tp=args.tp, pp=args.pp,
+        strategy=args.strategy)
+    result = planner.plan(model, inventory.build(nodes, pods), request, calibration.load(args.calibration))
+    if args.json:
+        owner = render.Owner(name=model.name.replace("/", "-").lower(), namespace="default", uid="")
+        print(json.dumps(render.plan_status(result, owner), indent=2))
+    else:
+        print(f"{result.status}: {result.message}")
+        for reason in result.reasons:
+            print(f"  - {reason}")
+        if result.alternatives:
+            print("alternatives:")
+            for alt in result.alternatives:
+                figures = f" ({alt.ms_per_token:.2f} ms/token, {alt.tokens_per_s:.0f} tokens/s)" \
+                    if alt.ms_per_token is not None and alt.tokens_per_s is not None else ""
+                print(f"  - {alt.layout}{figures}: {alt.rejected}")
+    return 0 if result.layout is not None else 1

@@ -1,0 +1,290 @@
+"""``switchyard serve``: run the gRPC decode service for one model.
+
+Configuration comes from flags, each with an environment variable (``SWITCHYARD_<FLAG>``); a layout
+file (``--layout``, written by the operator) overrides the layout fields it sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+LAYOUT_FLAGS = {  # ServingLayout field -> flag dest
+    "tp": "tp",
+    "strategy": "strategy",
+    "batch_slots": "batch_slots",
+    "max_seq_len": "max_seq_len",
+    "model_name": "model_name",
+    "model_path": "model_path",
+}
+
+
+def _env(name: str, default: Any, kind: type = str) -> Any:
+    raw = os.environ.get(f"SWITCHYARD_{name}")
+    return default if raw is None or raw == "" else kind(raw)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--layout",
+        default=_env("LAYOUT", None),
+        help="layout JSON file (the operator's); its fields override the flags [SWITCHYARD_LAYOUT]",
+    )
+    parser.add_argument(
+        "--model-path",
+        default=_env("MODEL_PATH", None),
+        help="checkpoint folder: config.json, *.safetensors, tokenizer.json [SWITCHYARD_MODEL_PATH]",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="serve a random-weight tiny model made on the spot (demo and tests)",
+    )
+    parser.add_argument(
+        "--model-name",
+        default=_env("MODEL_NAME", ""),
+        help="name clients use (default: the checkpoint folder's name) [SWITCHYARD_MODEL_NAME]",
+    )
+    parser.add_argument("--host", default=_env("HOST", "[::]"), help="listen address [SWITCHYARD_HOST]")
+    parser.add_argument(
+        "--port", type=int, default=_env("PORT", 8001, int), help="gRPC port [SWITCHYARD_PORT]"
+    )
+    parser.add_argument(
+        "--tp", type=int, default=_env("TP", 1, int), help="tensor-parallel size [SWITCHYARD_TP]"
+    )
+    parser.add_argument(
+        "--strategy",
+        default=_env("STRATEGY", "auto"),
+        help="all-reduce strategy: auto, xla, oneshot, twoshot [SWITCHYARD_STRATEGY]",
+    )
+    parser.add_argument(
+        "--batch-slots",
+        type=int,
+        default=_env("BATCH_SLOTS", 8, int),
+        help="requests decoded together [SWITCHYARD_BATCH_SLOTS]",
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=_env("MAX_SEQ_LEN", 2048, int),
+        help="prompt + output tokens per request (KV budget) [SWITCHYARD_MAX_SEQ_LEN]",
+    )
+    parser.add_argument(
+        "--dtype", default=_env("DTYPE", None), help="weights dtype (default: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=_env("MAX_QUEUE", 64, int),
+        help="requests waiting for a slot before RESOURCE_EXHAUSTED [SWITCHYARD_MAX_QUEUE]",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=_env("DEFAULT_MAX_TOKENS", 256, int),
+        help="max_tokens of a request that sets none [SWITCHYARD_DEFAULT_MAX_TOKENS]",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=_env("MAX_REQUEST_BYTES", 1 << 20, int),
+        help="larger requests get INVALID_ARGUMENT [SWITCHYARD_MAX_REQUEST_BYTES]",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=_env("GRACE_PERIOD", 30.0, float),
+        help="seconds in-flight requests get to finish after SIGTERM [SWITCHYARD_GRACE_PERIOD]",
+    )
+    parser.add_argument(
+        "--trace-file",
+        default=_env("TRACE_FILE", None),
+        help="also write request spans as OTLP-JSON lines here [SWITCHYARD_TRACE_FILE]",
+    )
+    parser.add_argument(
+        "--keep-traces",
+        type=int,
+        default=_env("KEEP_TRACES", 256, int),
+        help="finished requests kept for GetTraces / switchyard trace --target",
+    )
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="compile steps on first use instead of at start"
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=_env("SWITCH_INTERVAL", None, float),
+        help="CPython GIL switch interval in seconds (default: CPython's, 0.005); benchmarks/serve.py "
+        "measures the effect [SWITCHYARD_SWITCH_INTERVAL]",
+    )
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+
+
+def resolve_layout(args: argparse.Namespace) -> Any:
+    """The ServingLayout from flags, with the layout file's fields on top."""
+    from switchyard.service.modelspec import ServingLayout
+
+    layout = ServingLayout(
+        tp=args.tp,
+        strategy=args.strategy,
+        batch_slots=args.batch_slots,
+        max_seq_len=args.max_seq_len,
+        model_name=args.model_name or "",
+        model_path=args.model_path or "",
+    )
+    if args.layout:
+        text = Path(args.layout).read_text()
+        from_file = ServingLayout.from_json(text)  # validates, rejects unknown fields
+        given = json.loads(text)
+        layout = dataclasses.replace(layout, **{k: getattr(from_file, k) for k in given})
+    if layout.pp > 1:
+        # One layout file serves a whole pipeline group; each pod learns its stage from its environment
+        # (the operator maps the StatefulSet pod index into it).
+        variable = str(layout.extra.get("pipeline_stage_env") or "SWITCHYARD_PIPELINE_STAGE")
+        if variable in os.environ:
+            layout = dataclasses.replace(layout, pipeline_stage=int(os.environ[variable]))
+    return layout
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import tempfile
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log = logging.getLogger("switchyard.serve")
+    layout = resolve_layout(args)
+    model_path = layout.model_path
+    scratch = None
+    if args.tiny and not model_path:
+        from switchyard.service.engine.checkpoint import write_checkpoint
+        from switchyard.service.modelspec import preset
+
+        scratch = tempfile.TemporaryDirectory(prefix="switchyard-tiny-")
+        model_path = str(write_checkpoint(preset("tiny"), scratch.name, progress=False))
+    if not model_path:
+        log.error(
+            "no model: give --model-path (or SWITCHYARD_MODEL_PATH, or model_path in the layout) or --tiny"
+        )
+        return 2
+    model_name = layout.model_name or Path(model_path).resolve().name
+    if args.tiny and not layout.model_name:
+        model_name = "tiny"
+    if layout.pp > 1 and layout.pipeline_stage > 0:
+        return run_pipeline_follower(layout, model_path, args, log)
+
+    from switchyard.service.api.server import DecodeApp, ServeOptions, serve, tune_interpreter
+    from switchyard.service.api.wire import Limits
+    from switchyard.service.telemetry.tracing import RequestRecorder, Telemetry
+
+    recorder = RequestRecorder(Telemetry.from_env(args.trace_file), keep=args.keep_traces)
+    app = DecodeApp(
+        model_name=model_name,
+        limits=Limits(default_max_tokens=args.default_max_tokens, max_request_bytes=args.max_request_bytes),
+        recorder=recorder,
+        info={
+            "tensor_parallel": layout.tp,
+            "allreduce_strategy": layout.strategy,
+            "max_queue": args.max_queue,
+        },
+    )
+
+    def load() -> tuple[Any, Any]:
+        from switchyard.service.engine.scheduler import Scheduler
+        from switchyard.service.engine.tensor_parallel import Engine
+        from switchyard.service.engine.tokenizer import Tokenizer
+
+        log.info(
+            "loading %s from %s (tp=%d, strategy=%s, %d slots, context %d)",
+            model_name,
+            model_path,
+            layout.tp,
+            layout.strategy,
+            layout.batch_slots,
+            layout.max_seq_len,
+        )
+        if layout.pp > 1:
+            from switchyard.service.engine.pipeline import PipelineEngine
+            from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine
+
+            pipeline = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+            engine = leader.engine = LeaderEngine(pipeline, CommandChannel.open(layout))
+            if not args.no_warmup:
+                log.info("warm-up: compiled every program on every stage in %.1f s", engine.warmup())
+        else:
+            engine = Engine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+            if not args.no_warmup:
+                log.info("warm-up: compiled every step in %.1f s", engine.warmup())
+        tokenizer = Tokenizer.from_dir(model_path)
+        scheduler = Scheduler(
+            engine, tokenizer, max_queue=args.max_queue, on_finish=recorder.on_finish, model_name=model_name
+        )
+        return scheduler, tokenizer
+
+    leader = types.SimpleNamespace(engine=None)
+    if layout.pp > 1:
+        from switchyard.service.engine.pipeline_group import join
+
+        # Join before serving: the distributed runtime installs its own SIGTERM handler, which the
+        # server's (drain, then release the other stages) must replace.
+        log.info("joining pipeline group of %d stages at %s as stage 0", layout.pp, layout.coordinator)
+        join(layout)
+    tune_interpreter(args.switch_interval)
+    try:
+        code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))
+        if leader.engine is not None:
+            if leader.engine.broken is not None:
+                from switchyard.service.engine.pipeline_group import exit_now
+
+                log.error("the pipeline group is broken (%s): exiting so that it restarts as a unit",
+                          leader.engine.broken)
+                exit_now(code or 1)
+            if code == 0:
+                leader.engine.stop()  # release the other stages of the group
+        return code
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace, log: logging.Logger) -> int:
+    """A later pipeline stage: no Decode API, only gRPC health (SERVING while it follows stage 0)."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from switchyard.service.engine.pipeline import PipelineEngine
+    from switchyard.service.engine.pipeline_group import CommandChannel, exit_now, follow, join
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if server.add_insecure_port(f"{args.host}:{args.port}") == 0:
+        log.error("could not listen on %s:%s", args.host, args.port)
+        return 1
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        log.info("joining pipeline group of %d stages at %s as stage %d", layout.pp, layout.coordinator,
+                 layout.pipeline_stage)
+        join(layout)
+        engine = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+        channel = CommandChannel.open(layout)
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("stage %d ready: following stage 0", layout.pipeline_stage)
+        follow(engine, channel)
+        log.info("stage 0 released the group")
+        return 0
+    except Exception:
+        log.exception("pipeline stage %d failed: stopping so that the group restarts", layout.pipeline_stage)
+        exit_now(1)
+    finally:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.stop(0)

@@ -1,0 +1,57 @@
+"""``switchyard trace``: per-token traces from an OTLP-JSON file or a running service.
+
+Prints a per-token table (one request) or a per-request table, TTFT and inter-token p50/p90/p99,
+the slowest tokens with the engine step that made them, and writes a PNG timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", nargs="?", help="OTLP-JSON lines file (switchyard serve --trace-file)")
+    parser.add_argument("--target", help="host:port of a running service (its recent requests)")
+    parser.add_argument("--request", default="", help="only this request id")
+    parser.add_argument("--limit", type=int, default=0, help="only the last N requests (0 = all)")
+    parser.add_argument("--png", default="switchyard-trace.png", help="timeline image path ('' = none)")
+    parser.add_argument("--rows", type=int, default=40, help="per-token rows to print (0 = all)")
+    parser.add_argument("--top", type=int, default=5, help="slowest tokens to list")
+
+
+def run(args: argparse.Namespace) -> int:
+    from switchyard.service.telemetry import traces as T
+
+    if bool(args.file) == bool(args.target):
+        print("error: give a trace FILE or --target host:port (one of them)", file=sys.stderr)
+        return 2
+    if args.file:
+        try:
+            found = T.read_trace_file(args.file)
+        except (OSError, ValueError) as err:
+            print(f"error: cannot read {args.file}: {err}", file=sys.stderr)
+            return 1
+        if args.request:
+            found = [t for t in found if t.request_id == args.request]
+    else:
+        import grpc
+        from switchyard.service.api.client import DecodeClient
+
+        with DecodeClient(args.target) as client:
+            try:
+                found = client.traces(args.request)
+            except grpc.RpcError as err:
+                print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+                return 1
+    if args.limit:
+        found = found[-args.limit :]
+    if not found:
+        what = f"request {args.request!r}" if args.request else "request traces"
+        print(f"no {what} found", file=sys.stderr)
+        return 1
+    print(T.format_report(found, table_rows=args.rows, top=args.top))
+    if args.png:
+        path = T.plot_timeline(found, args.png)
+        print(f"timeline: {path}")
+    return 0

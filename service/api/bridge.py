@@ -1,0 +1,145 @@
+"""Bridge between asyncio RPC handlers and the scheduler's thread.
+
+The scheduler runs its continuous-batching loop on one dedicated thread and calls each request's
+``on_event`` there. :meth:`EngineBridge.stream` turns those callbacks into an async iterator with
+``loop.call_soon_threadsafe``; leaving the iterator early (client cancel, gRPC deadline, server
+shutdown) cancels the request in the scheduler, which frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from switchyard.service.api.wire import AlreadyExists, RequestSpec, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class _EventPump:
+    """Hands TokenEvents from the scheduler thread to the event loop with one wake-up per burst.
+
+    A step emits one event per active request; waking the loop once per event (``call_soon_threadsafe``
+    writes to the loop's self-pipe each time) would cost a system call and a GIL hand-over per token.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[Any], Any]] = []
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue[Any], event: Any) -> None:  # scheduler thread
+        with self._lock:
+            self._pending.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        # RuntimeError: the event loop has closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # event loop
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
+class EngineBridge:
+    def __init__(self, scheduler: Any, *, on_failure: Callable[[], None] | None = None) -> None:
+        self.scheduler = scheduler
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # request id -> where its events go; also what to fail if the scheduler loop dies.
+        self._in_flight: dict[str, tuple[_EventPump, asyncio.Queue[Any]]] = {}
+        self._pumps: dict[asyncio.AbstractEventLoop, _EventPump] = {}
+        self._on_failure = on_failure  # called on the scheduler thread if its loop dies
+        self.failed = False
+        self.accepting = True
+
+    # ---- the scheduler thread --------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="switchyard-scheduler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.scheduler.run(self._stop)
+        except BaseException:
+            # A bug in the loop: nothing will ever finish the requests in flight. End each with an
+            # error event (their callers get INTERNAL, not a hang) and report the server unhealthy.
+            log.exception("the scheduler loop failed; failing %d request(s) in flight", len(self._in_flight))
+            self.failed = True
+            self.accepting = False
+            self._fail_in_flight()
+            if self._on_failure is not None:
+                self._on_failure()
+
+    def _fail_in_flight(self) -> None:
+        from switchyard.service.engine.scheduler import TokenEvent
+
+        now = time.monotonic()
+        for request_id, (pump, queue) in list(self._in_flight.items()):
+            pump.put(queue, TokenEvent(request_id, 0, None, "", "error", -1, 0, now))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def stream(self, spec: RequestSpec, *, timeout: float | None = None) -> AsyncIterator[Any]:
+        """Submit ``spec`` and yield its TokenEvents; the last one has ``finish_reason`` set.
+
+        Raises the scheduler's errors (InvalidRequestError, OutOfRangeError, QueueFullError) before
+        the first event, Unavailable when not accepting, AlreadyExists for a duplicate request id.
+        """
+        if self.failed:
+            raise Unavailable("the engine loop has failed; this server is restarting")
+        if not self.accepting or not self.alive:
+            raise Unavailable("the server is not accepting requests (starting up or draining)")
+        if spec.request_id in self._in_flight:
+            raise AlreadyExists(f"request id {spec.request_id!r} is already in flight")
+        loop = asyncio.get_running_loop()
+        pump = self._pumps.get(loop) or self._pumps.setdefault(loop, _EventPump(loop))
+        events: asyncio.Queue[Any] = asyncio.Queue()
+
+        def on_event(event: Any) -> None:  # scheduler thread
+            pump.put(events, event)
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request = spec.to_generation_request(deadline=deadline, on_event=on_event)
+        self.scheduler.submit(request)
+        self._in_flight[spec.request_id] = (pump, events)
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                if event.finish_reason is not None:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # The caller went away (cancel, deadline, shutdown): free the slot at the next step.
+                self.scheduler.cancel(spec.request_id)
+            self._in_flight.pop(spec.request_id, None)

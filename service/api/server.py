@@ -1,0 +1,445 @@
+"""The gRPC decode service: ``switchyard.v1.Decode``, KServe v2, health and reflection on one port.
+
+:class:`DecodeApp` holds what the handlers share (tokenizer, scheduler bridge, limits, traces);
+:func:`build_server` puts every service on a ``grpc.aio`` server; :func:`serve` is the pod's whole
+life: listen at once with health NOT_SERVING, load and warm the model, report SERVING, and on
+SIGTERM drain (NOT_SERVING, refuse new calls, let in-flight streams finish within the grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from switchyard.service.api import kserve
+from switchyard.service.api.bridge import EngineBridge
+from switchyard.service.api.wire import (
+    Limits,
+    RequestSpec,
+    Unavailable,
+    check_final_event,
+    check_request_size,
+    from_generate_request,
+    status_for,
+)
+from switchyard.service.proto import decode_pb2, decode_pb2_grpc
+from switchyard.service.telemetry import tracing
+from switchyard.service.telemetry.traces import RequestTrace
+
+log = logging.getLogger(__name__)
+
+DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+HEALTH_SERVICES = ("", DECODE_SERVICE, kserve.SERVICE)
+_FINISH = {"stop": decode_pb2.FINISH_REASON_STOP, "length": decode_pb2.FINISH_REASON_LENGTH}
+
+
+class DecodeApp:
+    """State shared by the Decode and KServe handlers. Not ready until :meth:`attach`."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        limits: Limits | None = None,
+        recorder: tracing.RequestRecorder | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.limits = limits or Limits()
+        self.recorder = recorder or tracing.RequestRecorder()
+        self.info = info or {}  # tensor_parallel, allreduce_strategy, max_queue for ModelInfo
+        self.health = health.aio.HealthServicer()
+        self.failed: asyncio.Event | None = None  # set if the scheduler loop dies
+        self.tokenizer: Any = None
+        self.bridge: EngineBridge | None = None
+        self.ready = False
+
+    async def set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, status)
+
+    async def attach(self, scheduler: Any, tokenizer: Any) -> None:
+        """Start serving ``scheduler`` (built with ``on_finish=self.recorder.on_finish``)."""
+        self.tokenizer = tokenizer
+        loop = asyncio.get_running_loop()
+
+        self.failed = asyncio.Event()
+
+        def on_failure() -> None:  # scheduler thread: the loop died; report it, let serve() exit
+            self.ready = False
+            asyncio.run_coroutine_threadsafe(self.set_health(False), loop)
+            loop.call_soon_threadsafe(self.failed.set)
+
+        self.bridge = EngineBridge(scheduler, on_failure=on_failure)
+        self.bridge.start()
+        if self.recorder.telemetry is not None:
+            self.recorder.telemetry.observe_scheduler(lambda: (scheduler.active_slots, scheduler.queue_depth))
+        self.ready = True
+        await self.set_health(True)
+
+    async def drain(self) -> None:
+        """Stop taking requests: NOT_SERVING for every service, new calls get UNAVAILABLE."""
+        self.ready = False
+        if self.bridge is not None:
+            self.bridge.accepting = False
+        await self.health.enter_graceful_shutdown()
+
+    async def finish_in_flight(self, server: grpc.aio.Server, grace: float) -> None:
+        """After :meth:`drain`: wait up to ``grace`` for the accepted generations, then stop the
+        server. Not ``server.stop(grace)`` alone: long-lived calls that are not generations (a health
+        Watch, an idle KServe stream) would hold the process for the whole grace period."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.bridge is not None and self.bridge.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        # A moment for the last messages to reach their clients, then cancel whatever is left.
+        await server.stop(min(1.0, max(0.0, deadline - loop.time())))
+
+    def close(self) -> None:
+        if self.bridge is not None:
+            self.bridge.stop()
+        self.recorder.close()
+
+    # ---- helpers for handlers --------------------------------------------------------------------
+    def message_for(self, err: BaseException) -> str:
+        code, text = status_for(err)
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("request failed", exc_info=err)
+        return text
+
+    async def abort_for(self, err: BaseException, context: grpc.aio.ServicerContext) -> None:
+        code, text = status_for(err)
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("request failed", exc_info=err)
+        await context.abort(code, text)
+
+    def require_ready(self) -> None:
+        if self.bridge is not None and self.bridge.failed:
+            raise Unavailable("the engine loop has failed; this server is going away")
+        if not self.ready or self.bridge is None:
+            raise Unavailable("the model is not ready (loading, or the server is draining)")
+
+    async def events(self, spec: RequestSpec, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """TokenEvents of ``spec``; raises GenerationEnded for deadline / error / cancel finishes.
+        The call's deadline becomes the request's (for a KServe stream, the whole stream's)."""
+        self.require_ready()
+        assert self.bridge is not None
+        self.recorder.set_parent(spec.request_id, tracing.parent_context(context.invocation_metadata()))
+        try:
+            async with contextlib.aclosing(
+                self.bridge.stream(spec, timeout=context.time_remaining())
+            ) as events:
+                async for event in events:
+                    check_final_event(event, spec.request_id)
+                    yield event
+        except BaseException:
+            self.recorder.forget(spec.request_id)
+            raise
+
+
+class DecodeService(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, app: DecodeApp) -> None:
+        self.app = app
+
+    async def _spec(self, request: Any, context: grpc.aio.ServicerContext) -> RequestSpec:
+        try:
+            self.app.require_ready()
+            assert self.app.bridge is not None
+            return from_generate_request(
+                request, self.app.tokenizer, self.app.limits, self.app.bridge.scheduler.max_seq_len
+            )
+        except Exception as err:
+            await self.app.abort_for(err, context)
+            raise  # not reached: abort raises
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        spec = await self._spec(request, context)
+        produced = 0
+        try:
+            async with contextlib.aclosing(self.app.events(spec, context)) as events:
+                async for event in events:
+                    response = decode_pb2.GenerateResponse(
+                        request_id=spec.request_id,
+                        index=event.index,
+                        text=event.text,
+                        step=event.step,
+                        batch_size=event.batch_size,
+                    )
+                    if event.token_id is not None:
+                        response.token_ids.append(event.token_id)
+                        produced += 1
+                    if event.finish_reason is not None:
+                        response.finish_reason = _FINISH[event.finish_reason]
+                        response.usage.input_tokens = len(spec.prompt_ids)
+                        response.usage.output_tokens = produced
+                    yield response
+        except Exception as err:
+            await self.app.abort_for(err, context)
+
+    async def GenerateUnary(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        spec = await self._spec(request, context)
+        response = decode_pb2.GenerateUnaryResponse(request_id=spec.request_id)
+        pieces = []
+        try:
+            async with contextlib.aclosing(self.app.events(spec, context)) as events:
+                async for event in events:
+                    pieces.append(event.text)
+                    if event.token_id is not None:
+                        response.token_ids.append(event.token_id)
+                    if event.finish_reason is not None:
+                        response.finish_reason = _FINISH[event.finish_reason]
+        except Exception as err:
+            await self.app.abort_for(err, context)
+        response.text = "".join(pieces)
+        response.usage.input_tokens = len(spec.prompt_ids)
+        response.usage.output_tokens = len(response.token_ids)
+        return response
+
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self.app.require_ready()
+            check_request_size(request.ByteSize(), self.app.limits)
+            ids = self.app.tokenizer.encode(request.text)
+        except Exception as err:
+            await self.app.abort_for(err, context)
+        return decode_pb2.TokenizeResponse(token_ids=ids)
+
+    async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        app = self.app
+        response = decode_pb2.ModelInfoResponse(
+            model_name=app.model_name,
+            ready=app.ready,
+            default_max_tokens=app.limits.default_max_tokens,
+            tensor_parallel=int(app.info.get("tensor_parallel", 0)),
+            allreduce_strategy=str(app.info.get("allreduce_strategy", "")),
+            max_queue=int(app.info.get("max_queue", 0)),
+        )
+        if app.bridge is not None and app.tokenizer is not None:
+            s = app.bridge.scheduler
+            response.max_seq_len = s.max_seq_len
+            response.batch_slots = s.max_slots
+            response.active_slots = s.active_slots
+            response.queue_depth = s.queue_depth
+            response.vocab_size = app.tokenizer.vocab_size
+            response.eos_token_ids.extend(app.tokenizer.eos_token_ids)
+        return response
+
+    async def GetTraces(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        found = self.app.recorder.recent(request.request_id, request.limit)
+        if request.request_id and not found:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no finished request {request.request_id!r} among the last ones kept by this server",
+            )
+        return decode_pb2.GetTracesResponse(traces=[trace_to_proto(t) for t in found])
+
+
+def trace_to_proto(t: RequestTrace) -> Any:
+    return decode_pb2.RequestTrace(
+        request_id=t.request_id,
+        model=t.model,
+        prompt_tokens=t.prompt_tokens,
+        finish_reason=t.finish_reason,
+        start_unix_nano=t.start_unix_nano,
+        queue_seconds=t.queue_s,
+        prefill_seconds=t.prefill_s,
+        duration_seconds=t.duration_s,
+        token_seconds=t.token_s.tolist(),
+        token_steps=t.steps.tolist(),
+        token_batch_sizes=t.batch_sizes.tolist(),
+        max_tokens=t.max_tokens,
+    )
+
+
+def trace_from_proto(m: Any) -> RequestTrace:
+    import numpy as np
+
+    return RequestTrace(
+        request_id=m.request_id,
+        model=m.model,
+        prompt_tokens=m.prompt_tokens,
+        finish_reason=m.finish_reason,
+        start_unix_nano=m.start_unix_nano,
+        queue_s=m.queue_seconds,
+        prefill_s=m.prefill_seconds,
+        duration_s=m.duration_seconds,
+        token_s=np.asarray(m.token_seconds, np.float64),
+        steps=np.asarray(m.token_steps, np.int64),
+        batch_sizes=np.asarray(m.token_batch_sizes, np.int32),
+        max_tokens=m.max_tokens,
+    )
+
+
+def reflection_pool() -> Any:
+    """One descriptor pool with every service we serve, for server reflection (grpcurl)."""
+    from google.protobuf import descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.DescriptorPool()
+    for module in (decode_pb2, health_pb2, reflection_pb2):
+        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
+    from switchyard.service.proto import kserve_descriptor
+
+    pool.AddSerializedFile(kserve_descriptor.SERIALIZED)
+    return pool
+
+
+def build_server(app: DecodeApp, *, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Server:
+    # gRPC rejects messages above its transport limit with RESOURCE_EXHAUSTED before parsing them;
+    # keep it well above our own limit so that ordinary oversize prompts get our INVALID_ARGUMENT.
+    transport_limit = max(4 * app.limits.max_request_bytes, 4 << 20)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", transport_limit),
+            ("grpc.so_reuseport", 0),
+            *(options or []),
+        ]
+    )
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeService(app), server)
+    server.add_generic_rpc_handlers((kserve.KServeService(app).handler(),))
+    health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
+    names = (DECODE_SERVICE, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server, pool=reflection_pool())
+    return server
+
+
+def tune_interpreter(switch_interval: float | None = None) -> None:
+    """The scheduler thread and the event-loop thread share one interpreter: after a step the
+    scheduler hands its tokens to the loop and must take the GIL back to launch the next step, which
+    can wait up to CPython's switch interval (5 ms by default). A shorter interval shortens that wait
+    and costs more switching; ``benchmarks/serve.py --switch-interval`` measures both. None: CPython's."""
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+
+
+@dataclasses.dataclass
+class ServeOptions:
+    host: str = "[::]"
+    port: int = 8001
+    grace_period: float = 30.0
+
+
+async def serve(
+    app: DecodeApp,
+    load: Callable[[], tuple[Any, Any]],
+    options: ServeOptions,
+    *,
+    stop: asyncio.Event | None = None,
+    on_listening: Callable[[int], None] | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT (or ``stop``): listen, load with ``load() -> (scheduler, tokenizer)``
+    in a worker thread, serve, drain. Returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    server = build_server(app)
+    try:
+        port = server.add_insecure_port(f"{options.host}:{options.port}")
+    except RuntimeError:  # recent grpcio raises where older versions returned 0
+        port = 0
+    if port == 0:
+        log.error("could not listen on %s:%s (address in use?)", options.host, options.port)
+        return 1
+    await app.set_health(False)
+    await server.start()
+    log.info("listening on %s:%d (NOT_SERVING until the model is warm)", options.host, port)
+    if on_listening is not None:
+        on_listening(port)
+    loader = loop.run_in_executor(None, load)
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if not loader.done():  # asked to stop while loading
+        await server.stop(0)
+        return 0
+    try:
+        scheduler, tokenizer = loader.result()
+    except Exception:
+        log.exception("loading the model failed")
+        await server.stop(0)
+        return 1
+    await app.attach(scheduler, tokenizer)
+    log.info("serving %s", app.model_name)
+    assert app.failed is not None
+    failure = asyncio.ensure_future(app.failed.wait())
+    await asyncio.wait({waiter, failure}, return_when=asyncio.FIRST_COMPLETED)
+    if failure.done():
+        log.error("the engine loop failed: stopping so that the pod restarts")
+        await app.drain()
+        await app.finish_in_flight(server, 1.0)
+        await asyncio.to_thread(app.close)
+        return 1
+    failure.cancel()
+    log.info(
+        "draining: %d request(s) in flight, grace period %.0f s",
+        app.bridge.in_flight if app.bridge else 0,
+        options.grace_period,
+    )
+    await app.drain()
+    await app.finish_in_flight(server, options.grace_period)
+    await asyncio.to_thread(app.close)
+    log.info("stopped")
+    return 0
+
+
+class ServerThread:
+    """A server on its own event-loop thread, for tests and benchmarks in one process."""
+
+    def __init__(self, app: DecodeApp, scheduler: Any, tokenizer: Any, *, host: str = "127.0.0.1") -> None:
+        self.app = app
+        self._started = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+        self._thread = threading.Thread(
+            target=self._run, args=(scheduler, tokenizer, host), name="switchyard-grpc", daemon=True
+        )
+        self._thread.start()
+        if not self._started.wait(60):
+            raise RuntimeError("the gRPC server did not start")
+
+    def _run(self, scheduler: Any, tokenizer: Any, host: str) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def start() -> None:
+            self._server = build_server(self.app)
+            self.port = self._server.add_insecure_port(f"{host}:0")
+            await self._server.start()
+            await self.app.attach(scheduler, tokenizer)
+            self._started.set()
+
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+        self._loop.close()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        async def shutdown() -> None:
+            await self.app.drain()
+            assert self._server is not None
+            await self.app.finish_in_flight(self._server, grace or 0.0)
+
+        self.call(shutdown())
+        self.app.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

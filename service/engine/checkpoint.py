@@ -1,0 +1,260 @@
+"""Hugging Face checkpoints: load straight into the sharded layout, and write random-weight ones.
+
+Loading reads each device's slice of each tensor from the memory-mapped ``*.safetensors`` files and
+places it on that device, so no device (and no host buffer) ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from switchyard.service.engine.model import ShardShape, param_shapes, param_specs
+from switchyard.service.modelspec import ModelSpec
+from tqdm import tqdm
+
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is missing files or tensors, or holds tensors of the wrong shape."""
+
+
+class TensorSource:
+    """Name -> lazily sliced tensor, across the files of one checkpoint (with or without an index)."""
+
+    def __init__(self, folder: Path) -> None:
+        index = folder / INDEX_FILE
+        if index.exists():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+            weight_map = {}
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {folder}")
+        self._handles = {}
+        for name in files:
+            path = folder / name
+            if not path.exists():
+                raise CheckpointError(f"{INDEX_FILE} names {name}, which is not in {folder}")
+            self._handles[name] = safe_open(str(path), framework="numpy")
+        if not weight_map:
+            # safe_open handles are not mappings: keys() is their only listing.
+            weight_map = {key: name for name, h in self._handles.items() for key in h.keys()}  # noqa: SIM118
+        self._weight_map = weight_map
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._weight_map
+
+    def slice(self, name: str, expected_shape: tuple[int, ...], index: Any = slice(None)) -> np.ndarray:
+        if name not in self._weight_map:
+            raise CheckpointError(f"checkpoint has no tensor {name!r}")
+        tensor = self._handles[self._weight_map[name]].get_slice(name)
+        shape = tuple(tensor.get_shape())
+        if shape != expected_shape:
+            raise CheckpointError(f"tensor {name} has shape {shape}, the config implies {expected_shape}")
+        return tensor[index]
+
+
+def _hf_names(i: int) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    return {
+        "attn_norm": p + "input_layernorm.weight", "mlp_norm": p + "post_attention_layernorm.weight",
+        "q": p + "self_attn.q_proj.weight", "k": p + "self_attn.k_proj.weight",
+        "v": p + "self_attn.v_proj.weight", "o": p + "self_attn.o_proj.weight",
+        "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight", "down": p + "mlp.down_proj.weight",
+    }
+
+
+def _shard_index(index: tuple[slice, ...], dim: int, width: int) -> int:
+    start = index[dim].start or 0
+    return start // width
+
+
+def load_params(
+    folder: str | Path, spec: ModelSpec, mesh: Mesh, dtype: str, progress: bool = True, stages: int = 1
+) -> dict:
+    """Read a Hugging Face Llama checkpoint into the engine's sharded parameter tree on ``mesh``.
+
+    With ``stages`` > 1 (a pipeline; the mesh has axes ``pp`` and ``tp``) each layer array gets a
+    leading stage dimension sharded over ``pp``: entry j of ``layers`` holds, on stage s, layer
+    ``s * layers_per_stage + j``; the LM head's vocabulary is split over every device of the mesh.
+    """
+    folder = Path(folder)
+    src = TensorSource(folder)
+    tp = mesh.shape["tp"]
+    shape = ShardShape(spec, tp, vocab_shards=tp * stages)
+    np_dtype = NP_DTYPES[dtype]
+    s, hd = spec, spec.head_dim
+    shapes, specs = param_shapes(shape), param_specs(spec)
+    if s.num_layers % stages:
+        raise ValueError(f"{stages} pipeline stages must divide the {s.num_layers} layers of {s.name}")
+    per_stage = s.num_layers // stages
+
+    def put(global_shape: tuple[int, ...], pspec, fetch: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+        sharding = NamedSharding(mesh, pspec)
+        return jax.make_array_from_callback(global_shape, sharding, lambda idx: fetch(idx).astype(np_dtype))
+
+    def whole(name: str, expected: tuple[int, ...]) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        return lambda idx: src.slice(name, expected)[idx]
+
+    def column_block(parts: list[tuple[str, int, int]], width: int) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        """Shard r's columns = concat of rows [r*n, (r+1)*n) of each HF [out, in] tensor, transposed."""
+        def fetch(idx: tuple[slice, ...]) -> np.ndarray:
+            r = _shard_index(idx, 1, width)
+            blocks = [src.slice(name, (out, s.hidden_size), slice(r * n, (r + 1) * n)).T for name, out, n in parts]
+            return np.concatenate(blocks, axis=1)[idx[0]]
+        return fetch
+
+    def row_block(name: str, expected: tuple[int, ...]) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        """HF [out, in] tensor used as [in, out], sharded by its input rows (= the tensor's columns)."""
+        def fetch(idx: tuple[slice, ...]) -> np.ndarray:
+            return np.ascontiguousarray(src.slice(name, expected, (slice(None), idx[0])).T)[:, idx[1]]
+        return fetch
+
+    q_l, kv_l = shape.q_heads * hd, shape.kv_heads * hd
+
+    def layer_fetchers(i: int) -> dict[str, Callable[[tuple[slice, ...]], np.ndarray]]:
+        n = _hf_names(i)
+        return {
+            "attn_norm": whole(n["attn_norm"], (s.hidden_size,)),
+            "mlp_norm": whole(n["mlp_norm"], (s.hidden_size,)),
+            "wqkv": column_block(
+                [(n["q"], s.q_size, q_l), (n["k"], s.kv_size, kv_l), (n["v"], s.kv_size, kv_l)], shape.qkv_cols),
+            "wo": row_block(n["o"], (s.hidden_size, s.q_size)),
+            "wgu": column_block(
+                [(n["gate"], s.intermediate_size, shape.inter), (n["up"], s.intermediate_size, shape.inter)],
+                2 * shape.inter),
+            "wdown": row_block(n["down"], (s.hidden_size, s.intermediate_size)),
+        }
+
+    def stage_fetch(j: int, name: str) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        """Entry j of a stage-stacked array: stage s's block is layer s * per_stage + j."""
+        def fetch(idx: tuple[slice, ...]) -> np.ndarray:
+            stage = idx[0].start or 0
+            return layer_fetchers(stage * per_stage + j)[name](idx[1:])[None]
+        return fetch
+
+    rep = P()
+    total = 3 + per_stage
+    bar = tqdm(total=total, desc=f"loading {folder.name}", unit="tensor-group", disable=not progress)
+    params: dict[str, Any] = {"layers": []}
+    params["embed"] = put(shapes["embed"], rep, whole("model.embed_tokens.weight", (s.vocab_size, s.hidden_size)))
+    bar.update()
+    for j in range(per_stage):
+        lshape, lspec = shapes["layers"][j], specs["layers"][j]
+        if stages == 1:
+            fetchers = layer_fetchers(j)
+            layer = {name: put(lshape[name], lspec[name], fetchers[name]) for name in lshape}
+        else:
+            layer = {name: put((stages, *lshape[name]), P("pp", *lspec[name]), stage_fetch(j, name))
+                     for name in lshape}
+        params["layers"].append(layer)
+        bar.update()
+    params["final_norm"] = put(shapes["final_norm"], rep, whole("model.norm.weight", (s.hidden_size,)))
+    bar.update()
+    head_name = "model.embed_tokens.weight" if s.tie_word_embeddings else "lm_head.weight"
+    if not s.tie_word_embeddings and head_name not in src:
+        raise CheckpointError("checkpoint has no lm_head.weight and the config does not tie word embeddings")
+    local_vocab = shape.padded_vocab // (tp * stages)
+
+    def head(idx: tuple[slice, ...]) -> np.ndarray:
+        r = _shard_index(idx, 1, local_vocab)
+        lo, hi = r * local_vocab, min((r + 1) * local_vocab, s.vocab_size)
+        block = np.zeros((s.hidden_size, local_vocab), dtype=np.float32)
+        if hi > lo:
+            block[:, : hi - lo] = src.slice(head_name, (s.vocab_size, s.hidden_size), slice(lo, hi)).T
+        return block[idx[0]]
+
+    head_spec = specs["lm_head"] if stages == 1 else P(None, ("pp", "tp"))
+    params["lm_head"] = put(shapes["lm_head"], head_spec, head)
+    bar.update()
+    bar.close()
+    return params
+
+
+# ---- random-weight checkpoints -------------------------------------------------------------------
+def random_hf_tensors(spec: ModelSpec, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Hugging Face-named random tensors, one at a time, scaled like a trained model's (std 0.02)."""
+    rng = np.random.default_rng(seed)
+    s = spec
+    dtype = NP_DTYPES[s.dtype]
+
+    def normal(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
+
+    yield "model.embed_tokens.weight", normal(s.vocab_size, s.hidden_size)
+    for i in range(s.num_layers):
+        n = _hf_names(i)
+        yield n["attn_norm"], (1.0 + 0.1 * rng.standard_normal(s.hidden_size, dtype=np.float32)).astype(dtype)
+        yield n["q"], normal(s.q_size, s.hidden_size)
+        yield n["k"], normal(s.kv_size, s.hidden_size)
+        yield n["v"], normal(s.kv_size, s.hidden_size)
+        yield n["o"], normal(s.hidden_size, s.q_size)
+        yield n["mlp_norm"], (1.0 + 0.1 * rng.standard_normal(s.hidden_size, dtype=np.float32)).astype(dtype)
+        yield n["gate"], normal(s.intermediate_size, s.hidden_size)
+        yield n["up"], normal(s.intermediate_size, s.hidden_size)
+        yield n["down"], normal(s.hidden_size, s.intermediate_size)
+    yield "model.norm.weight", (1.0 + 0.1 * rng.standard_normal(s.hidden_size, dtype=np.float32)).astype(dtype)
+    if not s.tie_word_embeddings:
+        yield "lm_head.weight", normal(s.vocab_size, s.hidden_size)
+
+
+def write_checkpoint(
+    spec: ModelSpec, out: str | Path, seed: int = 0, shard_bytes: int = 4 << 30, progress: bool = True
+) -> Path:
+    """Write ``config.json``, ``*.safetensors`` (sharded with an index file when large) and a tokenizer."""
+    from switchyard.service.engine.tokenizer import build_tokenizer  # tokenizer training only here
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(spec.to_config(), indent=2) + "\n")
+    build_tokenizer(spec).save(str(out / "tokenizer.json"))
+    total = spec.param_bytes
+    n_files = max(1, -(-total // shard_bytes))
+    bar = tqdm(total=total, desc=f"writing {out.name}", unit="B", unit_scale=True, disable=not progress)
+    shard: dict[str, np.ndarray] = {}
+    shard_size = 0
+    weight_map: dict[str, str] = {}
+    file_no = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_size, file_no
+        file_no += 1
+        name = "model.safetensors" if n_files == 1 else f"model-{file_no:05d}-of-{n_files:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        shard, shard_size = {}, 0
+
+    for name, tensor in random_hf_tensors(spec, seed):
+        if shard and shard_size + tensor.nbytes > shard_bytes and file_no + 1 < n_files:
+            flush()
+        shard[name] = tensor
+        shard_size += tensor.nbytes
+        bar.update(tensor.nbytes)
+    flush()
+    bar.close()
+    if file_no > 1:
+        # Rename to the true count if the estimate was off, so names match the index.
+        if file_no != n_files:
+            renamed = {}
+            for old in sorted(set(weight_map.values())):
+                k = int(old.split("-")[1])
+                new = f"model-{k:05d}-of-{file_no:05d}.safetensors"
+                (out / old).rename(out / new)
+                renamed[old] = new
+            weight_map = {t: renamed[f] for t, f in weight_map.items()}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return out

@@ -1,0 +1,274 @@
+"""A pipeline group across processes: one process (pod) per stage, joined with ``jax.distributed``.
+
+Every step of a pipeline is one SPMD program over all stages' devices, so every process must launch
+the same programs in the same order. The first stage owns the scheduler, the tokenizer and the gRPC
+front; before each program it launches it announces the call (operation and arguments, a small int32
+vector) to the other stages over a command channel (TCP), and they run the same call. The later stages
+run headless: they answer gRPC health, and follow.
+
+If any stage dies, the others' next collective or command fails (or the distributed runtime's
+heartbeat notices it): the group stops as a unit and its processes exit non-zero, so the whole group
+is restarted together; there is no half-running group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import sys
+from typing import Any, NoReturn
+
+import jax
+import numpy as np
+from switchyard.service.engine.pipeline import PipelineEngine
+from switchyard.service.engine.sampling import SamplingParams
+from switchyard.service.engine.tensor_parallel import PendingStep, Prefix, StepResult, warm_up
+from switchyard.service.errors import FatalEngineError
+from switchyard.service.modelspec import ServingLayout
+
+log = logging.getLogger(__name__)
+
+PREFILL, INSERT, TICK, STOP = 1, 2, 3, 4
+
+
+class GroupBrokenError(FatalEngineError):
+    """A stage of the pipeline group is gone; the group must be restarted as a unit."""
+
+
+HEADER = 10  # op, a, b, c, d, temperature bits, top_k, top_p bits, seed, greedy
+
+
+def join(layout: ServingLayout, heartbeat_timeout_s: int = 10, initialization_timeout_s: int = 300) -> None:
+    """Connect this process to its pipeline group (no-op for a single-stage layout)."""
+    if layout.pp == 1:
+        return
+    if not layout.coordinator:
+        raise ValueError("a pipeline layout (pp > 1) needs layout.coordinator (host:port of stage 0)")
+    if jax.config.jax_platforms in (None, "", "cpu") and not _has_gpu_plugin():
+        # Cross-process collectives on CPU (tests, CI) go through gloo.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(layout.coordinator, num_processes=layout.pp, process_id=layout.pipeline_stage,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               initialization_timeout=initialization_timeout_s)
+
+
+def _has_gpu_plugin() -> bool:
+    try:
+        import jax_plugins.xla_cuda13
+
+        return True
+    except ImportError:
+        try:
+            import jax_plugins.xla_cuda12  # noqa: F401
+
+            return True
+        except ImportError:
+            return False
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.array([x], np.float32).view(np.int32)[0])
+
+
+def _bits_f32(x: int) -> float:
+    return float(np.array([x], np.int32).view(np.float32)[0])
+
+
+class CommandChannel:
+    """Stage 0's announcements to the other stages: length-prefixed int32 frames over TCP.
+
+    A host channel, not a device collective, so that announcing tick n+1 never waits for tick n to
+    finish on the devices: the stages' hosts run ahead exactly as one engine's host does, and the
+    devices meet only inside the programs' own collectives. Stage 0 listens on an ephemeral port and
+    tells the others with one broadcast collective at set-up; they connect to the coordinator's host
+    (stage 0's pod). A closed connection is a lost stage.
+    """
+
+    def __init__(self, sockets: list[socket.socket]) -> None:
+        self._sockets = sockets
+
+    @classmethod
+    def open(cls, layout: ServingLayout, timeout_s: float = 300.0) -> CommandChannel:
+        """Stage 0 accepts every other stage; a later stage connects to stage 0. Every process of the
+        group calls this once, at the same point of its program order."""
+        from jax.experimental import multihost_utils
+
+        if layout.pipeline_stage == 0:
+            server = socket.create_server(("", 0))
+            port = server.getsockname()[1]
+            multihost_utils.broadcast_one_to_all(np.array([port], np.int32), is_source=True)
+            server.settimeout(timeout_s)
+            peers = []
+            try:
+                for _ in range(layout.pp - 1):
+                    conn, _ = server.accept()
+                    conn.settimeout(None)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    peers.append(conn)
+            except TimeoutError as err:
+                raise GroupBrokenError(f"only {len(peers)} of {layout.pp - 1} later stages connected "
+                                       f"within {timeout_s:.0f} s") from err
+            finally:
+                server.close()
+            return cls(peers)
+        port = int(multihost_utils.broadcast_one_to_all(np.zeros(1, np.int32), is_source=False)[0])
+        host = layout.coordinator.rsplit(":", 1)[0].strip("[]")
+        conn = socket.create_connection((host, port), timeout=timeout_s)
+        conn.settimeout(None)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls([conn])
+
+    def send(self, op: int, *fields: int, tokens: np.ndarray | None = None) -> None:
+        message = np.zeros(HEADER + (0 if tokens is None else len(tokens)), np.int32)
+        message[0] = op
+        message[1 : 1 + len(fields)] = fields
+        if tokens is not None:
+            message[HEADER:] = tokens
+        frame = struct.pack("<I", len(message)) + message.tobytes()
+        for conn in self._sockets:
+            conn.sendall(frame)
+
+    def receive(self) -> np.ndarray:
+        (count,) = struct.unpack("<I", self._read(4))
+        return np.frombuffer(self._read(4 * count), np.int32)
+
+    def _read(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = self._sockets[0].recv(n - len(data))
+            if not chunk:
+                raise GroupBrokenError("stage 0 closed the command channel without releasing this stage")
+            data += chunk
+        return bytes(data)
+
+    def close(self) -> None:
+        for conn in self._sockets:
+            conn.close()
+
+
+def _sampling_fields(s: SamplingParams) -> tuple[int, int, int, int, int]:
+    return _f32_bits(s.temperature), s.top_k, _f32_bits(s.top_p), s.seed, int(s.greedy)
+
+
+def _sampling_from(message: np.ndarray) -> SamplingParams:
+    return SamplingParams(temperature=_bits_f32(int(message[5])), top_k=int(message[6]),
+                          top_p=_bits_f32(int(message[7])), seed=int(message[8]))
+
+
+class LeaderEngine:
+    """Stage 0's engine: a :class:`PipelineEngine` whose every SPMD call is first announced to the group.
+
+    Offers the engine API the scheduler uses; everything else is the wrapped engine's.
+    """
+
+    def __init__(self, engine: PipelineEngine, channel: CommandChannel) -> None:
+        self.engine = engine
+        self._channel = channel
+        self.broken: BaseException | None = None  # set once a group collective has failed
+
+    def _announce(self, op: int, *fields: int, tokens: np.ndarray | None = None) -> None:
+        if self.broken is not None:
+            raise GroupBrokenError(f"the pipeline group is broken: {self.broken}")
+        try:
+            self._channel.send(op, *fields, tokens=tokens)
+        except Exception as err:
+            self.broken = err
+            raise GroupBrokenError(f"a pipeline stage did not answer: {err}") from err
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def _run(self, call: Any, *args: Any) -> Any:
+        """Stage 0's part of an announced call. The other stages run it too, so a failure here
+        leaves them in an unknown state (or waiting in a collective): the group is broken."""
+        try:
+            return call(*args)
+        except Exception as err:
+            self.broken = err
+            raise GroupBrokenError(f"stage 0 failed a call the whole group runs: {err!r}") from err
+
+    def prefill(self, tokens, sampling: SamplingParams | None = None, return_logits: bool = False) -> Prefix:
+        sampling = sampling or SamplingParams()
+        padded = self.engine.padded_prompt(tokens, sampling)  # bad requests are refused before any announce
+        n, bucket = len(tokens), len(padded)
+        self._announce(PREFILL, bucket, n, int(return_logits), 0, *_sampling_fields(sampling), tokens=padded)
+        return self._run(self.engine.run_prefill, padded, n, sampling, return_logits)
+
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        self.engine.check_free(slot)
+        self._announce(INSERT, slot, prefix.first_token, prefix.length, prefix.bucket,
+                       *_sampling_fields(prefix.sampling))
+        self._run(self.engine.insert, prefix, slot)
+
+    def dispatch(self, return_logits: bool = False) -> PendingStep:
+        if return_logits:
+            raise NotImplementedError("a pipeline tick does not return logits; use prefill logits to check")
+        self._announce(TICK, self.engine.tick, int(self.engine.greedy_only()))
+        return self._run(self.engine.dispatch)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        return self._run(self.engine.collect, pending)
+
+    def generate(self) -> StepResult:
+        return self.collect(self.dispatch())
+
+    def warmup(self) -> float:
+        """Compile every program the group will run, on every stage (each call is announced)."""
+
+        def ticks(greedy: bool) -> None:
+            for t in range(self.engine.pp):  # one program per local micro-batch array
+                self._announce(TICK, t, int(greedy))
+                self.engine.run_tick(t, greedy).block_until_ready()
+
+        return warm_up(self, ticks)
+
+    def stop(self) -> None:
+        """Release the followers (they exit their loop)."""
+        if self.broken is None:
+            self._channel.send(STOP)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this stage's process at once. A normal exit would first wait in the distributed runtime's
+    shutdown barrier for every other stage, which a broken group may never reach; gone at once, this
+    process stops heartbeating and the runtime stops the others within its heartbeat timeout."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def follow(engine: PipelineEngine, channel: CommandChannel) -> None:
+    """A later stage's loop: run whatever stage 0 announces, until it says stop.
+
+    Like stage 0 it keeps one tick in flight: it waits for tick n-1 only after launching tick n, so a
+    failed program surfaces here while the devices stay busy."""
+    prefix: Prefix | None = None
+    in_flight: jax.Array | None = None
+    while True:
+        message = channel.receive()
+        op = int(message[0])
+        if op == STOP:
+            if in_flight is not None:
+                in_flight.block_until_ready()
+            return
+        if op == PREFILL:
+            bucket, n, return_logits = int(message[1]), int(message[2]), bool(message[3])
+            padded = message[HEADER : HEADER + bucket].astype(np.int32)
+            prefix = engine.run_prefill(padded, n, _sampling_from(message), return_logits)
+        elif op == INSERT:
+            if prefix is None:
+                raise RuntimeError("insert announced before any prefill")
+            slot, first, length = int(message[1]), int(message[2]), int(message[3])
+            prefix.first_token, prefix.length = first, length  # stage 0's values
+            prefix.sampling = _sampling_from(message)
+            engine.run_insert(prefix, slot)
+        elif op == TICK:
+            tokens = engine.run_tick(int(message[1]), bool(message[2]))
+            if in_flight is not None:
+                in_flight.block_until_ready()
+            in_flight = tokens
+        else:
+            raise RuntimeError(f"unknown pipeline command {op}")

@@ -1,0 +1,81 @@
+"""``switchyard serve`` as a two-stage pipeline group: two processes, one layout file, the stage from
+the environment (as the operator renders it); stage 0 answers Generate, stage 1 answers health."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.engine_fixtures import varied_checkpoint
+from switchyard.service.api.client import DecodeClient, make_request
+from switchyard.service.engine.tensor_parallel import Engine
+from switchyard.service.modelspec import ServingLayout
+
+PROMPT = [1, 7, 300, 12, 99, 5]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serving(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_checkpoint_dir):
+    return varied_checkpoint(tmp_path_factory.mktemp("pp-serve-model"), tiny_checkpoint_dir, seed=5)
+
+
+def test_two_stage_group_serves_generate_like_one_device(checkpoint, tmp_path):
+    engine = Engine.from_checkpoint(checkpoint, ServingLayout(tp=1, batch_slots=2, max_seq_len=64), progress=False)
+    prefix = engine.prefill(PROMPT)
+    engine.insert(prefix, 0)
+    expected = [prefix.first_token] + [int(engine.generate().tokens[0]) for _ in range(9)]
+
+    layout = {"tp": 1, "pp": 2, "batch_slots": 4, "max_seq_len": 64, "strategy": "xla",
+              "coordinator": f"127.0.0.1:{_free_port()}", "extra": {"pipeline_stage_env": "STAGE"}}
+    (tmp_path / "layout.json").write_text(json.dumps(layout))
+    ports = [_free_port(), _free_port()]
+    procs = []
+    for stage, port in enumerate(ports):
+        env = dict(os.environ, STAGE=str(stage), XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                   JAX_PLATFORMS="cpu")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "switchyard.cli.main", "serve", "--layout", str(tmp_path / "layout.json"),
+             "--model-path", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        deadline = time.monotonic() + 180
+        while not all(_serving(p) for p in ports):
+            assert all(p.poll() is None for p in procs), "a stage exited during start-up"
+            assert time.monotonic() < deadline, "the group did not become SERVING"
+            time.sleep(0.5)
+        with DecodeClient(f"127.0.0.1:{ports[0]}") as client:
+            result = client.generate(make_request(PROMPT, max_tokens=10), timeout=120)
+        assert result.token_ids == expected
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=60) == 0
+        assert procs[1].wait(timeout=60) == 0, "stage 1 was not released by stage 0"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            out = p.communicate()[0]
+            if p.returncode not in (0, None):
+                print(out[-3000:])

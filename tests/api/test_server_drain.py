@@ -1,0 +1,106 @@
+"""``switchyard serve`` as the pod runs it (a subprocess), then SIGTERM: it stops taking requests,
+finishes every accepted one (generating or queued) within the grace period, and exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from switchyard.service.api.client import DecodeClient, make_request
+
+pytestmark = pytest.mark.timeout(300)
+SLOTS = 4
+STREAMS = 7  # 4 generating, 3 queued when SIGTERM arrives
+MAX_TOKENS = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--no-warmup", "--host", "127.0.0.1",
+           "--port", str(port), "--batch-slots", str(SLOTS), "--max-seq-len", "256", "--grace-period", "60"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    target = f"127.0.0.1:{port}"
+    try:
+        channel = grpc.insecure_channel(target)
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest(service="")
+        serving = health_pb2.HealthCheckResponse.SERVING
+        _wait(lambda: health.Check(check, timeout=2).status == serving, 120, f"SERVING; log:\n{log.read_text()}")
+        client = DecodeClient(target)
+        client.generate(make_request("compile the steps", max_tokens=MAX_TOKENS), timeout=120)
+
+        results: dict[int, object] = {}
+
+        def stream(i: int) -> None:
+            try:
+                results[i] = client.generate(make_request(f"drain {i}", max_tokens=MAX_TOKENS), timeout=120)
+            except grpc.RpcError as err:
+                results[i] = err
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+        for t in threads:
+            t.start()
+
+        def all_accepted() -> bool:
+            info = client.model_info(timeout=2)
+            return info.active_slots + info.queue_depth == STREAMS and info.queue_depth > 0
+
+        _wait(all_accepted, 30, "every stream accepted")
+        proc.send_signal(signal.SIGTERM)
+
+        def draining() -> bool:
+            try:
+                return health.Check(check, timeout=2).status != serving
+            except grpc.RpcError as err:
+                return err.code() == grpc.StatusCode.UNAVAILABLE
+
+        _wait(draining, 10, "NOT_SERVING after SIGTERM")
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(make_request("too late", max_tokens=2), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert any(t.is_alive() for t in threads), "streams ended before the drain was tested"
+
+        for t in threads:
+            t.join(120)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for i in range(STREAMS):
+        r = results[i]
+        assert not isinstance(r, grpc.RpcError), f"stream {i} lost: {r}"
+        assert r.finish_reason in ("length", "stop")
+        assert len(r.token_ids) == MAX_TOKENS or r.finish_reason == "stop"
+    text = log.read_text()
+    assert "draining" in text and "stopped" in text

@@ -1,0 +1,38 @@
+"""benchmarks/decode.py on host devices: rows for every configuration, and the ``none`` variant
+(the step without communication, for the all-reduces' share) really has no all-reduce left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import scripts
+from switchyard.service.modelspec import preset
+
+SCRIPT = scripts.BENCHMARKS / "decode.py"
+
+
+def test_decode_benchmark_rows_and_the_variant_without_communication(tmp_path):
+    out, hlo = tmp_path / "decode.json", tmp_path / "hlo"
+    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tp", "2", "--strategy", "xla", "none",
+                          "--batch", "1", "--context", "16", "--steps", "3", "--warmup", "1", "--copy-gib", "0.01",
+                          "--hlo-dir", str(hlo), "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tp"], r["strategy"]) for r in rows] == [(2, "xla"), (2, "none")]
+    spec = preset("tiny")
+    for row in rows:
+        assert row["ms_per_token"] > 0 and row["fraction_of_roofline"] > 0
+        # every parameter byte (the embedding table whole) + KV, against the bytes a step must read
+        want = (spec.param_bytes + 16 * spec.kv_bytes_per_token) / spec.decode_bytes_per_step(1, 16)
+        assert want > 1 and abs(row["roofline_all_weights_ms"] / row["roofline_ms"] - want) < 0.02  # 4-decimal rounding
+        fraction = row["roofline_all_weights_ms"] / row["ms_per_token"]
+        assert abs(row["fraction_of_roofline_all_weights"] - fraction) < 1e-3
+    with_comm = (hlo / "step-tp2-b1-xla-kernel.hlo.txt").read_text()
+    without = (hlo / "step-tp2-b1-none-kernel.hlo.txt").read_text()
+    assert "all-reduce" in with_comm
+    assert "all-reduce" not in without

@@ -1,0 +1,27 @@
+"""benchmarks/kernel_phases.py's summary of the phase timers (pure logic; the timers need a GPU)."""
+
+from __future__ import annotations
+
+from helpers import scripts
+from switchyard.kernels import native
+
+
+def test_summary_means_per_block_launch_and_spread_of_the_last_launch():
+    kp = scripts.load("kernel_phases")
+    slots, blocks = native.PHASE_SLOTS, native.PHASE_BLOCKS
+    cycles, ns = [0] * slots, [0] * slots
+    cycles[0] = 4  # block launches
+    cycles[1], ns[1] = 4 * 1800, 4 * 900  # push ends 900 ns after a block starts, on average
+    cycles[2], ns[2] = 4 * 4000, 4 * 2000
+    last = [[0] * slots for _ in range(blocks)]
+    last[0][:4] = [1_000, 1_900, 3_000, 3_200]  # block 0 of the last launch: start, push, reduce, finish
+    last[1][:4] = [1_064, 1_950, 3_100, 3_400]
+    got = kp.summarise("oneshot", native.PhaseCounters(4, cycles, ns, last))
+    assert got["block_launches"] == 4
+    assert got["phases"] == {"push": {"ns": 900.0, "cycles": 1800.0}, "reduce": {"ns": 2000.0, "cycles": 4000.0}}
+    assert got["last_launch"] == {"blocks": 2, "start_spread_ns": 64, "end_of_last_block_ns": 2_400,
+                                  "median_block_ns": 2_268.0}
+
+
+def test_a_library_without_timers_gives_only_chain_times():
+    assert scripts.load("kernel_phases").summarise("fused", None) == {}

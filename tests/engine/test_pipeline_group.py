@@ -1,0 +1,148 @@
+"""Pipeline groups of 2 and 4 stages, one process per stage joined with jax.distributed (gloo on CPU):
+the same tokens as one device, and a killed stage stops the group."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import HELPERS
+from helpers.engine_fixtures import varied_checkpoint
+from switchyard.service.engine.sampling import SamplingParams
+from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
+from switchyard.service.engine.tensor_parallel import Engine
+from switchyard.service.engine.tokenizer import Tokenizer
+from switchyard.service.modelspec import ServingLayout
+
+RUNNER = HELPERS / "pipeline_group_run.py"
+# prompt, max_tokens, temperature, top_k, top_p, seed
+REQUESTS = [
+    [[1, 40, 41, 42], 9, 0.0, 0, 1.0, 0],
+    [[1, 7, 300, 12, 99, 5], 12, 0.9, 0, 1.0, 3],
+    [[1, 250], 5, 1.1, 30, 1.0, 8],
+    [[1, *range(3, 30)], 7, 0.0, 0, 1.0, 0],
+    [[1, 77, 78], 11, 0.7, 0, 0.9, 1],
+    [[1, 500, 501, 502, 503], 6, 0.0, 0, 1.0, 0],
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_checkpoint_dir):
+    return varied_checkpoint(tmp_path_factory.mktemp("pp-group-model"), tiny_checkpoint_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> dict[str, list[int]]:
+    engine = Engine.from_checkpoint(checkpoint, ServingLayout(tp=1, batch_slots=4, max_seq_len=64), progress=False)
+    sched = Scheduler(engine, Tokenizer.from_dir(checkpoint), max_queue=16)
+    out: dict[str, list[int]] = {}
+    for i, (prompt, n, t, k, p, seed) in enumerate(REQUESTS):
+        sched.submit(GenerationRequest(f"r{i}", prompt, n, SamplingParams(t, k, p, seed), ignore_eos=True,
+                                       on_event=lambda e: e.token_id is not None and out.setdefault(
+                                           e.request_id, []).append(e.token_id)))
+    while sched.step() or sched.in_flight:
+        pass
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_group(pp: int, checkpoint: Path, out: Path, requests: list) -> list[subprocess.Popen]:
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               PYTHONUNBUFFERED="1")
+    return [subprocess.Popen([sys.executable, str(RUNNER), str(stage), str(pp), "1", coordinator, str(checkpoint),
+                              str(out), json.dumps(requests)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+            for stage in range(pp)]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_group_of_processes_gives_the_tokens_of_one_device(checkpoint, reference, tmp_path, pp):
+    out = tmp_path / "tokens.json"
+    procs = start_group(pp, checkpoint, out, REQUESTS)
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * pp, "\n".join(log[-1500:] for log in logs)
+    result = json.loads(out.read_text())
+    assert result["tokens"] == reference
+    assert set(result["finish"].values()) == {"length"}
+
+
+def test_a_killed_stage_stops_the_group(checkpoint, tmp_path):
+    long = [[[1, 5 + i, 6], 60, 0.0, 0, 1.0, 0] for i in range(40)]  # far more work than the kill leaves time for
+    procs = start_group(2, checkpoint, tmp_path / "never.json", long)
+    leader, follower = procs
+    deadline = time.monotonic() + 120
+    seen = ""
+    while "ready" not in seen and time.monotonic() < deadline:  # the follower has joined and loaded
+        seen += follower.stdout.readline()
+    time.sleep(2.0)
+    follower.kill()
+    try:
+        log = leader.communicate(timeout=90)[0]
+    except subprocess.TimeoutExpired:
+        leader.kill()
+        pytest.fail("stage 0 kept running after stage 1 died")
+    follower.communicate()
+    assert leader.returncode != 0, log[-2000:]
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_commands_round_trip_and_a_closed_channel_is_a_lost_stage():
+    import numpy as np
+    from switchyard.service.engine.pipeline_group import HEADER, PREFILL, TICK, CommandChannel, GroupBrokenError
+
+    a, b = socket.socketpair()
+    leader, follower = CommandChannel([a]), CommandChannel([b])
+    leader.send(TICK, 41, 1)
+    leader.send(PREFILL, 3, 2, tokens=np.array([7, 8, 9], np.int32))
+    tick, prefill = follower.receive(), follower.receive()
+    assert tick.tolist() == [TICK, 41, 1] + [0] * (HEADER - 3)
+    assert prefill[:3].tolist() == [PREFILL, 3, 2] and prefill[HEADER:].tolist() == [7, 8, 9]
+    leader.close()
+    with pytest.raises(GroupBrokenError, match="closed the command channel"):
+        follower.receive()
+    follower.close()
+
+
+def test_a_failed_call_on_stage_0_breaks_the_group_and_nothing_more_is_announced():
+    import numpy as np
+    from switchyard.service.engine.pipeline_group import PREFILL, GroupBrokenError, LeaderEngine
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.ops: list[int] = []
+
+        def send(self, op: int, *fields: int, tokens=None) -> None:
+            self.ops.append(op)
+
+    class DeviceLost:
+        tick, pp = 0, 2
+
+        def padded_prompt(self, tokens, sampling):
+            return np.zeros(16, np.int32)
+
+        def run_prefill(self, *args):
+            raise RuntimeError("device lost")
+
+        def greedy_only(self) -> bool:
+            return True
+
+    channel = Recorder()
+    leader = LeaderEngine(DeviceLost(), channel)
+    with pytest.raises(GroupBrokenError, match="device lost"):
+        leader.prefill([1, 2, 3])
+    assert leader.broken is not None
+    with pytest.raises(GroupBrokenError, match="broken"):
+        leader.dispatch()
+    assert channel.ops == [PREFILL]
