@@ -16,7 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from switchyard.service.api.wire import AlreadyExists, RequestSpec, Unavailable
+from switchyard.service.api.wire import RequestSpec, Unavailable
+from switchyard.service.errors import DuplicateRequestError, quoted
 
 log = logging.getLogger(__name__)
 
@@ -105,19 +106,22 @@ class EngineBridge:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def in_flight_ids(self) -> list[str]:
+        return list(self._in_flight)
+
     # ---- requests --------------------------------------------------------------------------------
     async def stream(self, spec: RequestSpec, *, timeout: float | None = None) -> AsyncIterator[Any]:
         """Submit ``spec`` and yield its TokenEvents; the last one has ``finish_reason`` set.
 
         Raises the scheduler's errors (InvalidRequestError, OutOfRangeError, QueueFullError) before
-        the first event, Unavailable when not accepting, AlreadyExists for a duplicate request id.
+        the first event, Unavailable when not accepting, DuplicateRequestError for a request id in flight.
         """
         if self.failed:
             raise Unavailable("the engine loop has failed; this server is restarting")
         if not self.accepting or not self.alive:
             raise Unavailable("the server is not accepting requests (starting up or draining)")
         if spec.request_id in self._in_flight:
-            raise AlreadyExists(f"request id {spec.request_id!r} is already in flight")
+            raise DuplicateRequestError(f"request id {quoted(spec.request_id)} is already in flight")
         loop = asyncio.get_running_loop()
         pump = self._pumps.get(loop) or self._pumps.setdefault(loop, _EventPump(loop))
         events: asyncio.Queue[Any] = asyncio.Queue()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import struct
 from collections.abc import AsyncIterator, Callable
 from importlib import metadata
@@ -25,8 +26,9 @@ from typing import Any
 import grpc
 import numpy as np
 from google.protobuf import descriptor_pool, message_factory
+from switchyard.service.api import parsing
 from switchyard.service.api.wire import Limits, RequestSpec, check_request_id, check_request_size, sampling_from
-from switchyard.service.errors import InvalidRequestError
+from switchyard.service.errors import InvalidRequestError, quoted
 from switchyard.service.proto import kserve_descriptor
 
 SERVICE = "inference.GRPCInferenceService"
@@ -65,6 +67,8 @@ INPUTS: dict[str, tuple[tuple[str, ...], list[int]]] = {
     "exclude_input_in_output": (("BOOL",), [-1, 1]),
 }
 REQUIRED = ("text_input", "max_tokens")
+MAX_DIMS = 8  # per input tensor
+MAX_ELEMENTS = 4096  # per input tensor
 OUTPUT = "text_output"
 
 _NUMPY = {
@@ -105,16 +109,16 @@ def deserialize_bytes(raw: bytes, count: int, name: str) -> list[bytes]:
     out, offset = [], 0
     for _ in range(count):
         if offset + 4 > len(raw):
-            raise InvalidRequestError(f"input {name!r}: raw BYTES data ends inside an element length")
+            raise InvalidRequestError(f"input {quoted(name)}: raw BYTES data ends inside an element length")
         (length,) = struct.unpack_from("<I", raw, offset)
         offset += 4
         if offset + length > len(raw):
-            raise InvalidRequestError(f"input {name!r}: raw BYTES element runs past the end of the data")
+            raise InvalidRequestError(f"input {quoted(name)}: raw BYTES element runs past the end of the data")
         out.append(raw[offset : offset + length])
         offset += length
     if offset != len(raw):
         raise InvalidRequestError(
-            f"input {name!r}: {len(raw) - offset} bytes left over after {count} elements"
+            f"input {quoted(name)}: {len(raw) - offset} bytes left over after {count} elements"
         )
     return out
 
@@ -135,19 +139,26 @@ def decode_inputs(request: Any) -> dict[str, np.ndarray]:
     for n, tensor in enumerate(request.inputs):
         name, dtype = tensor.name, tensor.datatype
         if name in tensors:
-            raise InvalidRequestError(f"input {name!r} is given twice")
+            raise InvalidRequestError(f"input {quoted(name)} is given twice")
         if name not in INPUTS:
-            raise InvalidRequestError(f"unexpected input {name!r}; this model takes {', '.join(INPUTS)}")
+            raise InvalidRequestError(f"unexpected input {quoted(name)}; this model takes {', '.join(INPUTS)}")
         if dtype not in INPUTS[name][0]:
             raise InvalidRequestError(
-                f"input {name!r} has datatype {dtype}; expected {' or '.join(INPUTS[name][0])}"
+                f"input {quoted(name)} has datatype {quoted(dtype)}; expected {' or '.join(INPUTS[name][0])}"
             )
         shape = list(tensor.shape)
+        if len(shape) > MAX_DIMS:
+            raise InvalidRequestError(f"input {quoted(name)} has {len(shape)} dimensions; at most {MAX_DIMS}")
         if any(d < 0 for d in shape):
-            raise InvalidRequestError(f"input {name!r} has a negative dimension in shape {shape}")
-        count = int(np.prod(shape)) if shape else 1
-        if count > 4096:
-            raise InvalidRequestError(f"input {name!r} has {count} elements; at most 4096 are accepted")
+            raise InvalidRequestError(f"input {quoted(name)} has a negative dimension in shape {shape}")
+        if any(d > MAX_ELEMENTS for d in shape):
+            # Checked before the product, which a shape like [0, 2**62] would make useless.
+            raise InvalidRequestError(
+                f"input {quoted(name)} has shape {shape}; no dimension may exceed {MAX_ELEMENTS}")
+        count = math.prod(shape)  # Python integers: no overflow, unlike numpy's product
+        if count > MAX_ELEMENTS:
+            raise InvalidRequestError(
+                f"input {quoted(name)} has {count} elements; at most {MAX_ELEMENTS} are accepted")
         if dtype == "BYTES":
             values = (
                 deserialize_bytes(request.raw_input_contents[n], count, name)
@@ -161,14 +172,14 @@ def decode_inputs(request: Any) -> dict[str, np.ndarray]:
             raw = request.raw_input_contents[n]
             if len(raw) != count * np_type.itemsize:
                 raise InvalidRequestError(
-                    f"input {name!r}: {len(raw)} raw bytes do not hold {count} {dtype} elements"
+                    f"input {quoted(name)}: {len(raw)} raw bytes do not hold {count} {dtype} elements"
                 )
             array = np.frombuffer(raw, dtype=np_type)
         else:
             array = np.asarray(getattr(tensor.contents, _CONTENTS_FIELD[dtype]), dtype=_NUMPY[dtype])
         if array.size != count:
             raise InvalidRequestError(
-                f"input {name!r} has {array.size} elements but its shape {shape} needs {count}"
+                f"input {quoted(name)} has {array.size} elements but its shape {shape} needs {count}"
             )
         tensors[name] = array.reshape(shape) if shape else array.reshape(())
     return tensors
@@ -179,7 +190,7 @@ def _scalar(tensors: dict[str, np.ndarray], name: str, kind: Callable[[Any], Any
         return None
     array = tensors[name]
     if array.size != 1:
-        raise InvalidRequestError(f"input {name!r} must hold one value (a batch of one), got {array.size}")
+        raise InvalidRequestError(f"input {quoted(name)} must hold one value (a batch of one), got {array.size}")
     value = array.reshape(-1)[0]
     return kind(value)
 
@@ -188,7 +199,7 @@ def _text(value: Any, name: str) -> str:
     try:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError as err:
-        raise InvalidRequestError(f"input {name!r} is not valid UTF-8: {err}") from err
+        raise InvalidRequestError(f"input {quoted(name)} is not valid UTF-8: {err}") from err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +313,8 @@ class KServeService:
         if not self._known(name, version):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"unknown model {name!r} version {version!r}; this server serves {self.app.model_name!r} version 1",
+                f"unknown model {quoted(name)} version {quoted(version)}; "
+                f"this server serves {self.app.model_name!r} version 1",
             )
 
     # inference
@@ -310,8 +322,7 @@ class KServeService:
         await self._check_model(request.model_name, request.model_version, context)
         pieces: list[str] = []
         try:
-            self.app.require_ready()
-            spec, options = request_spec(request, self.app.tokenizer, self.app.limits)
+            spec, options = await self.app.convert(request_spec, request)
             pieces.append(options.prefix)
             async with contextlib.aclosing(self.app.events(spec, context)) as events:
                 async for event in events:
@@ -327,14 +338,13 @@ class KServeService:
             out.put_nowait(ModelStreamInferResponse(error_message=text))
 
         if not self._known(request.model_name, request.model_version):
-            error(f"unknown model {request.model_name!r}; this server serves {self.app.model_name!r}")
+            error(f"unknown model {quoted(request.model_name)}; this server serves {self.app.model_name!r}")
             return
         param = request.parameters.get(ENABLE_EMPTY_FINAL)
         empty_final = bool(param is not None and param.bool_param)
         shape = _output_shape(request)
         try:
-            self.app.require_ready()
-            spec, options = request_spec(request, self.app.tokenizer, self.app.limits)
+            spec, options = await self.app.convert(request_spec, request)
             pieces: list[str] = [options.prefix]
             prefix = options.prefix  # streamed: goes in front of the first response's text
             async with contextlib.aclosing(self.app.events(spec, context)) as events:
@@ -369,14 +379,20 @@ class KServeService:
         out: asyncio.Queue[Any] = asyncio.Queue()
         done = object()
         tasks: set[asyncio.Task[None]] = set()
+        malformed: list[parsing.Malformed] = []
 
         async def read_all() -> None:
             try:
                 async for request in requests:
+                    if isinstance(request, parsing.Malformed):
+                        # Read no further; what was accepted still finishes, then the stream fails.
+                        malformed.append(request)
+                        break
                     task = asyncio.create_task(self._stream_one(request, out, context))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
-                # Half-close from the client: finish what was asked, then end the stream.
+                # Half-close from the client (or a message that did not parse): finish what was
+                # asked, then end the stream.
                 while tasks:
                     await asyncio.gather(*list(tasks), return_exceptions=True)
             finally:
@@ -393,12 +409,14 @@ class KServeService:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+        if malformed:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed[0].reason)
 
     def handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Any, req: str, resp: str) -> grpc.RpcMethodHandler:
             return grpc.unary_unary_rpc_method_handler(
-                fn,
-                request_deserializer=message(req).FromString,
+                parsing.unary(fn),
+                request_deserializer=parsing.parser(message(req)),
                 response_serializer=message(resp).SerializeToString,
             )
 
@@ -415,7 +433,7 @@ class KServeService:
                 "ModelInfer": unary(self.ModelInfer, "ModelInferRequest", "ModelInferResponse"),
                 "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
                     self.ModelStreamInfer,
-                    request_deserializer=ModelInferRequest.FromString,
+                    request_deserializer=parsing.parser(ModelInferRequest),
                     response_serializer=ModelStreamInferResponse.SerializeToString,
                 ),
             },

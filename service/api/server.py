@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from switchyard.service.api import kserve
+from switchyard.service.api import kserve, parsing
 from switchyard.service.api.bridge import EngineBridge
 from switchyard.service.api.wire import (
     Limits,
@@ -32,6 +32,7 @@ from switchyard.service.api.wire import (
     from_generate_request,
     status_for,
 )
+from switchyard.service.errors import quoted
 from switchyard.service.proto import decode_pb2, decode_pb2_grpc
 from switchyard.service.telemetry import tracing
 from switchyard.service.telemetry.traces import RequestTrace
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 HEALTH_SERVICES = ("", DECODE_SERVICE, kserve.SERVICE)
+CUT_IDS_LOGGED = 20  # request ids named in the log line of a drain that ran out of time
 _FINISH = {"stop": decode_pb2.FINISH_REASON_STOP, "length": decode_pb2.FINISH_REASON_LENGTH}
 
 
@@ -97,16 +99,24 @@ class DecodeApp:
             self.bridge.accepting = False
         await self.health.enter_graceful_shutdown()
 
-    async def finish_in_flight(self, server: grpc.aio.Server, grace: float) -> None:
+    async def finish_in_flight(self, server: grpc.aio.Server, grace: float) -> int:
         """After :meth:`drain`: wait up to ``grace`` for the accepted generations, then stop the
         server. Not ``server.stop(grace)`` alone: long-lived calls that are not generations (a health
-        Watch, an idle KServe stream) would hold the process for the whole grace period."""
+        Watch, an idle KServe stream) would hold the process for the whole grace period. Returns how
+        many accepted generations the grace period cut short (each is logged)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         while self.bridge is not None and self.bridge.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
+        cut = self.bridge.in_flight_ids() if self.bridge is not None else []
+        if cut:
+            shown = ", ".join(quoted(request_id) for request_id in cut[:CUT_IDS_LOGGED])
+            more = f" and {len(cut) - CUT_IDS_LOGGED} more" if len(cut) > CUT_IDS_LOGGED else ""
+            log.warning("the drain grace period (%.1f s) ran out: cutting %d unfinished request(s): %s%s",
+                        grace, len(cut), shown, more)
         # A moment for the last messages to reach their clients, then cancel whatever is left.
         await server.stop(min(1.0, max(0.0, deadline - loop.time())))
+        return len(cut)
 
     def close(self) -> None:
         if self.bridge is not None:
@@ -125,6 +135,14 @@ class DecodeApp:
         if code is grpc.StatusCode.INTERNAL:
             log.error("request failed", exc_info=err)
         await context.abort(code, text)
+
+    async def convert(self, convert: Callable[..., Any], request: Any, *args: Any) -> Any:
+        """``convert(request, tokenizer, limits, *args)``: a wire request to what the scheduler takes.
+        The size is checked first, on the loop; the rest (tokenizing up to a megabyte of text) runs
+        in a worker thread so that it never holds up the streams being served."""
+        self.require_ready()
+        check_request_size(request.ByteSize(), self.limits)
+        return await asyncio.to_thread(convert, request, self.tokenizer, self.limits, *args)
 
     def require_ready(self) -> None:
         if self.bridge is not None and self.bridge.failed:
@@ -158,9 +176,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         try:
             self.app.require_ready()
             assert self.app.bridge is not None
-            return from_generate_request(
-                request, self.app.tokenizer, self.app.limits, self.app.bridge.scheduler.max_seq_len
-            )
+            return await self.app.convert(from_generate_request, request, self.app.bridge.scheduler.max_seq_len)
         except Exception as err:
             await self.app.abort_for(err, context)
             raise  # not reached: abort raises
@@ -210,9 +226,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            self.app.require_ready()
-            check_request_size(request.ByteSize(), self.app.limits)
-            ids = self.app.tokenizer.encode(request.text)
+            ids = await self.app.convert(lambda r, tokenizer, _: tokenizer.encode(r.text), request)
         except Exception as err:
             await self.app.abort_for(err, context)
         return decode_pb2.TokenizeResponse(token_ids=ids)
@@ -242,7 +256,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if request.request_id and not found:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"no finished request {request.request_id!r} among the last ones kept by this server",
+                f"no finished request {quoted(request.request_id)} among the last ones kept by this server",
             )
         return decode_pb2.GetTracesResponse(traces=[trace_to_proto(t) for t in found])
 
@@ -308,7 +322,9 @@ def build_server(app: DecodeApp, *, options: list[tuple[str, Any]] | None = None
             *(options or []),
         ]
     )
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeService(app), server)
+    server.add_generic_rpc_handlers((parsing.service_handler(
+        decode_pb2.DESCRIPTOR.services_by_name["Decode"], DecodeService(app),
+        lambda descriptor: getattr(decode_pb2, descriptor.name)),))
     server.add_generic_rpc_handlers((kserve.KServeService(app).handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
     names = (DECODE_SERVICE, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -390,8 +406,11 @@ async def serve(
         options.grace_period,
     )
     await app.drain()
-    await app.finish_in_flight(server, options.grace_period)
+    cut = await app.finish_in_flight(server, options.grace_period)
     await asyncio.to_thread(app.close)
+    if cut:
+        log.error("stopped with %d request(s) cut short by the drain grace period", cut)
+        return 1
     log.info("stopped")
     return 0
 

@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 import grpc
-from switchyard.service.errors import InvalidRequestError, OutOfRangeError, QueueFullError
+from switchyard.service.errors import DuplicateRequestError, InvalidRequestError, OutOfRangeError, QueueFullError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,15 +29,11 @@ class Unavailable(Exception):
     """The server cannot take requests now (loading, draining)."""
 
 
-class AlreadyExists(InvalidRequestError):
-    """A request id that is already in flight."""
-
-
 def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for an error raised while taking a request."""
     if isinstance(err, OutOfRangeError):
         return grpc.StatusCode.OUT_OF_RANGE, str(err)
-    if isinstance(err, AlreadyExists):
+    if isinstance(err, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS, str(err)
     if isinstance(err, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)

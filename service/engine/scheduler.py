@@ -19,7 +19,14 @@ import numpy as np
 from switchyard.service.engine.sampling import SamplingParams
 from switchyard.service.engine.tensor_parallel import Engine, PendingStep, StepResult
 from switchyard.service.engine.tokenizer import IncrementalDecoder, Tokenizer
-from switchyard.service.errors import FatalEngineError, InvalidRequestError, OutOfRangeError, QueueFullError
+from switchyard.service.errors import (
+    DuplicateRequestError,
+    FatalEngineError,
+    InvalidRequestError,
+    OutOfRangeError,
+    QueueFullError,
+    quoted,
+)
 
 __all__ = [
     "GenerationRequest", "InvalidRequestError", "OutOfRangeError", "QueueFullError", "RequestRecord",
@@ -168,7 +175,7 @@ class Scheduler:
         for s in req.stop_strings:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequestError(
-                    f"stop strings must be non-empty and at most {MAX_STOP_STRING_CHARS} characters, got {s!r}")
+                    f"stop strings must be non-empty and at most {MAX_STOP_STRING_CHARS} characters, got {quoted(s)}")
         if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
         vocab = self.engine.spec.vocab_size
@@ -182,7 +189,7 @@ class Scheduler:
         live = _Live(req, self.tokenizer, time.monotonic())
         with self._lock:
             if req.request_id in self._live:
-                raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight")
+                raise DuplicateRequestError(f"request id {quoted(req.request_id)} is already in flight")
             if len(self._queue) >= self.max_queue:
                 raise QueueFullError(
                     f"the admission queue is full ({self.max_queue} waiting, {len(self._slots)} generating); "

@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from helpers import HELPERS
 from helpers.chart_helpers import ROOT, one, template
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -246,7 +247,7 @@ def test_operator_runs_with_only_the_operator_images_packages():
     proc = run_as_in_operator_image("operator", "--help")
     assert proc.returncode == 0 and "--peering" in proc.stdout, proc.stderr
     proc = run_as_in_operator_image("plan", "--model", "llama3-8b", "--nodes",
-                                    str(ROOT / "tests" / "helpers" / "kube" / "nodes-hgx.yaml"), "--objective", "latency")
+                                    str(HELPERS / "kube" / "nodes-hgx.yaml"), "--objective", "latency")
     assert proc.returncode == 0 and "Planned: TP" in proc.stdout, proc.stderr
     # Everything `switchyard operator` imports before it connects: handlers, planner, renderer, kopf.
     code = "import switchyard.operator.handlers, switchyard.operator.runner, kopf, kubernetes"
