@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from switchyard.cli.usage import EXIT_USAGE, UsageError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -40,13 +43,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A module only an optional part needs -> the extra that installs it.
+EXTRAS = {"kopf": "operator", "kubernetes": "operator", "torch": "dev", "transformers": "dev"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
-        return 2
-    return int(args._run(args) or 0)
+        return EXIT_USAGE
+    command = f"switchyard {args.command}"
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as err:
+        return _fail(f"{command}: error: {err}")
+    except ModuleNotFoundError as err:
+        root = (err.name or "").partition(".")[0]
+        if root not in EXTRAS:
+            raise
+        extra = EXTRAS[root]
+        return _fail(f"{command}: error: needs the {extra!r} extra (pip install 'switchyard[{extra}]'); "
+                     f"module {root!r} is not installed")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as err:
+        if err.filename is None:
+            raise
+        return _fail(f"{command}: error: {err.strerror}: {err.filename}")
+    except BrokenPipeError:
+        # The reader went away (`| head`): say nothing more, and keep Python from complaining at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(message: str) -> int:
+    print(message, file=sys.stderr)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

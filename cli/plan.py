@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
+
+from switchyard.cli.usage import UsageError, existing_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,11 @@ def load_objects(path: Path) -> list[dict[str, Any]]:
     import yaml
 
     out: list[dict[str, Any]] = []
-    for doc in yaml.safe_load_all(path.read_text()):
+    try:
+        docs = list(yaml.safe_load_all(path.read_text()))
+    except yaml.YAMLError as err:
+        raise UsageError(f"{str(path)!r} is not YAML or JSON: {str(err).splitlines()[0]}") from None
+    for doc in docs:
         if doc is None:
             continue
         if isinstance(doc, list):
@@ -52,15 +57,22 @@ def load_objects(path: Path) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from switchyard.operator import calibration, inventory, planner, render
-    from switchyard.service.modelspec import PRESETS, ModelSpec, ModelSpecError
+    from switchyard.service.modelspec import PRESETS, ModelSpec, ModelSpecError, preset, preset_name
 
-    try:
-        model = PRESETS[args.model] if args.model in PRESETS else ModelSpec.from_file(args.model)
-    except ModelSpecError as err:
-        print(f"switchyard plan: {err}", file=sys.stderr)
-        return 2
-    nodes = load_objects(args.nodes)
-    pods = load_objects(args.pods) if args.pods else []
+    if preset_name(args.model) is not None:
+        model = preset(args.model)
+    elif not Path(args.model).exists():
+        raise UsageError(f"--model {args.model!r} is neither a file or folder nor a preset "
+                         f"({', '.join(PRESETS)})")
+    else:
+        try:
+            model = ModelSpec.from_file(args.model)
+        except ModelSpecError as err:
+            raise UsageError(str(err)) from None
+    nodes = load_objects(existing_file(args.nodes, "--nodes file"))
+    pods = load_objects(existing_file(args.pods, "--pods file")) if args.pods else []
+    if args.calibration:
+        existing_file(args.calibration, "--calibration file")
     request = planner.Request(
         objective=args.objective, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
         concurrency=args.concurrency, max_tpot_ms=args.max_tpot_ms, max_ttft_ms=args.max_ttft_ms,

@@ -15,6 +15,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+from switchyard.cli.usage import UsageError, existing_file, existing_folder, positive, writable_file
+
 LAYOUT_FLAGS = {  # ServingLayout field -> flag dest
     "tp": "tp",
     "strategy": "strategy",
@@ -127,9 +129,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_layout(args: argparse.Namespace) -> Any:
-    """The ServingLayout from flags, with the layout file's fields on top."""
-    from switchyard.service.modelspec import ServingLayout
+    """The ServingLayout from flags, with the layout file's fields on top (UsageError if unusable)."""
+    from switchyard.service.modelspec import STRATEGIES, ModelSpecError, ServingLayout
 
+    for flag in ("tp", "batch_slots", "max_seq_len", "max_queue", "default_max_tokens", "max_request_bytes"):
+        positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.grace_period < 0:
+        raise UsageError(f"--grace-period must be zero or more seconds, got {args.grace_period}")
+    if args.strategy not in STRATEGIES:
+        raise UsageError(f"--strategy {args.strategy!r} is not one of {', '.join(STRATEGIES)}")
     layout = ServingLayout(
         tp=args.tp,
         strategy=args.strategy,
@@ -139,8 +149,11 @@ def resolve_layout(args: argparse.Namespace) -> Any:
         model_path=args.model_path or "",
     )
     if args.layout:
-        text = Path(args.layout).read_text()
-        from_file = ServingLayout.from_json(text)  # validates, rejects unknown fields
+        text = existing_file(args.layout, "layout file").read_text()
+        try:
+            from_file = ServingLayout.from_json(text)  # validates, rejects unknown fields
+        except (ModelSpecError, TypeError) as err:
+            raise UsageError(f"layout file {args.layout!r}: {err}") from None
         given = json.loads(text)
         layout = dataclasses.replace(layout, **{k: getattr(from_file, k) for k in given})
     if layout.pp > 1:
@@ -148,8 +161,65 @@ def resolve_layout(args: argparse.Namespace) -> Any:
         # (the operator maps the StatefulSet pod index into it).
         variable = str(layout.extra.get("pipeline_stage_env") or "SWITCHYARD_PIPELINE_STAGE")
         if variable in os.environ:
-            layout = dataclasses.replace(layout, pipeline_stage=int(os.environ[variable]))
+            try:
+                layout = dataclasses.replace(layout, pipeline_stage=int(os.environ[variable]))
+            except (ValueError, ModelSpecError) as err:
+                raise UsageError(f"{variable}={os.environ[variable]!r}: {err}") from None
     return layout
+
+
+def check_port_free(host: str, port: int) -> None:
+    """UsageError unless ``host:port`` can be listened on now (a moment later someone else may take
+    it; the server still reports that as it always has)."""
+    import socket
+
+    bind_host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((bind_host, port))
+        except OSError as err:
+            raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+
+
+def check_model(layout: Any, model_path: str, args: argparse.Namespace) -> tuple[Any, Any]:
+    """Everything about the model that can be known before the port opens and the compile starts:
+    the folder and its files, the context and tensor-parallel size against the model and the devices,
+    the trace file. Returns (ModelSpec, Tokenizer); raises UsageError."""
+    from switchyard.service.engine.model import ShardShape
+    from switchyard.service.engine.tokenizer import Tokenizer
+    from switchyard.service.modelspec import ModelSpec, ModelSpecError
+
+    folder = existing_folder(model_path, "model folder")
+    for required in ("config.json", "tokenizer.json"):
+        if not (folder / required).is_file():
+            raise UsageError(f"model folder {str(folder)!r} has no {required}")
+    if not any(folder.glob("*.safetensors")):
+        raise UsageError(f"model folder {str(folder)!r} has no *.safetensors weights")
+    try:
+        spec = ModelSpec.from_file(folder)
+    except ModelSpecError as err:
+        raise UsageError(f"model folder {str(folder)!r}: {err}") from None
+    if not 2 <= layout.max_seq_len <= spec.max_position_embeddings:
+        raise UsageError(f"--max-seq-len {layout.max_seq_len} is outside [2, {spec.max_position_embeddings}], "
+                         f"the context of {spec.name}")
+    try:
+        ShardShape(spec, layout.tp)
+    except ValueError as err:
+        raise UsageError(f"--tp {layout.tp}: {err}") from None
+    if layout.pp == 1:  # a pipeline stage sees its devices only after joining its group
+        import jax
+
+        devices = jax.devices()
+        if layout.tp > len(devices):
+            raise UsageError(f"--tp {layout.tp} needs {layout.tp} devices; this process sees {len(devices)} "
+                             f"({devices[0].platform})")
+    if args.trace_file:
+        writable_file(args.trace_file, "--trace-file")
+    try:
+        return spec, Tokenizer.from_dir(folder, spec)
+    except Exception as err:  # a tokenizer.json the tokenizers library cannot read
+        raise UsageError(f"model folder {str(folder)!r}: tokenizer.json does not load: {err}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,17 +240,20 @@ def run(args: argparse.Namespace) -> int:
         scratch = tempfile.TemporaryDirectory(prefix="switchyard-tiny-")
         model_path = str(write_checkpoint(preset("tiny"), scratch.name, progress=False))
     if not model_path:
-        log.error(
-            "no model: give --model-path (or SWITCHYARD_MODEL_PATH, or model_path in the layout) or --tiny"
-        )
-        return 2
+        raise UsageError("no model: give --model-path (or SWITCHYARD_MODEL_PATH, or model_path in the layout) "
+                         "or --tiny")
+    _, tokenizer = check_model(layout, model_path, args)
+    if layout.pp > 1:
+        # Before joining the group: a stage that joined and then failed would hold the others in the
+        # distributed runtime until its timeouts ran out.
+        check_port_free(args.host, args.port)
     model_name = layout.model_name or Path(model_path).resolve().name
     if args.tiny and not layout.model_name:
         model_name = "tiny"
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
 
-    from switchyard.service.api.server import DecodeApp, ServeOptions, serve, tune_interpreter
+    from switchyard.service.api.server import STOPPED_WHILE_LOADING, DecodeApp, ServeOptions, serve, tune_interpreter
     from switchyard.service.api.wire import Limits
     from switchyard.service.telemetry.tracing import RequestRecorder, Telemetry
 
@@ -199,7 +272,6 @@ def run(args: argparse.Namespace) -> int:
     def load() -> tuple[Any, Any]:
         from switchyard.service.engine.scheduler import Scheduler
         from switchyard.service.engine.tensor_parallel import Engine
-        from switchyard.service.engine.tokenizer import Tokenizer
 
         log.info(
             "loading %s from %s (tp=%d, strategy=%s, %d slots, context %d)",
@@ -222,7 +294,6 @@ def run(args: argparse.Namespace) -> int:
             engine = Engine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
             if not args.no_warmup:
                 log.info("warm-up: compiled every step in %.1f s", engine.warmup())
-        tokenizer = Tokenizer.from_dir(model_path)
         scheduler = Scheduler(
             engine, tokenizer, max_queue=args.max_queue, on_finish=recorder.on_finish, model_name=model_name
         )
@@ -239,6 +310,12 @@ def run(args: argparse.Namespace) -> int:
     tune_interpreter(args.switch_interval)
     try:
         code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))
+        if code == STOPPED_WHILE_LOADING:
+            # The loading thread may be deep in a compile: end now instead of waiting for it.
+            if scratch is not None:
+                scratch.cleanup()
+            logging.shutdown()
+            os._exit(code)
         if leader.engine is not None:
             if leader.engine.broken is not None:
                 from switchyard.service.engine.pipeline_group import exit_now
@@ -248,6 +325,10 @@ def run(args: argparse.Namespace) -> int:
                 exit_now(code or 1)
             if code == 0:
                 leader.engine.stop()  # release the other stages of the group
+        if code != 0 and layout.pp > 1:
+            from switchyard.service.engine.pipeline_group import exit_now
+
+            exit_now(code)  # not the runtime's shutdown barrier, which waits minutes for the other stages
         return code
     finally:
         if scratch is not None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from switchyard.cli.usage import UsageError, writable_file
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", nargs="?", help="OTLP-JSON lines file (switchyard serve --trace-file)")
@@ -24,8 +26,9 @@ def run(args: argparse.Namespace) -> int:
     from switchyard.service.telemetry import traces as T
 
     if bool(args.file) == bool(args.target):
-        print("error: give a trace FILE or --target host:port (one of them)", file=sys.stderr)
-        return 2
+        raise UsageError("give a trace FILE or --target host:port (one of them)")
+    if args.png:
+        writable_file(args.png, "--png")
     if args.file:
         try:
             found = T.read_trace_file(args.file)

@@ -277,11 +277,29 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+# The names the model family itself uses (and our manifests' model names) for the same presets.
+PRESET_ALIASES = {"llama-3-8b": "llama3-8b", "llama-3-70b": "llama3-70b", "llama-3.1-405b": "llama3.1-405b"}
+
+
+def preset_name(name: str) -> str | None:
+    """The preset ``name`` means (itself or through an alias), or None."""
+    name = PRESET_ALIASES.get(name, name)
+    return name if name in PRESETS else None
+
+
 def preset(name: str) -> ModelSpec:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ModelSpecError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})") from None
+    found = preset_name(name)
+    if found is None:
+        raise ModelSpecError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    return PRESETS[found]
+
+
+def format_count(n: int) -> str:
+    """1234 -> '1.23 thousand', 8_030_261_248 -> '8.03 billion': parameter counts of any size."""
+    for scale, word in ((1e12, "trillion"), (1e9, "billion"), (1e6, "million"), (1e3, "thousand")):
+        if n >= scale:
+            return f"{n / scale:.2f} {word}"
+    return str(n)
 
 
 # ---- the layout file the operator writes and `switchyard serve` reads ----------------------------

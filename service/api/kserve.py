@@ -27,7 +27,14 @@ import grpc
 import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 from switchyard.service.api import parsing
-from switchyard.service.api.wire import Limits, RequestSpec, check_request_id, check_request_size, sampling_from
+from switchyard.service.api.wire import (
+    Limits,
+    RequestSpec,
+    check_max_tokens,
+    check_request_id,
+    check_request_size,
+    sampling_from,
+)
 from switchyard.service.errors import InvalidRequestError, quoted
 from switchyard.service.proto import kserve_descriptor
 
@@ -208,8 +215,11 @@ class Options:
     prefix: str = ""  # text before the generated text: the prompt when exclude_input_in_output is false
 
 
-def request_spec(request: Any, tokenizer: Any, limits: Limits) -> tuple[RequestSpec, Options]:
-    """A ModelInferRequest -> (RequestSpec, Options)."""
+def request_spec(
+    request: Any, tokenizer: Any, limits: Limits, max_seq_len: int | None = None
+) -> tuple[RequestSpec, Options]:
+    """A ModelInferRequest -> (RequestSpec, Options). ``max_tokens`` 0 means the server's default, as
+    on the Decode API."""
     check_request_size(request.ByteSize(), limits)
     tensors = decode_inputs(request)
     missing = [n for n in REQUIRED if n not in tensors]
@@ -218,9 +228,6 @@ def request_spec(request: Any, tokenizer: Any, limits: Limits) -> tuple[RequestS
     text = _text(_scalar(tensors, "text_input", lambda v: v), "text_input")
     if not text:
         raise InvalidRequestError("text_input is empty")
-    max_tokens = _scalar(tensors, "max_tokens", int)
-    if max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}")
     beam = _scalar(tensors, "beam_width", int)
     if beam not in (None, 1):
         raise InvalidRequestError(f"beam_width {beam} is not supported; only 1 (no beam search)")
@@ -235,10 +242,11 @@ def request_spec(request: Any, tokenizer: Any, limits: Limits) -> tuple[RequestS
     end_id = _scalar(tensors, "end_id", int)
     stop_ids = () if end_id is None else (end_id,)  # the scheduler adds the model's EOS ids, checks ranges
     prompt_ids = tokenizer.encode(text)
+    room = None if max_seq_len is None else max_seq_len - len(prompt_ids)
     spec = RequestSpec(
         request_id=check_request_id(""),
         prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
+        max_tokens=check_max_tokens(_scalar(tensors, "max_tokens", int), limits, room),
         sampling=sampling,
         stop_token_ids=stop_ids,
         stop_strings=stops,
@@ -322,7 +330,7 @@ class KServeService:
         await self._check_model(request.model_name, request.model_version, context)
         pieces: list[str] = []
         try:
-            spec, options = await self.app.convert(request_spec, request)
+            spec, options = await self.app.convert(request_spec, request, self.app.max_seq_len)
             pieces.append(options.prefix)
             async with contextlib.aclosing(self.app.events(spec, context)) as events:
                 async for event in events:
@@ -344,7 +352,7 @@ class KServeService:
         empty_final = bool(param is not None and param.bool_param)
         shape = _output_shape(request)
         try:
-            spec, options = await self.app.convert(request_spec, request)
+            spec, options = await self.app.convert(request_spec, request, self.app.max_seq_len)
             pieces: list[str] = [options.prefix]
             prefix = options.prefix  # streamed: goes in front of the first response's text
             async with contextlib.aclosing(self.app.events(spec, context)) as events:

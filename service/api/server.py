@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import sys
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 HEALTH_SERVICES = ("", DECODE_SERVICE, kserve.SERVICE)
+# serve()'s exit status when stopped (SIGTERM / SIGINT) before the model was loaded; the loading
+# thread is still running, so the process should end at once (os._exit) rather than wait for it.
+STOPPED_WHILE_LOADING = 130
 CUT_IDS_LOGGED = 20  # request ids named in the log line of a drain that ran out of time
 _FINISH = {"stop": decode_pb2.FINISH_REASON_STOP, "length": decode_pb2.FINISH_REASON_LENGTH}
 
@@ -144,6 +148,10 @@ class DecodeApp:
         check_request_size(request.ByteSize(), self.limits)
         return await asyncio.to_thread(convert, request, self.tokenizer, self.limits, *args)
 
+    @property
+    def max_seq_len(self) -> int | None:
+        return None if self.bridge is None else self.bridge.scheduler.max_seq_len
+
     def require_ready(self) -> None:
         if self.bridge is not None and self.bridge.failed:
             raise Unavailable("the engine loop has failed; this server is going away")
@@ -176,7 +184,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         try:
             self.app.require_ready()
             assert self.app.bridge is not None
-            return await self.app.convert(from_generate_request, request, self.app.bridge.scheduler.max_seq_len)
+            return await self.app.convert(from_generate_request, request, self.app.max_seq_len)
         except Exception as err:
             await self.app.abort_for(err, context)
             raise  # not reached: abort raises
@@ -376,12 +384,14 @@ async def serve(
     log.info("listening on %s:%d (NOT_SERVING until the model is warm)", options.host, port)
     if on_listening is not None:
         on_listening(port)
-    loader = loop.run_in_executor(None, load)
+    loader = _in_daemon_thread(load, "switchyard-load")
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if not loader.done():  # asked to stop while loading
+    if not loader.done():
+        # Loading and compiling cannot be interrupted; the caller exits without waiting for them.
+        log.warning("stopped while loading the model")
         await server.stop(0)
-        return 0
+        return STOPPED_WHILE_LOADING
     try:
         scheduler, tokenizer = loader.result()
     except Exception:
@@ -413,6 +423,31 @@ async def serve(
         return 1
     log.info("stopped")
     return 0
+
+
+def _in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
+    """``fn()`` in a daemon thread, as a future of the running loop. Not the loop's default executor:
+    ``asyncio.run`` waits for that executor's threads at exit, so a stop during a long compile would
+    wait for the whole compile."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as err:  # handed to the loop, which re-raises it in serve()
+            outcome = functools.partial(future.set_exception, err)
+        else:
+            outcome = functools.partial(future.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 class ServerThread:

@@ -12,7 +12,8 @@ from helpers.serving_harness import serving
 from switchyard.cli import generate as client_cli
 from switchyard.cli import serve as serve_cli
 from switchyard.cli import trace as trace_cli
-from switchyard.cli.main import build_parser
+from switchyard.cli.main import build_parser, main
+from switchyard.cli.usage import UsageError
 from switchyard.service.api.client import DecodeClient, StreamResult, make_request
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,8 +60,9 @@ def test_trace_target_reads_the_service(served, tmp_path: Path, capsys) -> None:
 
 
 def test_trace_needs_exactly_one_source(capsys) -> None:
-    args = build_parser().parse_args(["trace"])
-    assert args._run(args) == 2
+    assert main(["trace"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "switchyard trace: error: give a trace FILE or --target host:port (one of them)")
 
 
 def test_latency_report_percentiles() -> None:
@@ -90,11 +92,11 @@ def test_serve_configuration_flags_env_and_layout_file(monkeypatch, tmp_path: Pa
     layout = serve_cli.resolve_layout(_serve_args(["--tp", "2", "--layout", str(file), "--batch-slots", "4"]))
     assert (layout.tp, layout.strategy, layout.max_seq_len, layout.batch_slots) == (8, "oneshot", 4096, 4)
     file.write_text(json.dumps({"tp": 8, "nonsense": 1}))
-    with pytest.raises(ValueError, match="nonsense"):
+    with pytest.raises(UsageError, match="nonsense"):
         serve_cli.resolve_layout(_serve_args(["--layout", str(file)]))
 
 
-def test_serve_without_a_model_says_how_to_give_one(monkeypatch, caplog) -> None:
+def test_serve_without_a_model_says_how_to_give_one(monkeypatch, capsys) -> None:
     monkeypatch.delenv("SWITCHYARD_MODEL_PATH", raising=False)
-    assert serve_cli.run(_serve_args([])) == 2
-    assert "--model-path" in caplog.text
+    assert main(["serve"]) == 2
+    assert "--model-path" in capsys.readouterr().err

@@ -37,7 +37,7 @@ def test_plan_json_and_does_not_fit(capsys):
     p = planner.plan(preset("llama3.1-405b"), inventory.build(one_node), planner.Request())
     assert p.layout is None
     rc = main(["plan", "--model", "nope.json", "--nodes", str(NODES)])
-    assert rc == 2 and "no config.json" in capsys.readouterr().err
+    assert rc == 2 and "is neither a file or folder nor a preset" in capsys.readouterr().err
 
 
 def test_operator_command_configuration(monkeypatch):

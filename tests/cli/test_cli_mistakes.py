@@ -1,0 +1,154 @@
+"""Ordinary mistakes on the command line: each gets one line on stderr naming what is wrong, exit
+status 2, no traceback, and is found before anything slow (the port opening, loading, compiling)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import HELPERS
+
+pytestmark = pytest.mark.timeout(300)
+NODES = HELPERS / "kube" / "nodes-hgx.yaml"
+
+
+def switchyard(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    environment["XLA_FLAGS"] = ""  # one CPU device, not the test session's four
+    environment.update(env or {})
+    return subprocess.run([sys.executable, "-m", "switchyard.cli.main", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=environment)
+
+
+def assert_one_line(done: subprocess.CompletedProcess, *words: str) -> None:
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "tiny"
+    done = switchyard("make-checkpoint", "--preset", "tiny", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "parameters" in done.stdout and " 0.00 " not in done.stdout, done.stdout
+    return out
+
+
+def _busy_port() -> tuple[socket.socket, int]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--tiny", "--strategy", "fastest"], ["--strategy", "fastest", "auto"]),
+    (["serve", "--tiny", "--batch-slots", "0"], ["--batch-slots", "at least 1"]),
+    (["serve", "--tiny", "--tp", "0"], ["--tp"]),
+    (["serve", "--tiny", "--layout", "/no/such/layout.json"], ["layout file", "does not exist"]),
+    (["serve", "--model-path", "/no/such/model"], ["model folder", "/no/such/model", "does not exist"]),
+    (["serve", "--tiny", "--tp", "64"], ["--tp 64", "must divide"]),
+    (["serve", "--tiny", "--tp", "2"], ["--tp 2", "needs 2 devices", "sees 1"]),
+    (["serve", "--tiny", "--max-seq-len", "100000"], ["--max-seq-len 100000", "2048"]),
+    (["serve", "--tiny", "--trace-file", "/no/such/folder/t.jsonl"], ["--trace-file", "does not exist"]),
+    (["serve", "--tiny", "--port", "70000"], ["--port"]),
+    (["plan", "--model", "llama3-8b", "--nodes", "/no/such/nodes.yaml"], ["--nodes file", "does not exist"]),
+    (["plan", "--model", "llama-3-9b", "--nodes", str(NODES)], ["llama-3-9b", "llama3-8b"]),
+    (["make-checkpoint", "--preset", "llama3-9b", "--out", "/tmp/x"], ["--preset", "tiny"]),
+    (["make-checkpoint", "--preset", "tiny", "--out", "/etc/hostname/sub"], ["--out", "cannot be written"]),
+    (["trace"], ["FILE", "--target"]),
+    (["trace", "/no/such/traces.jsonl", "--png", "/no/such/folder/t.png"], ["--png", "does not exist"]),
+])
+def test_mistakes_get_one_line_and_exit_2(argv, words) -> None:
+    assert_one_line(switchyard(*argv, env={"JAX_PLATFORMS": "cpu"}), *words)
+
+
+def test_model_folder_problems_are_found_before_the_port_opens(model_dir: Path, tmp_path: Path) -> None:
+    held, port = _busy_port()  # were the port opened first, this would fail differently
+    with held:
+        for missing in ("tokenizer.json", "config.json"):
+            broken = tmp_path / f"no-{missing}"
+            broken.mkdir()
+            for f in model_dir.iterdir():
+                if f.name != missing:
+                    (broken / f.name).symlink_to(f)
+            started = time.monotonic()
+            done = switchyard("serve", "--model-path", str(broken), "--port", str(port), "--host", "127.0.0.1")
+            assert_one_line(done, missing)
+            assert time.monotonic() - started < 60  # no compile happened
+
+
+def test_a_layout_file_with_a_bad_value_names_it(tmp_path: Path) -> None:
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps({"batch_slots": -1}))
+    assert_one_line(switchyard("serve", "--tiny", "--layout", str(layout)), "layout file", "batch_slots")
+
+
+def test_a_pipeline_stage_that_cannot_listen_exits_before_joining(tmp_path: Path) -> None:
+    held, port = _busy_port()
+    with held:
+        layout = tmp_path / "layout.json"
+        layout.write_text(json.dumps({"tp": 1, "pp": 2, "batch_slots": 2, "max_seq_len": 256,
+                                      "coordinator": "127.0.0.1:1"}))
+        started = time.monotonic()
+        done = switchyard("serve", "--tiny", "--layout", str(layout), "--host", "127.0.0.1", "--port", str(port),
+                          env={"SWITCHYARD_PIPELINE_STAGE": "0", "JAX_PLATFORMS": "cpu"})
+        assert_one_line(done, "cannot listen", str(port))
+        assert time.monotonic() - started < 60
+
+
+def test_operator_without_its_extra_says_which_extra(tmp_path: Path) -> None:
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text("import sys\nsys.modules['kopf'] = None\n")  # as if kopf were not installed
+    done = switchyard("operator", "--standalone", env={"PYTHONPATH": str(tmp_path)})
+    assert_one_line(done, "'operator' extra", "pip install 'switchyard[operator]'")
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    reader = subprocess.Popen([sys.executable, "-m", "switchyard.cli.main", "plan", "--model", "llama-3-8b",
+                               "--nodes", str(NODES)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader.stdout.close()  # like `| head -0`: the reader is gone before the first line
+    _, err = reader.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
+
+
+def test_plan_takes_the_manifests_model_names() -> None:
+    done = switchyard("plan", "--model", "llama-3-8b", "--nodes", str(NODES), "--objective", "latency")
+    assert done.returncode == 0 and "Planned" in done.stdout, done.stderr[-2000:]
+
+
+def test_ctrl_c_during_warm_up_stops_at_once() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    environment.update(XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--host", "127.0.0.1",
+                             "--port", str(port)], stderr=subprocess.PIPE, text=True, env=environment)
+    log = []
+    try:
+        for line in proc.stderr:
+            log.append(line)
+            if "listening on" in line:
+                break
+        time.sleep(1.0)  # into the compile
+        proc.send_signal(2)  # SIGINT, as Ctrl-C sends it
+        started = time.monotonic()
+        code = proc.wait(60)
+        log.append(proc.stderr.read())
+    finally:
+        proc.kill()
+    text = "".join(log)
+    if "serving tiny" in text.split("stopped while loading")[0] and code != 130:
+        pytest.skip("warm-up finished before the signal")
+    assert code == 130 and "stopped while loading the model" in text, text[-3000:]
+    assert time.monotonic() - started < 10
