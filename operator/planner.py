@@ -26,6 +26,7 @@ from typing import Any
 from switchyard.service.modelspec import ModelSpec
 
 from . import calibration as calibration_mod
+from . import crd
 from .inventory import GpuNode, Inventory
 
 OBJECTIVES = ("latency", "throughput", "balanced")
@@ -41,19 +42,19 @@ GiB = 1024**3
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What the DecodeService asks for (spec fields, defaults applied)."""
+    """What the DecodeService asks for (spec fields; where the spec leaves one out, the CRD schema's default)."""
 
-    objective: str = "balanced"
-    input_tokens: int = 1024
-    output_tokens: int = 256
-    concurrency: int = 8
+    objective: str = crd.spec_default("objective")
+    input_tokens: int = crd.spec_default("workload.inputTokens")
+    output_tokens: int = crd.spec_default("workload.outputTokens")
+    concurrency: int = crd.spec_default("workload.concurrency")
     max_tpot_ms: float | None = None
     max_ttft_ms: float | None = None
     target_tokens_per_s: float | None = None
     replicas: int | None = None  # pinned data-parallel replicas; None = auto
     tp: int | None = None
     pp: int | None = None
-    strategy: str = "auto"
+    strategy: str = crd.spec_default("allReduce")
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
 
