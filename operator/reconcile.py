@@ -13,7 +13,7 @@ from typing import Any
 
 from . import inventory, planner, render
 from . import spec as specmod
-from .kube import ApiError, Kube
+from .kube import CONFLICT_ATTEMPTS, Kube
 
 
 @dataclasses.dataclass
@@ -93,23 +93,14 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
     return Outcome(plan, status, actions, events)
 
 
-def write_status(kube: Kube, owner: render.Owner,
-                 build: Callable[[list[dict[str, Any]]], dict[str, Any]], attempts: int = 5) -> dict[str, Any]:
+def write_status(kube: Kube, owner: render.Owner, build: Callable[[list[dict[str, Any]]], dict[str, Any]],
+                 attempts: int = CONFLICT_ATTEMPTS) -> dict[str, Any]:
     """Write a status built from the live conditions, guarded by the resourceVersion read: a
     concurrent writer (the StatefulSet watcher) makes us re-read instead of overwriting it."""
-    for attempt in range(attempts):
-        live = kube.get("DecodeService", owner.namespace, owner.name)
-        if live is None:
-            return {}  # deleted meanwhile
-        status = build(list((live.get("status") or {}).get("conditions") or []))
-        try:
-            kube.patch_status("DecodeService", owner.namespace, owner.name, status,
-                              resource_version=live["metadata"]["resourceVersion"])
-            return status
-        except ApiError as err:
-            if err.status != 409 or attempt == attempts - 1:
-                raise
-    return {}
+    written = kube.update_status(
+        "DecodeService", owner.namespace, owner.name,
+        lambda live: build(list((live.get("status") or {}).get("conditions") or [])), attempts)
+    return dict(written[1]) if written else {}  # {}: deleted meanwhile
 
 
 def current_layout_fits(kube: Kube, body: Mapping[str, Any]) -> tuple[bool, str]:
