@@ -47,12 +47,12 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
             data = None if cm is None else (cm.get("data") or {})
         model = specmod.model_spec(spec, data)
     except specmod.SpecError as err:
-        error = str(err)
-        status = {"observedGeneration": owner.generation, "replicas": 0, "layoutSummary": "InvalidModel"}
+        error, reason = str(err), err.kind.value
+        status = {"observedGeneration": owner.generation, "replicas": 0, "layoutSummary": reason}
         status = write_status(kube, owner, lambda previous: {
             **status, "conditions": render.conditions_for(None, 0, owner.generation, previous, now(),
-                                                          planning_error=("InvalidModel", error))})
-        return Outcome(None, status, {}, [("Warning", "InvalidModel", error)])
+                                                          planning_error=(reason, error))})
+        return Outcome(None, status, {}, [("Warning", reason, error)])
 
     inv = build_inventory(kube, owner)
     plan = planner.plan(model, inv, specmod.request(spec))
@@ -86,7 +86,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
     if lay is None:
         events.append(("Warning", plan.status, plan.message))
     else:
-        events.append(("Normal" if plan.status == "Planned" else "Warning", plan.status, plan.message))
+        events.append(("Normal" if plan.rejection is None else "Warning", plan.status, plan.message))
         changed = sorted(k for k, v in actions.items() if v != "unchanged")
         if changed:
             events.append(("Normal", "Applied", ", ".join(f"{k} {actions[k]}" for k in changed)[:1000]))

@@ -27,6 +27,7 @@ from switchyard.service.modelspec import ServingLayout
 from .crd import API_VERSION, KIND
 from .inventory import GPU_RESOURCE, GPU_TOLERATION, PRODUCT_LABEL
 from .planner import Plan
+from .rejections import ServiceRejection
 from .spec import ModelSource
 
 SERVICE_LABEL = "switchyard.dev/service"
@@ -409,7 +410,7 @@ def conditions_for(plan: Plan | None, ready: int, generation: int, previous: Seq
     dp = lay.dp if lay else 0
     if not planned_ok:
         out.append(cond("Scheduled", False, plan.status, "no pipeline group is created: " + plan.message))
-    elif plan.status == "InsufficientCapacity":
+    elif plan.rejection is ServiceRejection.INSUFFICIENT_CAPACITY:
         out.append(cond("Scheduled", False, "InsufficientCapacity", plan.message))
     else:
         out.append(cond("Scheduled", True, "AllGroupsPlaced",
@@ -422,11 +423,10 @@ def conditions_for(plan: Plan | None, ready: int, generation: int, previous: Seq
         out.append(cond("Ready", False, "ReplicasNotReady", f"{ready}/{dp} replicas ready"))
     if degraded is not None:
         out.append(cond("Degraded", True, *degraded))
-    elif planned_ok and plan.status == "InsufficientCapacity":
+    elif planned_ok and plan.rejection is ServiceRejection.INSUFFICIENT_CAPACITY:
         out.append(cond("Degraded", True, "InsufficientCapacity", plan.message))
     elif planned_ok and not plan.slo_met:
-        out.append(cond("Degraded", True, "SLONotMet",
-                        next((r for r in plan.reasons if "SLO" in r or "target" in r), "SLO not met")))
+        out.append(cond("Degraded", True, "SLONotMet", plan.slo_miss))
     else:
         out.append(cond("Degraded", False, "AsPlanned", "running the planned layout"))
     return merge_conditions(previous, out)

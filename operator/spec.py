@@ -11,12 +11,15 @@ from switchyard.service.modelspec import ModelSpec, ModelSpecError, preset
 
 from .crd import object_defaults, spec_defaults
 from .planner import Request
+from .rejections import ServiceRejection
 
 MODEL_ROOT = "/models"
 
 
 class SpecError(ValueError):
     """A DecodeService the schema let through but the operator cannot serve (e.g. a bad config.json)."""
+
+    kind = ServiceRejection.INVALID_MODEL
 
 
 @dataclasses.dataclass(frozen=True)
