@@ -121,8 +121,8 @@ def serving_layout(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mo
         max_seq_len=lay.max_seq_len, model_name=spec["model"]["name"], model_path=source.path,
         pipeline_stage=0, coordinator=coordinator,
         extra={
-            "engine": spec.get("engine", "switchyard"),
-            "objective": spec.get("objective", "balanced"),
+            "engine": spec["engine"],
+            "objective": spec["objective"],
             "kv_budget_tokens": lay.kv_budget_tokens,
             "gpu_product": lay.product,
             # With pp > 1 every stage reads this one file; its stage comes from the pod ordinal.
@@ -135,8 +135,9 @@ def serving_layout(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mo
 
 def render(body: Mapping[str, Any], spec: Mapping[str, Any], plan: Plan, source: ModelSource,
            config: RenderConfig = RenderConfig()) -> list[dict[str, Any]]:
-    """Every object the DecodeService owns for this plan. Empty groups are never rendered: with no
-    layout, or ``dp == 0``, only the Services and the PDB exist (gang safety)."""
+    """Every object the DecodeService owns for this plan, from its spec with the schema's defaults
+    applied (``spec.normalized``). Empty groups are never rendered: with no layout, or ``dp == 0``,
+    only the Services and the PDB exist (gang safety)."""
     owner = owner_from_body(body)
     objs: list[dict[str, Any]] = [_headless(owner, config), _service(owner, spec, plan, config), _pdb(owner)]
     lay = plan.layout
