@@ -1,7 +1,8 @@
 """The DecodeService CustomResourceDefinition, loaded from the single YAML file packaged here.
 
-``crd.yaml`` is the one source of truth: the operator reads its group/version/plural from it, tests
-validate custom resources against its ``openAPIV3Schema``, and ``manifests/crds/`` plus the Helm
+``crd.yaml`` is the one source of truth: the operator reads its group/version/plural and every spec
+default from it (``spec_default``, ``spec_defaults``, ``object_defaults``), tests validate custom
+resources against its ``openAPIV3Schema``, and ``manifests/crds/`` plus the Helm
 chart's ``crds/`` are byte-identical copies written by ``python -m switchyard.operator.crd --write DIR``.
 Kopf's peering CRD (needed for ``--peering``) ships next to it for the same reason.
 """
@@ -12,6 +13,7 @@ import argparse
 import copy
 import functools
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +63,34 @@ def openapi_schema(version: str = VERSION) -> dict[str, Any]:
     raise KeyError(f"the CRD has no version {version!r}")
 
 
-def spec_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+def spec_schema(path: str = "") -> dict[str, Any]:
+    """The schema of ``spec.<path>`` (dotted: ``workload.concurrency``), of the spec itself for ``""``."""
+    node = openapi_schema()["properties"]["spec"]
+    for name in filter(None, path.split(".")):
+        node = node["properties"][name]
+    return node
+
+
+def spec_default(path: str) -> Any:
+    """The schema's ``default:`` of ``spec.<path>``: the one place a default is written down."""
+    schema = spec_schema(path)
+    if "default" not in schema:
+        raise KeyError(f"the CRD declares no default for spec.{path}")
+    return copy.deepcopy(schema["default"])
+
+
+def spec_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Apply the schema's ``default:`` values to a spec, as the API server does on admission.
 
     The handlers call it too, so that a spec written before a default existed reads the same.
     """
-    return _apply_defaults(openapi_schema()["properties"]["spec"], copy.deepcopy(spec))
+    return object_defaults("", spec)
+
+
+def object_defaults(path: str, value: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The object at ``spec.<path>`` with the schema's defaults applied; an absent object (``None``) reads
+    as an empty one, so its fields' defaults still count (the API server defaults only objects present)."""
+    return _apply_defaults(spec_schema(path), copy.deepcopy(dict(value or {})))
 
 
 def _apply_defaults(schema: dict[str, Any], value: Any) -> Any:

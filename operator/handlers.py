@@ -22,7 +22,7 @@ import kopf
 from . import reconcile as rec
 from . import render
 from .crd import GROUP, PLURAL, VERSION
-from .kube import ApiError, Kube
+from .kube import Kube
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,25 +106,22 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         namespace = meta.get("namespace")
         if not name:
             return
-        for attempt in range(5):
-            ds = kube.get("DecodeService", namespace, name)
-            if ds is None or "replicas" not in (ds.get("status") or {}):
-                return  # deleted (the garbage collector takes the rest), or not planned yet
+
+        def readiness(ds: dict[str, Any]) -> dict[str, Any] | None:
+            if "replicas" not in (ds.get("status") or {}):
+                return None  # not planned yet
             owner = render.owner_from_body(ds)
             statefulsets = kube.list("StatefulSet", namespace, render.selector_string(owner))
             status = render.readiness_status(ds, statefulsets, rec.now())
             old = ds.get("status") or {}
             if status["readyReplicas"] == old.get("readyReplicas") and status["conditions"] == old.get("conditions"):
-                return
-            try:
-                kube.patch_status("DecodeService", namespace, name, status,
-                                  resource_version=ds["metadata"]["resourceVersion"])
-                break
-            except ApiError as err:
-                if err.status != 409 or attempt == 4:
-                    raise
-        else:
-            return
+                return None
+            return status
+
+        written = kube.update_status("DecodeService", namespace, name, readiness)
+        if written is None:
+            return  # deleted (the garbage collector takes the rest), not planned yet, or nothing changed
+        ds, status = written
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         kopf.event(ds, type="Normal" if ready["status"] == "True" else "Warning", reason=ready["reason"],
                    message=ready["message"])

@@ -9,7 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -17,6 +17,8 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
 APPLIED_ANNOTATION = "switchyard.dev/applied-hash"
+# Read-build-write rounds of one status before a conflict (HTTP 409) is left to the caller.
+CONFLICT_ATTEMPTS = 5
 USER_AGENT = "switchyard-operator"
 # Kinds the operator renders or reads: kind -> (apiVersion, plural, namespaced).
 RESOURCES: dict[str, tuple[str, str, bool]] = {
@@ -140,6 +142,28 @@ class Kube:
             body["metadata"] = {"resourceVersion": resource_version}
         return self.request("PATCH", path(kind, namespace, name, "status"), body=body,
                             content_type="application/merge-patch+json")
+
+    def update_status(self, kind: str, namespace: str | None, name: str,
+                      build: Callable[[dict[str, Any]], Mapping[str, Any] | None],
+                      attempts: int = CONFLICT_ATTEMPTS) -> tuple[dict[str, Any], Mapping[str, Any]] | None:
+        """Read the object, ``build`` its status from what was read, and write it guarded by that read's
+        resourceVersion: a concurrent writer (409) makes it read and build again rather than overwrite,
+        up to ``attempts`` rounds (the last 409 is raised). Returns the object read and the status
+        written; None, writing nothing, when the object is gone or ``build`` returns None."""
+        for attempt in range(attempts):
+            live = self.get(kind, namespace, name)
+            if live is None:
+                return None
+            status = build(live)
+            if status is None:
+                return None
+            try:
+                self.patch_status(kind, namespace, name, status, resource_version=live["metadata"]["resourceVersion"])
+                return live, status
+            except ApiError as err:
+                if err.status != 409 or attempt == attempts - 1:
+                    raise
+        return None
 
     def apply(self, obj: Mapping[str, Any]) -> str:
         """Create or replace ``obj`` so that it matches; "created", "updated" or "unchanged".

@@ -26,7 +26,9 @@ from typing import Any
 from switchyard.service.modelspec import ModelSpec
 
 from . import calibration as calibration_mod
+from . import crd
 from .inventory import GpuNode, Inventory
+from .rejections import LayoutRejection, ServiceRejection
 
 OBJECTIVES = ("latency", "throughput", "balanced")
 TP_SIZES = (1, 2, 4, 8)
@@ -41,19 +43,19 @@ GiB = 1024**3
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What the DecodeService asks for (spec fields, defaults applied)."""
+    """What the DecodeService asks for (spec fields; where the spec leaves one out, the CRD schema's default)."""
 
-    objective: str = "balanced"
-    input_tokens: int = 1024
-    output_tokens: int = 256
-    concurrency: int = 8
+    objective: str = crd.spec_default("objective")
+    input_tokens: int = crd.spec_default("workload.inputTokens")
+    output_tokens: int = crd.spec_default("workload.outputTokens")
+    concurrency: int = crd.spec_default("workload.concurrency")
     max_tpot_ms: float | None = None
     max_ttft_ms: float | None = None
     target_tokens_per_s: float | None = None
     replicas: int | None = None  # pinned data-parallel replicas; None = auto
     tp: int | None = None
     pp: int | None = None
-    strategy: str = "auto"
+    strategy: str = crd.spec_default("allReduce")
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
 
@@ -101,18 +103,36 @@ class Alternative:
     layout: str
     ms_per_token: float | None
     tokens_per_s: float | None
-    rejected: str
+    rejected: str  # why, for people
+    kind: LayoutRejection  # why, for code
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """A candidate layout left out, before it is named (``_evaluate`` does not know the label)."""
+
+    kind: LayoutRejection
+    why: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     layout: Layout | None
-    status: str  # Planned | InsufficientCapacity | DoesNotFit | NoGPUNodes
+    rejection: ServiceRejection | None  # None: planned whole
     message: str
     reasons: tuple[str, ...]
     alternatives: tuple[Alternative, ...]
     replicas_wanted: int = 0
-    slo_met: bool = True
+    slo_miss: str = ""  # why the chosen layout misses its SLO; "" when it meets it
+
+    @property
+    def status(self) -> str:
+        """Planned | InsufficientCapacity | DoesNotFit | NoGPUNodes: the Planned condition's reason."""
+        return self.rejection.value if self.rejection is not None else "Planned"
+
+    @property
+    def slo_met(self) -> bool:
+        return not self.slo_miss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +182,7 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
                        + (" ..." if len(left_out) > 5 else ""))
     if not eligible:
         msg = "no Ready, schedulable GPU node matches the nodeSelector and tolerations"
-        return Plan(None, "NoGPUNodes", msg, (*reasons, msg), ())
+        return Plan(None, ServiceRejection.NO_GPU_NODES, msg, (*reasons, msg), ())
 
     pools = _pools(eligible)
     for pool in pools:
@@ -182,16 +202,17 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
             if not model.valid_tp(tp):
                 rejected.append(Alternative(name, None, None,
                                             f"{model.num_heads} heads / {model.num_kv_heads} KV heads "
-                                            f"do not split {tp} ways"))
+                                            f"do not split {tp} ways", LayoutRejection.HEADS_DO_NOT_SPLIT))
                 continue
             if tp > max_node_gpus:
                 rejected.append(Alternative(name, None, None,
                                             f"TP{tp} needs {tp} GPUs in one NVSwitch domain; nodes have "
-                                            f"{max_node_gpus}"))
+                                            f"{max_node_gpus}", LayoutRejection.NODE_TOO_SMALL))
                 continue
             if request.strategy in ("oneshot", "twoshot") and tp > 1 and not pool.nvswitch:
                 rejected.append(Alternative(name, None, None,
-                                            f"all-reduce {request.strategy} needs an NVSwitch domain"))
+                                            f"all-reduce {request.strategy} needs an NVSwitch domain",
+                                            LayoutRejection.NEEDS_NVSWITCH))
                 continue
             fitting_pp = 0
             for pp in _divisors(model.num_layers):
@@ -199,10 +220,10 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
                     continue
                 if fitting_pp and pp > fitting_pp * 8:
                     break  # beyond this, pipeline stages only add hops
-                cand, why = _evaluate(model, pool, device, cal, request, tp, pp, usable, max_seq, ctx_avg)
+                cand, miss = _evaluate(model, pool, device, cal, request, tp, pp, usable, max_seq, ctx_avg)
                 label = f"TP{tp}xPP{pp} {pool.product}"
                 if cand is None:
-                    rejected.append(Alternative(label, None, None, why))
+                    rejected.append(Alternative(label, None, None, miss.why, miss.kind))
                     continue
                 fitting_pp = fitting_pp or pp
                 candidates.append(cand)
@@ -211,19 +232,20 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         best_fit = _closest_misses(rejected)
         msg = (f"{model.name} does not fit the eligible GPUs with any layout "
                f"(TP up to {max(n.gpus for n in eligible)} per node, pipeline stages across nodes)")
-        return Plan(None, "DoesNotFit", msg, (*reasons, msg), tuple(best_fit))
+        return Plan(None, ServiceRejection.DOES_NOT_FIT, msg, (*reasons, msg), tuple(best_fit))
 
     placeable = [c for c in candidates if c.groups_free > 0 or c.replicas_wanted == 0]
     pool_for_choice = placeable or candidates
     chosen = _choose(pool_for_choice, request.objective)
     lay = chosen.layout
-    status, message = "Planned", f"{lay.summary}: {lay.ms_per_token:.2f} ms/token, {lay.tokens_per_s:.0f} tokens/s"
+    rejection: ServiceRejection | None = None
+    message = f"{lay.summary}: {lay.ms_per_token:.2f} ms/token, {lay.tokens_per_s:.0f} tokens/s"
     if not placeable:
-        status = "InsufficientCapacity"
+        rejection = ServiceRejection.INSUFFICIENT_CAPACITY
         message = (f"{lay.summary.replace(f'DP{lay.dp}', 'DP0')} fits, but no free GPUs can take a whole "
                    f"pipeline group of {lay.pp} pod(s) x {lay.tp} GPU(s) now")
     elif lay.dp < chosen.replicas_wanted:
-        status = "InsufficientCapacity"
+        rejection = ServiceRejection.INSUFFICIENT_CAPACITY
         message = (f"placed {lay.dp} of {chosen.replicas_wanted} replicas of {lay.summary}; "
                    f"no partial pipeline groups are created")
 
@@ -255,11 +277,11 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
                        f"between nodes (stated model)")
     if chosen.slo_note:
         reasons.append(chosen.slo_note)
-    if status != "Planned":
+    if rejection is not None:
         reasons.append(message)
     alternatives = _alternatives(chosen, pool_for_choice, rejected, request.objective)
-    return Plan(lay, status, message, tuple(reasons), tuple(alternatives),
-                replicas_wanted=chosen.replicas_wanted, slo_met=chosen.slo_ok)
+    return Plan(lay, rejection, message, tuple(reasons), tuple(alternatives),
+                replicas_wanted=chosen.replicas_wanted, slo_miss="" if chosen.slo_ok else chosen.slo_note)
 
 
 # ---- candidates --------------------------------------------------------------------------------------
@@ -304,19 +326,22 @@ def place(nodes: Sequence[GpuNode], tp: int, pp: int, groups: int, use_free: boo
 
 def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal: calibration_mod.Calibration,
               request: Request, tp: int, pp: int, usable: int, max_seq: int,
-              ctx_avg: int) -> tuple[_Candidate | None, str]:
+              ctx_avg: int) -> tuple[_Candidate, None] | tuple[None, Rejected]:
     m = cal.models
     gpus = tp * pp
     weights = math.ceil(model.param_bytes / gpus)
     if weights >= usable:
-        return None, (f"weights {weights / GiB:.1f} GiB per GPU exceed the {usable / GiB:.1f} GiB usable "
-                      f"on {pool.product}")
+        return None, Rejected(LayoutRejection.WEIGHTS_TOO_LARGE,
+                              f"weights {weights / GiB:.1f} GiB per GPU exceed the {usable / GiB:.1f} GiB usable "
+                              f"on {pool.product}")
     kv_token_gpu = model.kv_bytes_per_token / gpus
     mem_slots = int((usable - weights) // (kv_token_gpu * max_seq))
     if mem_slots < 1:
-        return None, f"no room for the KV cache of one {max_seq}-token sequence after the weights"
+        return None, Rejected(LayoutRejection.NO_KV_ROOM,
+                              f"no room for the KV cache of one {max_seq}-token sequence after the weights")
     if len(pool.nodes) * max(n.gpus for n in pool.nodes) < gpus or not place(pool.nodes, tp, pp, 1, use_free=False):
-        return None, f"a group of {pp} pod(s) x {tp} GPUs does not fit these nodes even when empty"
+        return None, Rejected(LayoutRejection.GROUP_NEVER_FITS,
+                              f"a group of {pp} pod(s) x {tp} GPUs does not fit these nodes even when empty")
     max_slots = min(mem_slots, int(m["max_batch_slots"]))
 
     eff, eff_note = cal.decode_efficiency(tp)
@@ -340,7 +365,8 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
     groups_free = len(place(pool.nodes, tp, pp, MAX_REPLICAS))
     first = step(1)
     if first is None:
-        return None, f"all-reduce {request.strategy} has no calibrated figure for this message size"
+        return None, Rejected(LayoutRejection.NO_ALLREDUCE_FIGURE,
+                              f"all-reduce {request.strategy} has no calibrated figure for this message size")
 
     # Replicas and batch per replica, by objective (stated in the module docstring of the reasons).
     pinned = request.replicas
@@ -381,7 +407,8 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
         # one row run the slow one-row products: at least two rows each where the KV room allows.
         whole = max_slots // pp * pp
         if whole == 0:
-            return None, f"KV room for {max_slots} sequence(s): fewer than one per pipeline stage"
+            return None, Rejected(LayoutRejection.TOO_FEW_SLOTS_PER_STAGE,
+                                  f"KV room for {max_slots} sequence(s): fewer than one per pipeline stage")
         batch = min(batch, whole)
         slots = min(-(-max(batch, 2 * pp) // pp) * pp, whole)
     else:
@@ -420,7 +447,7 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
         ms_per_token=round(ms, 3), tokens_per_s=round(group_tps * len(placed), 1),
         ttft_ms=round(ttft, 1), placement=tuple(placed),
     )
-    return _Candidate(layout, slo_ok, slo_note, groups_free, dp, eff_note, ar_us, ar_bytes, usable), ""
+    return _Candidate(layout, slo_ok, slo_note, groups_free, dp, eff_note, ar_us, ar_bytes, usable), None
 
 
 # ---- choice --------------------------------------------------------------------------------------------
@@ -474,10 +501,12 @@ def _alternatives(chosen: _Candidate, cands: list[_Candidate], rejected: list[Al
     others = sorted((c for c in cands if c is not chosen), key=lambda c: _key(c, objective))
     for c in others[:3]:
         o = c.layout
+        kind = LayoutRejection.RANKED_LOWER
         if o.dp < c.replicas_wanted <= lay.dp or (o.dp < c.replicas_wanted and o.dp == 0):
+            kind = LayoutRejection.SHORT_OF_REPLICAS
             why = f"only {o.dp} of {c.replicas_wanted} replicas can be placed"
         elif not c.slo_ok and chosen.slo_ok:
-            why = c.slo_note
+            kind, why = LayoutRejection.SLO_NOT_MET, c.slo_note
         elif objective == "latency":
             why = f"slower: {o.ms_per_token:.2f} vs {lay.ms_per_token:.2f} ms/token"
         elif objective == "throughput":
@@ -487,9 +516,9 @@ def _alternatives(chosen: _Candidate, cands: list[_Candidate], rejected: list[Al
             why = (f"{o.ms_per_token:.2f} ms/token, "
                    f"{_per_group_tps(c) / o.gpus_per_replica:.0f} tokens/s per GPU vs "
                    f"{_per_group_tps(chosen) / lay.gpus_per_replica:.0f}")
-        out.append(Alternative(o.summary, o.ms_per_token, o.tokens_per_s, why))
+        out.append(Alternative(o.summary, o.ms_per_token, o.tokens_per_s, why, kind))
     # Groups that fit no node set even when empty say nothing once a layout was found.
-    out += [a for a in _closest_misses(rejected) if "even when empty" not in a.rejected][:3]
+    out += [a for a in _closest_misses(rejected) if a.kind is not LayoutRejection.GROUP_NEVER_FITS][:3]
     return out
 
 
@@ -498,7 +527,7 @@ def _closest_misses(rejected: list[Alternative]) -> list[Alternative]:
     seen: set[str] = set()
     out = []
     # Memory misses say the most about a model that is too big; "no such group fits" comes last.
-    for alt in sorted(rejected, key=lambda a: "even when empty" in a.rejected):
+    for alt in sorted(rejected, key=lambda a: a.kind is LayoutRejection.GROUP_NEVER_FITS):
         key = alt.layout.split("xPP")[0] + " " + alt.layout.rsplit(" ", 1)[-1]
         if key in seen:
             continue

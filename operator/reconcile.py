@@ -13,7 +13,7 @@ from typing import Any
 
 from . import inventory, planner, render
 from . import spec as specmod
-from .kube import ApiError, Kube
+from .kube import CONFLICT_ATTEMPTS, Kube
 
 
 @dataclasses.dataclass
@@ -47,12 +47,12 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
             data = None if cm is None else (cm.get("data") or {})
         model = specmod.model_spec(spec, data)
     except specmod.SpecError as err:
-        error = str(err)
-        status = {"observedGeneration": owner.generation, "replicas": 0, "layoutSummary": "InvalidModel"}
+        error, reason = str(err), err.kind.value
+        status = {"observedGeneration": owner.generation, "replicas": 0, "layoutSummary": reason}
         status = write_status(kube, owner, lambda previous: {
             **status, "conditions": render.conditions_for(None, 0, owner.generation, previous, now(),
-                                                          planning_error=("InvalidModel", error))})
-        return Outcome(None, status, {}, [("Warning", "InvalidModel", error)])
+                                                          planning_error=(reason, error))})
+        return Outcome(None, status, {}, [("Warning", reason, error)])
 
     inv = build_inventory(kube, owner)
     plan = planner.plan(model, inv, specmod.request(spec))
@@ -86,30 +86,21 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
     if lay is None:
         events.append(("Warning", plan.status, plan.message))
     else:
-        events.append(("Normal" if plan.status == "Planned" else "Warning", plan.status, plan.message))
+        events.append(("Normal" if plan.rejection is None else "Warning", plan.status, plan.message))
         changed = sorted(k for k, v in actions.items() if v != "unchanged")
         if changed:
             events.append(("Normal", "Applied", ", ".join(f"{k} {actions[k]}" for k in changed)[:1000]))
     return Outcome(plan, status, actions, events)
 
 
-def write_status(kube: Kube, owner: render.Owner,
-                 build: Callable[[list[dict[str, Any]]], dict[str, Any]], attempts: int = 5) -> dict[str, Any]:
+def write_status(kube: Kube, owner: render.Owner, build: Callable[[list[dict[str, Any]]], dict[str, Any]],
+                 attempts: int = CONFLICT_ATTEMPTS) -> dict[str, Any]:
     """Write a status built from the live conditions, guarded by the resourceVersion read: a
     concurrent writer (the StatefulSet watcher) makes us re-read instead of overwriting it."""
-    for attempt in range(attempts):
-        live = kube.get("DecodeService", owner.namespace, owner.name)
-        if live is None:
-            return {}  # deleted meanwhile
-        status = build(list((live.get("status") or {}).get("conditions") or []))
-        try:
-            kube.patch_status("DecodeService", owner.namespace, owner.name, status,
-                              resource_version=live["metadata"]["resourceVersion"])
-            return status
-        except ApiError as err:
-            if err.status != 409 or attempt == attempts - 1:
-                raise
-    return {}
+    written = kube.update_status(
+        "DecodeService", owner.namespace, owner.name,
+        lambda live: build(list((live.get("status") or {}).get("conditions") or [])), attempts)
+    return dict(written[1]) if written else {}  # {}: deleted meanwhile
 
 
 def current_layout_fits(kube: Kube, body: Mapping[str, Any]) -> tuple[bool, str]:

@@ -27,6 +27,7 @@ from switchyard.service.modelspec import ServingLayout
 from .crd import API_VERSION, KIND
 from .inventory import GPU_RESOURCE, GPU_TOLERATION, PRODUCT_LABEL
 from .planner import Plan
+from .rejections import ServiceRejection
 from .spec import ModelSource
 
 SERVICE_LABEL = "switchyard.dev/service"
@@ -120,8 +121,8 @@ def serving_layout(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mo
         max_seq_len=lay.max_seq_len, model_name=spec["model"]["name"], model_path=source.path,
         pipeline_stage=0, coordinator=coordinator,
         extra={
-            "engine": spec.get("engine", "switchyard"),
-            "objective": spec.get("objective", "balanced"),
+            "engine": spec["engine"],
+            "objective": spec["objective"],
             "kv_budget_tokens": lay.kv_budget_tokens,
             "gpu_product": lay.product,
             # With pp > 1 every stage reads this one file; its stage comes from the pod ordinal.
@@ -134,8 +135,9 @@ def serving_layout(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mo
 
 def render(body: Mapping[str, Any], spec: Mapping[str, Any], plan: Plan, source: ModelSource,
            config: RenderConfig = RenderConfig()) -> list[dict[str, Any]]:
-    """Every object the DecodeService owns for this plan. Empty groups are never rendered: with no
-    layout, or ``dp == 0``, only the Services and the PDB exist (gang safety)."""
+    """Every object the DecodeService owns for this plan, from its spec with the schema's defaults
+    applied (``spec.normalized``). Empty groups are never rendered: with no layout, or ``dp == 0``,
+    only the Services and the PDB exist (gang safety)."""
     owner = owner_from_body(body)
     objs: list[dict[str, Any]] = [_headless(owner, config), _service(owner, spec, plan, config), _pdb(owner)]
     lay = plan.layout
@@ -409,7 +411,7 @@ def conditions_for(plan: Plan | None, ready: int, generation: int, previous: Seq
     dp = lay.dp if lay else 0
     if not planned_ok:
         out.append(cond("Scheduled", False, plan.status, "no pipeline group is created: " + plan.message))
-    elif plan.status == "InsufficientCapacity":
+    elif plan.rejection is ServiceRejection.INSUFFICIENT_CAPACITY:
         out.append(cond("Scheduled", False, "InsufficientCapacity", plan.message))
     else:
         out.append(cond("Scheduled", True, "AllGroupsPlaced",
@@ -422,11 +424,10 @@ def conditions_for(plan: Plan | None, ready: int, generation: int, previous: Seq
         out.append(cond("Ready", False, "ReplicasNotReady", f"{ready}/{dp} replicas ready"))
     if degraded is not None:
         out.append(cond("Degraded", True, *degraded))
-    elif planned_ok and plan.status == "InsufficientCapacity":
+    elif planned_ok and plan.rejection is ServiceRejection.INSUFFICIENT_CAPACITY:
         out.append(cond("Degraded", True, "InsufficientCapacity", plan.message))
     elif planned_ok and not plan.slo_met:
-        out.append(cond("Degraded", True, "SLONotMet",
-                        next((r for r in plan.reasons if "SLO" in r or "target" in r), "SLO not met")))
+        out.append(cond("Degraded", True, "SLONotMet", plan.slo_miss))
     else:
         out.append(cond("Degraded", False, "AsPlanned", "running the planned layout"))
     return merge_conditions(previous, out)

@@ -9,14 +9,17 @@ from typing import Any
 
 from switchyard.service.modelspec import ModelSpec, ModelSpecError, preset
 
-from .crd import spec_defaults
+from .crd import object_defaults, spec_defaults
 from .planner import Request
+from .rejections import ServiceRejection
 
 MODEL_ROOT = "/models"
 
 
 class SpecError(ValueError):
     """A DecodeService the schema let through but the operator cannot serve (e.g. a bad config.json)."""
+
+    kind = ServiceRejection.INVALID_MODEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +51,10 @@ def model_source(spec: Mapping[str, Any]) -> ModelSource:
 
 def config_map_ref(spec: Mapping[str, Any]) -> tuple[str, str] | None:
     ref = spec["model"].get("configMapRef")
-    return (ref["name"], ref.get("key", "config.json")) if ref else None
+    if not ref:
+        return None
+    ref = object_defaults("model.configMapRef", ref)
+    return ref["name"], ref["key"]
 
 
 def model_spec(spec: Mapping[str, Any], config_map_data: Mapping[str, str] | None = None) -> ModelSpec:
@@ -78,24 +84,24 @@ def model_spec(spec: Mapping[str, Any], config_map_data: Mapping[str, str] | Non
 def request(spec: Mapping[str, Any]) -> Request:
     spec = normalized(spec)
     slo = spec.get("slo", {})
-    work = spec.get("workload", {})
+    work = object_defaults("workload", spec.get("workload"))
     par = spec.get("parallelism", {})
     pp = par.get("pp")
     if spec.get("engine") == "tensorrt-llm" and pp is None:
         # trtllm-serve spreads pipeline stages with MPI, which the operator does not launch across pods.
         pp = 1
     return Request(
-        objective=spec.get("objective", "balanced"),
-        input_tokens=int(work.get("inputTokens", 1024)),
-        output_tokens=int(work.get("outputTokens", 256)),
-        concurrency=int(work.get("concurrency", 8)),
+        objective=spec["objective"],
+        input_tokens=int(work["inputTokens"]),
+        output_tokens=int(work["outputTokens"]),
+        concurrency=int(work["concurrency"]),
         max_tpot_ms=slo.get("maxTimePerOutputTokenMs"),
         max_ttft_ms=slo.get("maxTimeToFirstTokenMs"),
         target_tokens_per_s=slo.get("targetTokensPerSecond"),
         replicas=spec.get("replicas"),
         tp=par.get("tp"),
         pp=pp,
-        strategy=spec.get("allReduce", "auto"),
+        strategy=spec["allReduce"],
         node_selector=dict(spec.get("nodeSelector", {})),
         tolerations=tuple(spec.get("tolerations", [])),
     )

@@ -65,3 +65,17 @@ def test_operator_replicas_draw_distinct_priorities():
     drawn = {priority("random") for _ in range(20)}
     assert len(drawn) == 20 and all(p > 0 for p in drawn)
 
+
+
+def test_plan_command_defaults_are_the_crd_defaults():
+    import argparse
+
+    from switchyard.operator import crd
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "llama3-8b", "--nodes", str(NODES)])
+    assert (args.objective, args.input_tokens, args.output_tokens, args.concurrency, args.strategy) == (
+        crd.spec_default("objective"), crd.spec_default("workload.inputTokens"),
+        crd.spec_default("workload.outputTokens"), crd.spec_default("workload.concurrency"),
+        crd.spec_default("allReduce"))
