@@ -16,7 +16,7 @@ symm_mem_oneshot, symm_mem_twoshot; floor_empty_kernel (a chain of one-thread ke
 a dependent kernel node in a command buffer); oneshot_again/twoshot_again (sampled in turn with
 auto, after the table is written). bf16; message sizes are bytes per GPU, 1 KB .. 64 MB.
 
-Writes benchmarks/results/allreduce-<tag>.json ``{"command","device","date","rows"}`` and
+Writes benchmarks/results/current/allreduce-<tag>.json ``{"command","device","date","rows"}`` and
 kernels/auto_table.json (fastest of xla/oneshot/twoshot and of fused/twoshot_norm/xla_norm per size).
 Run on the GPU node:  python3 benchmarks/allreduce.py --tag h200x2
 """
@@ -378,7 +378,7 @@ def main() -> int:
 
     from switchyard.kernels import selection
 
-    table = selection.build_table(rows, source=f"benchmarks/results/allreduce-{args.tag}.json")
+    table = selection.build_table(rows, source=f"benchmarks/results/current/allreduce-{args.tag}.json")
     if not args.no_table:
         selection.TABLE_PATH.write_text(json.dumps(table, indent=2) + "\n")
         selection.load_table.cache_clear()
@@ -411,7 +411,7 @@ def main() -> int:
         "notes": notes,
         "auto_table": table,
     }
-    out = ROOT / "benchmarks" / "results" / f"allreduce-{args.tag}.json"
+    out = ROOT / "benchmarks" / "results" / "current" / f"allreduce-{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     if os.environ.get("OUT"):

@@ -21,7 +21,7 @@ Targets (issue 4): gRPC adds <= 3 %; tracing costs <= 2 % of tokens/s at 32 and 
     python benchmarks/serve.py --preset llama3-8b --tp 1 --batch-slots 64 --max-seq-len 1024
     python benchmarks/serve.py --model-path /models/llama-3-8b --tp 8 --strategy auto
 
-Writes benchmarks/results/serve-<device>.json ``{"command","device","date","rows"}``.
+Writes benchmarks/results/current/serve-<device>.json ``{"command","device","date","rows"}``.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval, as switchyard serve --switch-interval (default: CPython's)")
-    parser.add_argument("--out", default=None, help="default: benchmarks/results/serve-<device>.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/current/serve-<device>.json")
     args = parser.parse_args(argv)
     from switchyard.service.api.server import tune_interpreter
 
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"serve-{slug}.json"
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "current" / f"serve-{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'n':>3} {'path':10} {'tracing':7} {'ms/token':>9} {'tokens/s':>10} {'grpc +':>7} {'trace +':>7}")

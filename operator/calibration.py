@@ -2,7 +2,8 @@
 
 The numbers live in ``calibration.json`` next to this file, each with its provenance ("measured" on
 which device by which benchmark, or "stated model"). :func:`from_results` rebuilds that file from the
-benchmark JSON files under ``benchmarks/results/`` once they land:
+benchmark JSON files under ``benchmarks/results/current/`` (the measurements the product reads; older
+and experimental ones lie in ``benchmarks/results/archive/``, which this never reads):
 
     {"command": ..., "device": "NVIDIA H200", "date": ..., "rows": [...]}
 
@@ -31,15 +32,12 @@ CALIBRATION_FILE = Path(__file__).resolve().parent / "calibration.json"
 IMPLS = ("xla", "oneshot", "twoshot")
 # What stands in for one of our implementations where it was not measured (torch on the same GPUs).
 STAND_INS = {"xla": "torch_nccl", "oneshot": "symm_mem_oneshot", "twoshot": "symm_mem_twoshot"}
-# Decode attention of the engine as shipped (rows measured with another are experiments); rows
-# without the field predate the kernel and used XLA's ops.
+# A decode benchmark records baselines next to the engine in one file: XLA's attention ops beside the
+# kernel the engine ships (rows without the field predate the kernel and used XLA's ops) ...
 SHIPPED_ATTENTION = "kernel"
-# The engine's all-reduce strategies (switchyard.kernels.STRATEGIES; the operator does not import
-# the kernels). Benchmark rows with any other (``none``: no communication) are not the engine.
+# ... and the step without communication (``none``) beside the engine's all-reduce strategies
+# (switchyard.kernels.STRATEGIES; the operator does not import the kernels). Baselines are no checks.
 ENGINE_STRATEGIES = ("xla", "oneshot", "twoshot", "auto")
-# Partial products per row-parallel product in front of the fused all-reduce, as shipped; rows with
-# another count are experiments (rows without the field come from engines before it: plain dots).
-SHIPPED_K_SPLITS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +222,7 @@ def load(path: str | Path | None = None) -> Calibration:
     return Calibration(json.loads(Path(path).read_text()))
 
 
-# ---- regeneration from benchmarks/results/*.json ---------------------------------------------------
+# ---- regeneration from benchmarks/results/current/*.json -------------------------------------------
 def device_name(device: str, devices: Mapping[str, Any]) -> str | None:
     for name, d in devices.items():
         if any(m.upper() in device.upper() for m in d.get("match", [])):
@@ -252,8 +250,9 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
       older engine's figures are superseded), rows of that file are kept;
     * ``copy_bandwidth_bytes_per_s`` of the newest result on a device sets that device's HBM figure.
 
-    Result files marked ``experiment`` (code that is not the shipped engine, kept for the record)
-    are skipped whole. Anything the result files do not cover stays as it was, with its provenance.
+    Every result given is used except the baseline rows named above and files marked ``experiment``
+    (code that is not the shipped engine, kept for the comparison they record), which are skipped
+    whole. Anything the result files do not cover stays as it was, with its provenance.
     """
     out = copy.deepcopy(dict(base))
     results = list(results)
@@ -291,10 +290,9 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 key = ("pipeline", check["model"], pp, check["tp"], check["streams"], check["context"])
                 newest_check[key] = (where, [check])
             elif "ms_per_token" in row and "model" in row:
-                if (row.get("xla_flags") or row.get("attention", "xla") != SHIPPED_ATTENTION
-                        or row.get("strategy", "xla") not in ENGINE_STRATEGIES
-                        or row.get("k_splits", SHIPPED_K_SPLITS) != SHIPPED_K_SPLITS):
-                    continue  # a compiler-flag, attention-kernel or no-communication experiment
+                if (row.get("attention", "xla") != SHIPPED_ATTENTION
+                        or row.get("strategy", "xla") not in ENGINE_STRATEGIES):
+                    continue  # a baseline: XLA's attention ops or no communication
                 key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
                          if k in row}
@@ -336,7 +334,7 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="rebuild the planner calibration from benchmark results")
-    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results/current"))
     parser.add_argument("--out", type=Path, default=CALIBRATION_FILE)
     args = parser.parse_args(argv)
     files = sorted(args.results.glob("*.json"))
