@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import itertools
 import json
 import math
 import platform
@@ -51,7 +52,10 @@ WEIGHT_STD = 0.02
 NORM_STD = 0.1
 REFERENCE_TOLERANCE = 1e-4
 RESULT_KEYS = ("impl", "batch", "context", "ms_per_token", "p10_ms", "p90_ms", "tokens_per_s", "torch_version",
-               "device_name")
+               "device_name", "sdpa")
+# SDPA backends a decode step can use with a mask (flash attention takes none).
+SDPA_BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
 # ---- rotary embedding ------------------------------------------------------------------------------
@@ -363,7 +367,21 @@ def _release(device: torch.device, compiled: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def time_peer(model: Transformer, context: int, steps: int, warmup: int, compile: bool) -> list[float]:
+@contextlib.contextmanager
+def half_precision_math_sdpa():
+    """Math SDPA in the inputs' precision. By default it converts bf16 q, k, v to float32 first: under
+    Inductor that is a float32 copy of every layer's whole K and V cache each step, an extra that
+    gpt-fast's recipe (math SDPA for Inductor to fuse) did not have when it was written."""
+    saved = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(saved)
+
+
+def time_peer(model: Transformer, context: int, steps: int, warmup: int, compile: bool,
+              sdpa: str = "math") -> list[float]:
     """Serving-loop times of ``model``'s decode step from position ``context`` (its cache already filled)."""
     spec, dev = model.spec, model.rope_cos.device
     step: Callable[..., torch.Tensor] = decode_one_token
@@ -388,25 +406,30 @@ def time_peer(model: Transformer, context: int, steps: int, warmup: int, compile
         return _HostTokens(current)
 
     # gpt-fast's decode settings: coordinate-descent tuning of the generated kernels, and math SDPA (which
-    # Inductor fuses) for the one query token.
-    tuning = torch._inductor.config.patch(coordinate_descent_tuning=True) if compile else contextlib.nullcontext()
-    with torch.no_grad(), tuning, sdpa_kernel(SDPBackend.MATH):
+    # Inductor fuses) for the one query token. The compile caches stay off: their keys leave out the SDPA
+    # settings, so a cached graph could carry another backend's attention.
+    tuning = (torch._inductor.config.patch(coordinate_descent_tuning=True, force_disable_caches=True) if compile
+              else contextlib.nullcontext())
+    with torch.no_grad(), tuning, sdpa_kernel(SDPA_BACKENDS[sdpa]), half_precision_math_sdpa():
         return time_serving_loop(launch, steps, warmup)
 
 
 def measure(spec: ModelSpec, batch: int, context: int, steps: int, warmup: int, device: str = "cuda",
-            compile: bool = True) -> dict:
+            compile: bool = True, sdpa: str = "math") -> dict:
     """ms per token of the peer's serving loop for ``batch`` sequences at ``context`` positions (random
     bf16 weights, a random-filled cache). ``compile``: the step under ``torch.compile(mode="reduce-overhead",
     fullgraph=True)``, CUDA graphs on CUDA (warm-up at least 3 steps, so the graph is recorded before
-    timing); otherwise eager (impl ``torch-eager``). The model and compiled graphs are freed before return,
-    so the device's memory is free for whatever runs next in the process."""
+    timing); otherwise eager (impl ``torch-eager``). ``sdpa``: the attention backend (a key of SDPA_BACKENDS;
+    gpt-fast's math by default). The model and compiled graphs are freed before return, so the device's memory
+    is free for whatever runs next in the process."""
+    if sdpa not in SDPA_BACKENDS:
+        raise ValueError(f"sdpa must be one of {', '.join(SDPA_BACKENDS)}, got {sdpa!r}")
     dev = torch.device(device)
     if compile:
         warmup = max(warmup, 3)
     model = build(spec, batch, cache_length(context, steps, warmup), dev, torch.bfloat16)
     try:
-        times = time_peer(model, context, steps, warmup, compile)
+        times = time_peer(model, context, steps, warmup, compile, sdpa)
     finally:
         del model
         _release(dev, compile)
@@ -422,6 +445,7 @@ def measure(spec: ModelSpec, batch: int, context: int, steps: int, warmup: int, 
         "tokens_per_s": round(batch * 1000 / ms, 1),
         "torch_version": torch.__version__,
         "device_name": device_name(dev),
+        "sdpa": sdpa,
     }
 
 
@@ -434,20 +458,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-compile", action="store_true", help="time the eager step instead")
+    parser.add_argument("--sdpa", nargs="+", default=["math"], choices=list(SDPA_BACKENDS),
+                        help="attention backends to compare (gpt-fast uses math)")
     parser.add_argument("--out", help="result JSON path")
     args = parser.parse_args(argv)
 
     spec = preset(args.model)
     rows = []
-    for context in args.context:
-        for batch in args.batch:
-            t0 = time.perf_counter()
-            row = {"model": args.model, **measure(spec, batch, context, args.steps, args.warmup, args.device,
-                                                  compile=not args.no_compile)}
-            rows.append(row)
-            print(f"{row['impl']} batch={batch:3d} ctx={context:5d} {row['ms_per_token']:8.3f} ms/token "
-                  f"(p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f}) {row['tokens_per_s']:9.1f} tokens/s "
-                  f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+    for sdpa, context, batch in itertools.product(args.sdpa, args.context, args.batch):
+        t0 = time.perf_counter()
+        row = {"model": args.model, **measure(spec, batch, context, args.steps, args.warmup, args.device,
+                                              compile=not args.no_compile, sdpa=sdpa)}
+        rows.append(row)
+        print(f"{row['impl']} sdpa {sdpa:9s} batch={batch:3d} ctx={context:5d} {row['ms_per_token']:8.3f} ms/token "
+              f"(p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f}) {row['tokens_per_s']:9.1f} tokens/s "
+              f"[{time.perf_counter() - t0:.0f}s]", flush=True)
     result = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

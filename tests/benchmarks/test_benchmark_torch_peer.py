@@ -85,7 +85,7 @@ def test_measure_returns_the_documented_row_and_frees_the_model(monkeypatch):
     # 122 + 2 warm-up + 4 timed + the first launch write positions up to 129: past one 128-row cache block.
     row = peer.measure(TINY, batch=2, context=122, steps=4, warmup=2, device="cpu", compile=False)
     assert set(row) == set(peer.RESULT_KEYS)
-    assert row["impl"] == "torch-eager" and (row["batch"], row["context"]) == (2, 122)
+    assert row["impl"] == "torch-eager" and (row["batch"], row["context"], row["sdpa"]) == (2, 122, "math")
     assert 0 < row["p10_ms"] <= row["ms_per_token"] <= row["p90_ms"]
     assert row["tokens_per_s"] == pytest.approx(2 * 1000 / row["ms_per_token"], rel=1e-3, abs=0.05)  # 1 decimal
     assert row["torch_version"] == torch.__version__ and row["device_name"]
@@ -93,6 +93,11 @@ def test_measure_returns_the_documented_row_and_frees_the_model(monkeypatch):
     assert max_seq == 256
     gc.collect()
     assert model_ref() is None
+
+
+def test_measure_refuses_an_unknown_attention_backend():
+    with pytest.raises(ValueError, match="sdpa must be one of math, efficient, cudnn"):
+        peer.measure(TINY, batch=1, context=8, steps=1, warmup=0, device="cpu", compile=False, sdpa="flash")
 
 
 def test_cache_holds_every_launched_position():
