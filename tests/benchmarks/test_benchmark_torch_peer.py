@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import weakref
 
 import pytest
@@ -103,3 +104,14 @@ def test_measure_refuses_an_unknown_attention_backend():
 def test_cache_holds_every_launched_position():
     assert peer.cache_length(121, steps=4, warmup=2) == 128  # positions 121..127
     assert peer.cache_length(122, steps=4, warmup=2) == 256
+
+
+def test_main_prints_a_line_and_writes_a_row_per_config(tmp_path, capsys):
+    out = tmp_path / "peer.json"
+    assert peer.main(["--model", "tiny", "--batch", "1", "2", "--context", "8", "--steps", "2", "--warmup", "1",
+                      "--device", "cpu", "--no-compile", "--out", str(out)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "ms/token" in ln]
+    assert len(lines) == 2
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["batch"], r["context"], r["impl"]) for r in rows] == [
+        ("tiny", 1, 8, "torch-eager"), ("tiny", 2, 8, "torch-eager")]
