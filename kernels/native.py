@@ -15,13 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
-from switchyard.kernels.selection import Capability
+from switchyard.kernels.selection import DEFAULT_ONESHOT_BYTES, DEFAULT_TWOSHOT_BYTES, Capability
 
 LIB_NAME = "libswitchyard_kernels.so"
-# Workspace per GPU: 2 halves x world x ONESHOT_BYTES for one-shot/fused, 2 x TWOSHOT_BYTES for
-# two-shot. 8 MiB / 64 MiB: 160 MiB per GPU on 2 GPUs, 256 MiB on 8.
-DEFAULT_ONESHOT_BYTES = 8 << 20
-DEFAULT_TWOSHOT_BYTES = 64 << 20
 
 TARGETS = {
     "switchyard_oneshot": "SyOneShot",
