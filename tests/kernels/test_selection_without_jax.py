@@ -28,18 +28,20 @@ WITHOUT_JAX = textwrap.dedent("""
     else:
         raise SystemExit("the blocker let jax in")
     from switchyard.kernels import selection
+    from switchyard.operator import calibration, planner  # noqa: F401
     from switchyard.service import modelspec
 
     assert modelspec.STRATEGIES is selection.STRATEGIES
     cap = selection.Capability.node_group(2)
     assert selection.choose_fused("oneshot", 8192, 2, "bfloat16", cap) == "fused"
+    assert calibration.load().engine_allreduce(8192, 2, nvswitch=True)[0] == "fused"
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "numpy"))
     assert not loaded, loaded
     print("ok")
 """)
 
 
-def test_chooser_and_modelspec_import_without_jax() -> None:
+def test_chooser_planner_and_modelspec_import_without_jax() -> None:
     proc = subprocess.run([sys.executable, "-P", "-c", WITHOUT_JAX], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
