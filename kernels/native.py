@@ -243,8 +243,8 @@ def host_calls() -> int:
     return 0 if lib is None else int(lib.sy_host_calls())
 
 
-PHASE_SLOTS = 8  # kPhaseSlots, kPhaseBlocks in csrc/phase_timer.cuh
-PHASE_BLOCKS = 1024
+PHASE_SLOTS = 8  # kPhaseSlots in csrc/phase_timer.cuh
+PHASE_BLOCKS = 1024  # kPhaseBlocks in csrc/phase_timer.cuh
 
 
 @dataclass
