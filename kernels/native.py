@@ -23,9 +23,11 @@ TARGETS = {
     "switchyard_oneshot": "SyOneShot",
     "switchyard_twoshot": "SyTwoShot",
     "switchyard_fused_rmsnorm": "SyFusedRmsNorm",
-    "switchyard_timestamp": "SyTimestamp",
     "switchyard_decode_attention": "SyDecodeAttention",
 }
+# Only in the diagnostic library (``build --diagnostics``, csrc/ffi_diagnostics.cu): registered
+# where the loaded library has them.
+DIAGNOSTIC_TARGETS = {"switchyard_timestamp": "SyTimestamp"}
 
 
 class KernelError(RuntimeError):
@@ -67,9 +69,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_preload_attention.argtypes = [ctypes.c_int]
     lib.sy_preload_attention.restype = ctypes.c_int
     lib.sy_twoshot_bytes.restype = ctypes.c_longlong
-    u64p = ctypes.POINTER(ctypes.c_ulonglong)
-    lib.sy_phase_read.argtypes = [ctypes.c_int, u64p, u64p, u64p]
-    lib.sy_phase_read.restype = ctypes.c_int
+    if hasattr(lib, "sy_phase_read"):  # diagnostic builds only
+        u64p = ctypes.POINTER(ctypes.c_ulonglong)
+        lib.sy_phase_read.argtypes = [ctypes.c_int, u64p, u64p, u64p]
+        lib.sy_phase_read.restype = ctypes.c_int
 
 
 def _build_on_first_use() -> None:
@@ -108,7 +111,8 @@ def load() -> ctypes.CDLL | None:
 def _register(lib: ctypes.CDLL) -> None:
     if _state.registered:
         return
-    for target, symbol in TARGETS.items():
+    diagnostic = {t: s for t, s in DIAGNOSTIC_TARGETS.items() if hasattr(lib, s)}
+    for target, symbol in {**TARGETS, **diagnostic}.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
     _state.registered = True
 
@@ -259,9 +263,9 @@ class PhaseCounters:
 
 def phase_counters(ordinal: int) -> PhaseCounters | None:
     """Read and clear GPU ``ordinal``'s phase timers (synchronises that GPU). None where the loaded
-    library is not the diagnostic build (``python -m switchyard.kernels.build --phase-timer``)."""
+    library is not the phase-timer build (``python -m switchyard.kernels.build --phase-timer``)."""
     lib = load()
-    if lib is None:
+    if lib is None or not hasattr(lib, "sy_phase_read"):
         return None
     cycles = (ctypes.c_ulonglong * PHASE_SLOTS)()
     ns = (ctypes.c_ulonglong * PHASE_SLOTS)()
@@ -280,7 +284,8 @@ def phase_counters(ordinal: int) -> PhaseCounters | None:
 def timestamp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(x, t)``: ``x`` passed through (aliased, no copy) and ``t`` = the GPU's %globaltimer in ns as
     uint32[2] (low, high) when the stream reaches this point. For benchmarks: chaining the
-    operations to be timed through ``x`` orders them between two timestamps. CUDA only."""
+    operations to be timed through ``x`` orders them between two timestamps. CUDA only, and only
+    with the diagnostic library loaded (``$SWITCHYARD_KERNELS_LIB``, ``build --diagnostics``)."""
     return jax.ffi.ffi_call(
         "switchyard_timestamp",
         (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((2,), jax.numpy.uint32)),
