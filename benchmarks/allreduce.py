@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """All-reduce benchmark: builds the kernels, checks them, times them, rewrites the auto table.
 
+It builds and loads the diagnostic library (``python -m switchyard.kernels.build --diagnostics``:
+the product library's kernels and handlers from the same sources and flags, plus the device
+timestamp; ``--no-build`` loads the one built before, ``$SWITCHYARD_KERNELS_LIB`` another).
+
 One run, one timing method for every implementation: K dependent calls of the operation are
 chained inside one jitted program (XLA command buffers on, so the chain is replayed as CUDA
 graphs) and bracketed by two device-side %globaltimer stamps (``native.timestamp``), taken on
@@ -303,10 +307,13 @@ def main() -> int:
 
     sys.path.insert(0, str(ROOT))
     sizes = [s for s in SIZES if s <= args.max_bytes]
-    if not args.no_build:
-        from switchyard.kernels import build
+    from switchyard.kernels import build
 
-        print(f"built {build.build()}", flush=True)
+    if not args.no_build:
+        print(f"built {build.build(diagnostics=True)}", flush=True)
+    lib = Path(os.environ.setdefault("SWITCHYARD_KERNELS_LIB", str(build.DIAGNOSTIC_LIB)))  # before JAX loads it
+    if not lib.is_file():
+        raise SystemExit(f"{lib} not built (python -m switchyard.kernels.build --diagnostics)")
 
     import subprocess as sp
 

@@ -139,7 +139,7 @@ def main() -> int:
     if lib is None:
         from switchyard.kernels import build
 
-        lib = build.build(Path(tempfile.mkdtemp()) / build.LIB_NAME, defines=("SWITCHYARD_PHASE_TIMER",))
+        lib = build.build(Path(tempfile.mkdtemp()) / build.LIB_NAME, defines=(build.PHASE_TIMER,))
     os.environ["SWITCHYARD_KERNELS_LIB"] = str(lib)
     import jax
 

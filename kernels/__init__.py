@@ -5,18 +5,44 @@ Both functions are called inside ``jax.shard_map`` over a mesh axis. Strategies:
 NCCL on GPU), and the custom CUDA kernels of ``kernels/csrc`` (``oneshot``, ``twoshot``, and
 ``auto``, which picks by message size and GPU count from our benchmark's table). ``init()`` sets
 up the GPUs (workspaces, peer access); the first custom all-reduce does it lazily otherwise.
+
+The names below that need JAX load on first use, so that the JAX-free strategy chooser
+(``switchyard.kernels.selection``) imports where JAX is absent (the operator's image).
 """
 
-from switchyard.kernels import attention
-from switchyard.kernels.collectives import (
-    STRATEGIES,
-    all_reduce,
-    all_reduce_residual_rmsnorm,
-    plan,
-    rmsnorm,
-    split_product,
-)
-from switchyard.kernels.native import KernelError, check_errors, init, reset, set_timeout, status
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from switchyard.kernels.selection import STRATEGIES
+
+if TYPE_CHECKING:
+    from switchyard.kernels import attention
+    from switchyard.kernels.collectives import (
+        all_reduce,
+        all_reduce_residual_rmsnorm,
+        plan,
+        rmsnorm,
+        split_product,
+    )
+    from switchyard.kernels.native import KernelError, check_errors, init, reset, set_timeout, status
+
+# Public name -> the module that defines it (a module's own name: the module itself).
+_LAZY = {
+    "attention": "attention",
+    "all_reduce": "collectives",
+    "all_reduce_residual_rmsnorm": "collectives",
+    "plan": "collectives",
+    "rmsnorm": "collectives",
+    "split_product": "collectives",
+    "KernelError": "native",
+    "check_errors": "native",
+    "init": "native",
+    "reset": "native",
+    "set_timeout": "native",
+    "status": "native",
+}
 
 __all__ = [
     "STRATEGIES",
@@ -33,3 +59,17 @@ __all__ = [
     "split_product",
     "status",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    loaded = importlib.import_module(f"{__name__}.{module}")
+    value = loaded if module == name else getattr(loaded, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

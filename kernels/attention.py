@@ -19,7 +19,7 @@ from switchyard.kernels import native
 
 KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = (64, 128)
-KERNEL_GROUPS = (1, 2, 4, 8)
+KERNEL_GROUPS = (1, 2, 4, 8)  # up to kAttnMaxGroup in csrc/decode_attention.cuh
 # Blocks resident at once: two per SM of an H100/H200 (132 SMs; the kernel's registers allow two).
 # Splitting into more would start a second wave of blocks, which costs more than longer slices.
 TARGET_BLOCKS = 264

@@ -4,6 +4,11 @@ Run ``python -m switchyard.kernels.build`` (installing the package runs it too, 
 ``setup.py``, wherever ``nvcc`` is on PATH). The XLA FFI headers come from the installed JAX
 (``jax.ffi.include_dir()``), so the library matches the JAX it is loaded into: rebuild after
 upgrading JAX. Without ``nvcc`` nothing is built and every strategy runs the pure-JAX reference.
+
+``--diagnostics`` builds the diagnostic library for the benchmarks instead (the same kernels and
+handlers plus a device timestamp and the phase-timer reader, ``csrc/ffi_diagnostics.cu``) into
+``kernels/lib/diagnostics/``, which the package never ships; ``--phase-timer -o LIB`` adds the
+per-phase timers of ``csrc/phase_timer.cuh`` to it.
 """
 
 from __future__ import annotations
@@ -18,7 +23,15 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 LIB_NAME = "libswitchyard_kernels.so"
-SOURCES = ("switchyard_ffi.cu",)
+# The product library: the registry and C API, the all-reduce and the decode-attention handlers.
+SOURCES = ("registry.cu", "ffi_allreduce.cu", "ffi_attention.cu")
+# Added in diagnostic builds only (with -DSWITCHYARD_DIAGNOSTICS).
+DIAGNOSTIC_SOURCES = ("ffi_diagnostics.cu",)
+DIAGNOSTICS = "SWITCHYARD_DIAGNOSTICS"
+PHASE_TIMER = "SWITCHYARD_PHASE_TIMER"
+# Where benchmarks/allreduce.py builds and loads the diagnostic library (package data takes
+# lib/*.so only: never shipped).
+DIAGNOSTIC_LIB = LIB_DIR / "diagnostics" / LIB_NAME
 # sm_90a for H100/H200 machine code, plus sm_90 machine code and compute_90 PTX so a newer
 # Hopper-compatible driver can still load it.
 GENCODE = (
@@ -46,7 +59,12 @@ def ffi_include_dir() -> str:
 
 
 def nvcc_command(nvcc: str, output: Path, gencode: tuple[str, ...] = GENCODE,
-                 defines: tuple[str, ...] = ()) -> list[str]:
+                 defines: tuple[str, ...] = (), diagnostics: bool = False) -> list[str]:
+    """The nvcc command line; a phase-timer build is a diagnostic build (its reader lives there)."""
+    diagnostics = diagnostics or PHASE_TIMER in defines
+    if diagnostics:
+        defines = (DIAGNOSTICS, *(d for d in defines if d != DIAGNOSTICS))
+    sources = SOURCES + (DIAGNOSTIC_SOURCES if diagnostics else ())
     return [
         nvcc,
         "-std=c++17",
@@ -61,28 +79,32 @@ def nvcc_command(nvcc: str, output: Path, gencode: tuple[str, ...] = GENCODE,
         str(CSRC),
         *gencode,
         *(f"-D{d}" for d in defines),
-        *(str(CSRC / s) for s in SOURCES),
+        *(str(CSRC / s) for s in sources),
         "-o",
         str(output),
     ]
 
 
 def build(output: Path | None = None, gencode: tuple[str, ...] = GENCODE, verbose: bool = False,
-          defines: tuple[str, ...] = ()) -> Path:
+          defines: tuple[str, ...] = (), diagnostics: bool = False) -> Path:
     """Compile the kernels; returns the path of the shared library. Raises BuildError.
 
-    ``defines``: preprocessor macros, e.g. ``SWITCHYARD_PHASE_TIMER`` for the diagnostic build
-    that ``benchmarks/kernel_phases.py`` uses (never the installed library)."""
+    ``diagnostics``: the diagnostic library (``DIAGNOSTIC_SOURCES``; default output
+    ``DIAGNOSTIC_LIB``). ``defines``: preprocessor macros, e.g. ``PHASE_TIMER`` for the
+    diagnostic build that ``benchmarks/kernel_phases.py`` uses (never the installed library)."""
+    if PHASE_TIMER in defines and output is None:
+        raise BuildError("a phase-timer build needs its own output path (never a library others load)")
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError(
             "nvcc not found (PATH, $CUDA_HOME/bin): the CUDA all-reduce kernels were not built; "
             "every strategy will use the pure-JAX reference path (XLA psum)"
         )
-    output = output or LIB_DIR / LIB_NAME
+    diagnostics = diagnostics or PHASE_TIMER in defines
+    output = output or (DIAGNOSTIC_LIB if diagnostics else LIB_DIR / LIB_NAME)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_suffix(f".tmp{os.getpid()}.so")
-    cmd = nvcc_command(nvcc, tmp, gencode, defines)
+    cmd = nvcc_command(nvcc, tmp, gencode, defines, diagnostics)
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -98,13 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, default=None)
     parser.add_argument("--optional", action="store_true", help="exit 0 with a message when nvcc is absent")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--diagnostics", action="store_true",
+                        help=f"the diagnostic library for the benchmarks (default -o {DIAGNOSTIC_LIB})")
     parser.add_argument("--phase-timer", action="store_true",
                         help="diagnostic build with per-phase timers (benchmarks/kernel_phases.py); needs -o")
     args = parser.parse_args(argv)
     if args.phase_timer and args.output is None:
         parser.error("--phase-timer needs -o: the diagnostic library must not replace the installed one")
     try:
-        path = build(args.output, verbose=args.verbose, defines=("SWITCHYARD_PHASE_TIMER",) if args.phase_timer else ())
+        path = build(args.output, verbose=args.verbose, defines=(PHASE_TIMER,) if args.phase_timer else (),
+                     diagnostics=args.diagnostics)
     except BuildError as exc:
         print(f"switchyard.kernels.build: {exc}", file=sys.stderr)
         return 0 if args.optional and find_nvcc() is None else 1

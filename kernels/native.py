@@ -15,21 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
-from switchyard.kernels.selection import Capability
+from switchyard.kernels.selection import DEFAULT_ONESHOT_BYTES, DEFAULT_TWOSHOT_BYTES, Capability
 
 LIB_NAME = "libswitchyard_kernels.so"
-# Workspace per GPU: 2 halves x world x ONESHOT_BYTES for one-shot/fused, 2 x TWOSHOT_BYTES for
-# two-shot. 8 MiB / 64 MiB: 160 MiB per GPU on 2 GPUs, 256 MiB on 8.
-DEFAULT_ONESHOT_BYTES = 8 << 20
-DEFAULT_TWOSHOT_BYTES = 64 << 20
 
 TARGETS = {
     "switchyard_oneshot": "SyOneShot",
     "switchyard_twoshot": "SyTwoShot",
     "switchyard_fused_rmsnorm": "SyFusedRmsNorm",
-    "switchyard_timestamp": "SyTimestamp",
     "switchyard_decode_attention": "SyDecodeAttention",
 }
+# Only in the diagnostic library (``build --diagnostics``, csrc/ffi_diagnostics.cu): registered
+# where the loaded library has them.
+DIAGNOSTIC_TARGETS = {"switchyard_timestamp": "SyTimestamp"}
 
 
 class KernelError(RuntimeError):
@@ -71,9 +69,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_preload_attention.argtypes = [ctypes.c_int]
     lib.sy_preload_attention.restype = ctypes.c_int
     lib.sy_twoshot_bytes.restype = ctypes.c_longlong
-    u64p = ctypes.POINTER(ctypes.c_ulonglong)
-    lib.sy_phase_read.argtypes = [ctypes.c_int, u64p, u64p, u64p]
-    lib.sy_phase_read.restype = ctypes.c_int
+    if hasattr(lib, "sy_phase_read"):  # diagnostic builds only
+        u64p = ctypes.POINTER(ctypes.c_ulonglong)
+        lib.sy_phase_read.argtypes = [ctypes.c_int, u64p, u64p, u64p]
+        lib.sy_phase_read.restype = ctypes.c_int
 
 
 def _build_on_first_use() -> None:
@@ -112,7 +111,8 @@ def load() -> ctypes.CDLL | None:
 def _register(lib: ctypes.CDLL) -> None:
     if _state.registered:
         return
-    for target, symbol in TARGETS.items():
+    diagnostic = {t: s for t, s in DIAGNOSTIC_TARGETS.items() if hasattr(lib, s)}
+    for target, symbol in {**TARGETS, **diagnostic}.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
     _state.registered = True
 
@@ -247,8 +247,8 @@ def host_calls() -> int:
     return 0 if lib is None else int(lib.sy_host_calls())
 
 
-PHASE_SLOTS = 8  # kPhaseSlots, kPhaseBlocks in csrc/phase_timer.cuh
-PHASE_BLOCKS = 1024
+PHASE_SLOTS = 8  # kPhaseSlots in csrc/phase_timer.cuh
+PHASE_BLOCKS = 1024  # kPhaseBlocks in csrc/phase_timer.cuh
 
 
 @dataclass
@@ -263,9 +263,9 @@ class PhaseCounters:
 
 def phase_counters(ordinal: int) -> PhaseCounters | None:
     """Read and clear GPU ``ordinal``'s phase timers (synchronises that GPU). None where the loaded
-    library is not the diagnostic build (``python -m switchyard.kernels.build --phase-timer``)."""
+    library is not the phase-timer build (``python -m switchyard.kernels.build --phase-timer``)."""
     lib = load()
-    if lib is None:
+    if lib is None or not hasattr(lib, "sy_phase_read"):
         return None
     cycles = (ctypes.c_ulonglong * PHASE_SLOTS)()
     ns = (ctypes.c_ulonglong * PHASE_SLOTS)()
@@ -284,7 +284,8 @@ def phase_counters(ordinal: int) -> PhaseCounters | None:
 def timestamp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(x, t)``: ``x`` passed through (aliased, no copy) and ``t`` = the GPU's %globaltimer in ns as
     uint32[2] (low, high) when the stream reaches this point. For benchmarks: chaining the
-    operations to be timed through ``x`` orders them between two timestamps. CUDA only."""
+    operations to be timed through ``x`` orders them between two timestamps. CUDA only, and only
+    with the diagnostic library loaded (``$SWITCHYARD_KERNELS_LIB``, ``build --diagnostics``)."""
     return jax.ffi.ffi_call(
         "switchyard_timestamp",
         (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((2,), jax.numpy.uint32)),

@@ -1,4 +1,8 @@
-"""Which implementation runs an all-reduce: pure logic, no JAX, no I/O.
+"""Which implementation runs an all-reduce: pure logic, no JAX, no I/O (but the table file).
+
+The one chooser: the engine stages what it picks (``collectives.plan``) and the operator's planner
+estimates what it picks for the pods it plans (the operator's image has no JAX, so this module
+imports none).
 
 ``auto`` looks the message size up in ``auto_table.json``, which ``benchmarks/allreduce.py``
 writes from its own measurements (fastest implementation per GPU count and message size). Every
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+# The all-reduce strategies a pod can be told (the serving layout, the engine, the planner).
 STRATEGIES = ("xla", "oneshot", "twoshot", "auto")
 # What can run: plain all-reduce -> xla | oneshot | twoshot;
 # all-reduce + residual + RMSNorm -> xla | fused (one kernel) | twoshot (kernel, then XLA norm).
@@ -22,6 +27,10 @@ PLAIN_IMPLS = ("xla", "oneshot", "twoshot")
 FUSED_IMPLS = ("xla", "fused", "twoshot")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 TABLE_PATH = Path(__file__).resolve().parent / "auto_table.json"
+# Workspace per GPU that ``native.init`` asks for: 2 halves x world x ONESHOT_BYTES for one-shot and
+# fused, 2 x TWOSHOT_BYTES for two-shot. 8 MiB / 64 MiB: 160 MiB per GPU on 2 GPUs, 256 MiB on 8.
+DEFAULT_ONESHOT_BYTES = 8 << 20
+DEFAULT_TWOSHOT_BYTES = 64 << 20
 
 # Used for GPU counts the table has not measured: one-shot moves (world-1) x the message per GPU
 # but has one barrier, two-shot moves 2 (world-1)/world with two; one-shot wins while latency
@@ -43,6 +52,14 @@ class Capability:
     @staticmethod
     def unavailable(reason: str) -> Capability:
         return Capability(False, reason=reason)
+
+    @staticmethod
+    def node_group(world: int, peer_access: bool = True) -> Capability:
+        """What ``native.init`` gives ``world`` GPUs of one node with the default workspaces: the
+        capability a planner assumes for the pods it places (peer access needs an NVSwitch domain)."""
+        if not peer_access:
+            return Capability.unavailable("no peer access between the GPUs")
+        return Capability(True, world, DEFAULT_ONESHOT_BYTES, DEFAULT_TWOSHOT_BYTES, reason="planned")
 
 
 def check_strategy(strategy: str) -> None:

@@ -28,8 +28,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from switchyard.kernels import selection
+
 CALIBRATION_FILE = Path(__file__).resolve().parent / "calibration.json"
 IMPLS = ("xla", "oneshot", "twoshot")
+# The engine's all-reduce + residual + RMSNorm (selection.FUSED_IMPLS) by the plain all-reduce whose
+# exchange it runs, the only ones measured here: ``fused`` is one-shot's exchange with the norm in
+# the same kernel, ``twoshot`` and ``xla`` are followed by XLA's norm (stated model).
+FUSED_TIMED_AS = {"xla": "xla", "fused": "oneshot", "twoshot": "twoshot"}
 # What stands in for one of our implementations where it was not measured (torch on the same GPUs).
 STAND_INS = {"xla": "torch_nccl", "oneshot": "symm_mem_oneshot", "twoshot": "symm_mem_twoshot"}
 # A decode benchmark records baselines next to the engine in one file: XLA's attention ops beside the
@@ -83,8 +89,8 @@ class Calibration:
             tp, batch = int(check["tp"]), int(check["batch"])
             device = self.device(check["device"])
             roofline_ms = spec.decode_bytes_per_step(batch, int(check["context"])) / tp / device.hbm_bytes_per_s * 1e3
-            ar = self.best_allreduce(spec.allreduce_bytes(batch), tp, nvswitch=True,
-                                     strategy=check.get("strategy", "xla"))
+            ar = self.engine_allreduce(spec.allreduce_bytes(batch), tp, nvswitch=True,
+                                       strategy=check.get("strategy", "xla"), dtype=spec.dtype)
             ar_ms = 2 * spec.num_layers * (ar[1] if ar else 0.0) / 1e3
             by_tp.setdefault(tp, []).append(roofline_ms / (float(check["ms_per_token"]) - ar_ms))
         if not by_tp:
@@ -116,7 +122,8 @@ class Calibration:
         its tensor-parallel all-reduces), without the hop to the next stage."""
         eff, _ = self.decode_efficiency(tp)
         mem_ms = spec.decode_bytes_per_step(micro_batch, context) / (tp * pp) / (device.hbm_bytes_per_s * eff) * 1e3
-        ar = self.best_allreduce(spec.allreduce_bytes(micro_batch), tp, nvswitch=True, strategy=strategy)
+        ar = self.engine_allreduce(spec.allreduce_bytes(micro_batch), tp, nvswitch=True, strategy=strategy,
+                                   dtype=spec.dtype)
         return mem_ms + 2 * (spec.num_layers / pp) * (ar[1] if ar else 0.0) / 1e3
 
     @functools.cached_property
@@ -146,9 +153,10 @@ class Calibration:
         return float(table.get(device.name, table["default"]))
 
     # ---- all-reduce ---------------------------------------------------------------------------
-    def allreduce_us(self, impl: str, nbytes: int, gpus: int) -> float | None:
+    def allreduce_us(self, impl: str, nbytes: int, gpus: int, beyond_table: bool = False) -> float | None:
         """Estimated latency of one all-reduce of ``nbytes`` over ``gpus`` GPUs of one NVSwitch
-        domain, or None where the table offers no figure (oneshot beyond its largest size)."""
+        domain, or None where the table offers no figure (oneshot beyond its largest size, unless
+        ``beyond_table``: where the kernels' chooser runs one-shot there, its figure is extrapolated)."""
         if gpus <= 1:
             return 0.0
         table = self.raw["allreduce"]["us"].get(impl)
@@ -156,7 +164,7 @@ class Calibration:
             return None
         sizes = [float(s) for s, _ in table]
         times = [float(t) for _, t in table]
-        if impl == "oneshot" and nbytes > sizes[-1]:
+        if impl == "oneshot" and nbytes > sizes[-1] and not beyond_table:
             return None
         measured_gpus = int(self.raw["allreduce"]["gpus"])
         t_at = _interpolate(sizes, times, max(nbytes, 1))
@@ -168,26 +176,24 @@ class Calibration:
         bandwidth_part *= _bytes_factor(impl, gpus) / _bytes_factor(impl, measured_gpus)
         return latency + bandwidth_part
 
-    def best_allreduce(self, nbytes: int, gpus: int, nvswitch: bool,
-                       strategy: str = "auto") -> tuple[str, float] | None:
-        """(implementation, µs) for a strategy setting. ``auto`` takes the fastest one the topology
-        allows, which is what the kernels' auto mode picks by message size."""
+    def engine_allreduce(self, nbytes: int, gpus: int, nvswitch: bool, strategy: str = "auto",
+                         dtype: str = "bfloat16") -> tuple[str, float] | None:
+        """(implementation, µs) of one tensor-parallel all-reduce as the engine runs it: fused with
+        the residual add and RMSNorm, the implementation picked by the kernels' own chooser
+        (``switchyard.kernels.selection.choose_fused``) for a pod of ``gpus`` GPUs with the default
+        workspaces (peer access needs an NVSwitch domain). Timed by the table of the exchange it
+        runs (``FUSED_TIMED_AS``), past the table's end as ``allreduce_us`` extrapolates; None where
+        that table is empty."""
         if gpus <= 1:
             return ("xla", 0.0)
-        allowed = IMPLS if nvswitch else ("xla",)
-        wanted = allowed if strategy == "auto" else (strategy,)
-        best: tuple[str, float] | None = None
-        for impl in wanted:
-            if impl not in allowed:
-                continue
-            us = self.allreduce_us(impl, nbytes, gpus)
-            if us is None:
-                continue
-            if not nvswitch:
-                us *= float(self.models["pcie_allreduce_factor"])
-            if best is None or us < best[1]:
-                best = (impl, us)
-        return best
+        cap = selection.Capability.node_group(gpus, peer_access=nvswitch)
+        impl = selection.choose_fused(strategy, nbytes, gpus, dtype, cap)
+        us = self.allreduce_us(FUSED_TIMED_AS[impl], nbytes, gpus, beyond_table=True)
+        if us is None:
+            return None
+        if not nvswitch:
+            us *= float(self.models["pcie_allreduce_factor"])
+        return impl, us
 
 
 def _bytes_factor(impl: str, gpus: int) -> float:

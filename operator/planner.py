@@ -7,8 +7,10 @@ whose statement is printed in the reasons):
 * a pipeline stage reads its share of the weights and of the KV cache of its micro-batch from HBM:
   ``bytes / (tp * pp) / (HBM bandwidth * decode efficiency(tp))``, or computes
   ``2 * parameters * batch / (tp * pp * flops)``, whichever is longer;
-* plus ``2 * layers / pp`` tensor-parallel all-reduces of the batch's hidden state (the calibrated
-  table of the chosen strategy, scaled from 2 GPUs to ``tp``);
+* plus ``2 * layers / pp`` tensor-parallel all-reduces of the batch's hidden state, each fused with
+  the residual add and RMSNorm as the engine runs them: the implementation the kernels' chooser
+  picks for the strategy (``switchyard.kernels.selection``), timed by the calibrated table of its
+  exchange, scaled from 2 GPUs to ``tp``;
 * plus a hop to the next stage when ``pp > 1``. With ``pp`` micro-batches in flight one token of every
   sequence takes ``pp`` stage times, and a group emits ``batch`` tokens in that time.
 
@@ -355,7 +357,7 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
         mem_ms = model.decode_bytes_per_step(mb, ctx_avg) / gpus / bw * 1e3
         comp_ms = 2 * model.param_count * mb / gpus / flops * 1e3
         nbytes = model.allreduce_bytes(mb)
-        ar = cal.best_allreduce(nbytes, tp, pool.nvswitch, request.strategy)
+        ar = cal.engine_allreduce(nbytes, tp, pool.nvswitch, request.strategy, model.dtype)
         if ar is None:
             return None
         ar_ms = 2 * (model.num_layers / pp) * ar[1] / 1e3

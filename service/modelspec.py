@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from switchyard.kernels.selection import STRATEGIES  # JAX-free, as this module
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -303,7 +305,6 @@ def format_count(n: int) -> str:
 
 
 # ---- the layout file the operator writes and `switchyard serve` reads ----------------------------
-STRATEGIES = ("auto", "xla", "oneshot", "twoshot")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@
 // memory. No partial results go through global memory and nothing needs a second launch, a fence
 // or an atomic: at batch 1 the kernel's time is a chain of latencies, and this keeps it to one
 // HBM round trip for K/V and two cluster barriers. The host lowers S until all clusters fit on
-// the GPU at once (switchyard_ffi.cu, g_attn_clusters).
+// the GPU at once (ffi_attention.cu, g_attn_clusters).
 //
 // The new K/V. In the usual step the new token is the last attended position: warp 0 of slice 0
 // takes it from qkv outside the chunk loop (so 1024 cached positions are 32 whole chunks), and

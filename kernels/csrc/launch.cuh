@@ -1,6 +1,7 @@
 // Host side of the all-reduce kernels: the launch configuration of each kernel and the workspace
-// layout. The XLA FFI handlers (switchyard_ffi.cu) and the one-GPU multi-rank check
-// (tests/helpers/emulated_ranks.cu) both use these, so the check launches exactly the handlers' grids.
+// layout. The XLA FFI handlers (ffi_allreduce.cu), the registry (registry.cu) and the one-GPU
+// multi-rank check (tests/helpers/emulated_ranks.cu) use these, so the check launches exactly the
+// handlers' grids.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from switchyard.kernels import build
+from switchyard.kernels.selection import DEFAULT_ONESHOT_BYTES, DEFAULT_TWOSHOT_BYTES
 
 HARNESS = Path(__file__).with_name("emulated_ranks.cu")
 KERNELS = {"oneshot": 0, "twoshot": 1, "fused": 2, "fused_partials": 3}
@@ -68,7 +69,7 @@ class Emulation:
 
     def __init__(self, lib: ctypes.CDLL, world: int, timeout_s: float = 10.0) -> None:
         self.lib, self.world = lib, world
-        self._ok(lib.emu_init(world, 8 << 20, 64 << 20, int(timeout_s * 1e9)))
+        self._ok(lib.emu_init(world, DEFAULT_ONESHOT_BYTES, DEFAULT_TWOSHOT_BYTES, int(timeout_s * 1e9)))
 
     def _ok(self, rc: int) -> None:
         if rc != 0:

@@ -320,11 +320,36 @@ def test_init_without_gpu_is_unavailable_not_an_error() -> None:
 
 
 # ---- the CUDA code compiles ---------------------------------------------------------------------
-@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not on PATH")
-def test_cuda_sources_compile(tmp_path) -> None:
-    """CI has nvcc but no GPU: compile the kernels (sm_90a only, to keep CI fast) and check the
-    library exports every FFI handler and the C API."""
-    out = build.build(tmp_path / build.LIB_NAME, gencode=("-gencode=arch=compute_90a,code=sm_90a",))
+CI_GENCODE = ("-gencode=arch=compute_90a,code=sm_90a",)  # one arch, to keep CI fast
+C_API = ("sy_last_error", "sy_init", "sy_error", "sy_reset", "sy_device_calls", "sy_host_calls",
+         "sy_set_timeout_ns", "sy_oneshot_bytes", "sy_twoshot_bytes", "sy_is_ready", "sy_world",
+         "sy_preload_attention")
+DIAGNOSTIC_SYMBOLS = (*native.DIAGNOSTIC_TARGETS.values(), "sy_phase_read")
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """CI has nvcc but no GPU: the product library and the phase-timer diagnostic build, compiled once."""
+    if build.find_nvcc() is None:
+        pytest.skip("nvcc not on PATH")
+    tmp = tmp_path_factory.mktemp("kernels")
+    return {
+        "product": build.build(tmp / build.LIB_NAME, gencode=CI_GENCODE),
+        "phase_timer": build.build(tmp / "timed.so", gencode=CI_GENCODE, defines=(build.PHASE_TIMER,)),
+    }
+
+
+def exported(lib: Path) -> set[str]:
+    """The library's own exported functions and handlers (nm -D; the C++ runtime's weak symbols aside)."""
+    import subprocess
+
+    listing = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
+    return {line.split()[-1] for line in listing.stdout.splitlines() if line.split()[-1].startswith(("Sy", "sy_"))}
+
+
+def test_cuda_sources_compile(libraries: dict[str, Path]) -> None:
+    """The library exports every FFI handler and the C API (and loads without a driver)."""
+    out = libraries["product"]
     lib = ctypes.CDLL(str(out))  # static CUDA runtime: loads without a driver
     for symbol in (*native.TARGETS.values(), "sy_init", "sy_error", "sy_reset", "sy_device_calls"):
         assert hasattr(lib, symbol), symbol
@@ -335,22 +360,39 @@ def test_cuda_sources_compile(tmp_path) -> None:
         assert "sm_90a" in listing
 
 
-@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not on PATH")
-def test_phase_timer_build_compiles_and_normal_builds_have_no_timers(tmp_path) -> None:
-    """The diagnostic build (benchmarks/kernel_phases.py) compiles; a normal build answers that it
-    has no timers, without touching a GPU."""
-    gencode = ("-gencode=arch=compute_90a,code=sm_90a",)
-    timed = ctypes.CDLL(str(build.build(tmp_path / "timed.so", gencode=gencode, defines=("SWITCHYARD_PHASE_TIMER",))))
-    assert hasattr(timed, "sy_phase_read")
-    plain = ctypes.CDLL(str(build.build(tmp_path / build.LIB_NAME, gencode=gencode)))
-    buf = (ctypes.c_ulonglong * (native.PHASE_SLOTS * native.PHASE_BLOCKS))()
-    assert plain.sy_phase_read(0, buf, buf, buf) == 1
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm not on PATH")
+def test_diagnostics_are_only_in_the_diagnostic_build(libraries: dict[str, Path]) -> None:
+    product = exported(libraries["product"])
+    assert product == {*native.TARGETS.values(), *C_API}
+    assert not product & set(DIAGNOSTIC_SYMBOLS)
+    assert exported(libraries["phase_timer"]) == product | set(DIAGNOSTIC_SYMBOLS)
+
+
+def test_phase_timer_build_compiles_and_normal_builds_have_no_timers(libraries: dict[str, Path], monkeypatch) -> None:
+    """The diagnostic build (benchmarks/kernel_phases.py) compiles; with a normal build the phase
+    timers answer that there are none, without touching a GPU."""
+    timed = ctypes.CDLL(str(libraries["phase_timer"]))
+    assert hasattr(timed, "sy_phase_read") and hasattr(timed, "SyTimestamp")
+    plain = ctypes.CDLL(str(libraries["product"]))
+    native._declare(plain)
+    monkeypatch.setattr(native, "load", lambda: plain)
+    assert native.phase_counters(0) is None
 
 
 def test_phase_timer_build_needs_its_own_output_path() -> None:
     with pytest.raises(SystemExit):  # never over the installed library
         build.main(["--phase-timer"])
-    assert "-DSWITCHYARD_PHASE_TIMER" in build.nvcc_command("nvcc", Path("x.so"), defines=("SWITCHYARD_PHASE_TIMER",))
+    with pytest.raises(build.BuildError, match="own output path"):  # nor over the benchmarks' diagnostic one
+        build.build(defines=(build.PHASE_TIMER,))
+    timed = build.nvcc_command("nvcc", Path("x.so"), defines=("SWITCHYARD_PHASE_TIMER",))
+    assert "-DSWITCHYARD_PHASE_TIMER" in timed
+    # The timers' reader is a diagnostic source: a phase-timer build is a diagnostic build.
+    assert "-DSWITCHYARD_DIAGNOSTICS" in timed and any(a.endswith("/ffi_diagnostics.cu") for a in timed)
+    product = build.nvcc_command("nvcc", Path("x.so"))
+    assert not any("SWITCHYARD" in a or a.endswith("/ffi_diagnostics.cu") for a in product)
+    assert [a for a in product if a.endswith(".cu")] == [str(build.CSRC / s) for s in build.SOURCES]
+    diagnostic = build.nvcc_command("nvcc", Path("x.so"), diagnostics=True)
+    assert "-DSWITCHYARD_DIAGNOSTICS" in diagnostic and "-DSWITCHYARD_PHASE_TIMER" not in diagnostic
 
 
 def test_missing_table_falls_back_to_default_rule(tmp_path) -> None:

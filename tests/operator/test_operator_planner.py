@@ -9,6 +9,7 @@ import time
 
 import pytest
 from helpers.kube.harness import H100_MIB, gpu_node
+from switchyard.kernels import selection
 from switchyard.operator import calibration, inventory, planner
 from switchyard.service.modelspec import preset
 
@@ -275,10 +276,46 @@ def test_allreduce_table_interpolates_and_scales_as_stated():
         times = [cal.allreduce_us(impl, s, 8) for s in sizes]
         assert times == sorted(times)
         assert cal.allreduce_us(impl, 2**22, 8) > cal.allreduce_us(impl, 2**22, 4) > cal.allreduce_us(impl, 2**22, 2)
-    assert cal.best_allreduce(8192, 2, nvswitch=True)[0] in ("oneshot", "twoshot")
-    assert cal.best_allreduce(8192, 2, nvswitch=False)[0] == "xla"
+    assert cal.engine_allreduce(8192, 2, nvswitch=True)[0] in ("fused", "twoshot")
+    assert cal.engine_allreduce(8192, 2, nvswitch=False)[0] == "xla"
     size, us = table["xla"][0]
-    assert cal.best_allreduce(size, 2, nvswitch=True, strategy="xla") == ("xla", us)
+    assert cal.engine_allreduce(size, 2, nvswitch=True, strategy="xla") == ("xla", us)
+
+
+@pytest.mark.parametrize("strategy", selection.STRATEGIES)
+@pytest.mark.parametrize("gpus", [2, 4, 8])
+def test_allreduce_estimate_is_what_the_kernels_choose_for_the_fused_op(strategy, gpus):
+    """The planner estimates the engine's all-reduce + residual + RMSNorm, implementation picked by
+    the kernels' own chooser, timed by the table of the exchange it runs."""
+    cal = calibration.load()
+    cap = selection.Capability.node_group(gpus)
+    for nbytes in (2**k for k in range(10, 27)):
+        impl, us = cal.engine_allreduce(nbytes, gpus, nvswitch=True, strategy=strategy)
+        assert impl == selection.choose_fused(strategy, nbytes, gpus, "bfloat16", cap)
+        assert us == cal.allreduce_us(calibration.FUSED_TIMED_AS[impl], nbytes, gpus, beyond_table=True)
+        pcie = cal.engine_allreduce(nbytes, gpus, nvswitch=False, strategy=strategy)
+        assert pcie[0] == "xla"
+        assert pcie[1] == pytest.approx(cal.allreduce_us("xla", nbytes, gpus) * cal.models["pcie_allreduce_factor"])
+
+
+def test_allreduce_estimate_follows_the_kernels_table_not_the_fastest_figure():
+    cal = calibration.load()
+    # 2 GPUs, 6 MiB: the calibration's two-shot is faster, but the engine runs the fused kernel up to
+    # the auto table's bound, past the one-shot table's end (extrapolated there).
+    rules = selection.table_rules(selection.load_table(), "fused", 2)
+    assert selection.lookup(rules, 6 << 20) == "fused"
+    impl, us = cal.engine_allreduce(6 << 20, 2, nvswitch=True)
+    assert impl == "fused" and us > cal.allreduce_us("twoshot", 6 << 20, 2)
+    assert us == cal.allreduce_us("oneshot", 6 << 20, 2, beyond_table=True)
+    assert cal.engine_allreduce(6 << 20, 2, nvswitch=True, strategy="twoshot")[0] == "twoshot"
+    # Beyond the fused kernel's workspace the engine degrades to two-shot, and so does the estimate.
+    assert cal.engine_allreduce(selection.DEFAULT_ONESHOT_BYTES + 2, 2, True, "oneshot")[0] == "twoshot"
+
+
+def test_pinned_oneshot_beyond_the_measured_table_is_estimated():
+    p = plan("llama3-8b", h200(1), objective="throughput", strategy="oneshot", tp=2)
+    assert p.status == "Planned" and p.layout.strategy == "oneshot"
+    assert p.layout.allreduce_impl in ("fused", "twoshot")
 
 
 def test_calibration_regenerates_from_benchmark_results(tmp_path):
