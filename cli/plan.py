@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from switchyard.cli.usage import UsageError, existing_file
+from switchyard.kernels.selection import STRATEGIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, help="pin data-parallel replicas")
     parser.add_argument("--tp", type=int, choices=(1, 2, 4, 8))
     parser.add_argument("--pp", type=int)
-    parser.add_argument("--strategy", choices=("auto", "xla", "oneshot", "twoshot"), default="auto")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--calibration", type=Path, help="calibration JSON (default: the packaged one)")
     parser.add_argument("--json", action="store_true", help="print the status the operator would write")
 
