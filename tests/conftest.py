@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 # Must be set before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -40,3 +41,12 @@ def tiny_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
     from helpers.engine_fixtures import tiny_checkpoint
 
     return tiny_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))
+
+
+@pytest.fixture()
+def rng(request: pytest.FixtureRequest):
+    """A NumPy generator seeded by the test's id (parameters included): fresh inputs for every test
+    and case, the same ones on every run, so a failure reproduces."""
+    import numpy as np
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

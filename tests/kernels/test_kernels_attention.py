@@ -111,12 +111,11 @@ GPU_CASES = [  # n, kv, group, head_dim, slots, cache length
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "n{}-kv{}-g{}-d{}-s{}-L{}".format(*c))
-def test_kernel_matches_float64_and_writes_only_its_positions(case, dtype):
+def test_kernel_matches_float64_and_writes_only_its_positions(case, dtype, rng):
     from switchyard.kernels import native
 
     assert native.attention_ready(), native.status()
     n, kv, group, d, slots, length = case
-    rng = np.random.default_rng(abs(hash((case, dtype))) % 2**32)
     q, k_new, v_new, k_cache, v_cache, positions, write_at = random_case(rng, n, kv, group, d, slots, length, dtype)
     # Poison every cache position no row may read (beyond its position) and every row beyond the
     # batch: a read shows as NaN in the output, a stray write as a changed NaN pattern.

@@ -64,8 +64,7 @@ def _sizes(world: int) -> tuple[int, ...]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["oneshot", "twoshot"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_all_reduce_matches_float64(emu: Emulation, kernel: str, dtype: str) -> None:
-    rng = np.random.default_rng()
+def test_all_reduce_matches_float64(emu: Emulation, kernel: str, dtype: str, rng) -> None:
     for n in _sizes(emu.world):
         for vec in (True, False):
             x = rounded(rng.standard_normal((emu.world, n)), dtype)
@@ -82,8 +81,7 @@ def test_all_reduce_matches_float64(emu: Emulation, kernel: str, dtype: str) -> 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("rows", "hidden", "splits"), [(1, 4096, 0), (5, 1000, 0), (3, 4097, 0), (16, 8192, 0),
                                                        (2, 8, 0), (2, 4096, 4), (3, 1000, 3)])
-def test_fused_matches_float64(emu: Emulation, dtype: str, rows: int, hidden: int, splits: int) -> None:
-    rng = np.random.default_rng()
+def test_fused_matches_float64(emu: Emulation, dtype: str, rows: int, hidden: int, splits: int, rng) -> None:
     n = rows * hidden
     res = rounded(rng.standard_normal(n), dtype)
     w = rounded(rng.uniform(0.5, 1.5, hidden), dtype)
@@ -108,13 +106,12 @@ def test_fused_matches_float64(emu: Emulation, dtype: str, rows: int, hidden: in
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["oneshot", "twoshot", "fused"])
-def test_100k_calls_across_epoch_wrap(emu: Emulation, kernel: str) -> None:
+def test_100k_calls_across_epoch_wrap(emu: Emulation, kernel: str, rng) -> None:
     """100 000 back-to-back calls (several blocks each) from 50 000 below 2^32, so the counters wrap:
     the last call's result must be exact (integer-valued float32) and every rank's launch counters
     must all read start + 100 000 (mod 2^32)."""
     calls, start = 100_000, 2**32 - 50_000
     emu.reset(start)
-    rng = np.random.default_rng()
     rows, hidden = 3, 4096  # 3 blocks for fused, 6 for one-shot, 3 for two-shot at 2 ranks
     x = rng.integers(-8, 8, (emu.world, rows * hidden)).astype(np.float32)
     if kernel == "fused":
@@ -130,10 +127,9 @@ def test_100k_calls_across_epoch_wrap(emu: Emulation, kernel: str) -> None:
 
 
 @pytest.mark.gpu
-def test_every_rank_chain_replayed_from_one_graph(emu: Emulation) -> None:
+def test_every_rank_chain_replayed_from_one_graph(emu: Emulation, rng) -> None:
     """The benchmark's timing mode: each rank's chain of calls a branch of one CUDA graph. Results
     as direct launches give them, and every replayed launch counted on every rank."""
-    rng = np.random.default_rng()
     rows, hidden, calls, reps = 2, 4096, 50, 3
     x = rounded(rng.standard_normal((emu.world, rows * hidden)), "bfloat16")
     res = rounded(rng.standard_normal(rows * hidden), "bfloat16")

@@ -77,9 +77,8 @@ def _lowered_text(fn, *args) -> str:
 
 @pytest.mark.parametrize("strategy", ["oneshot", "twoshot", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_all_reduce_matches_float64(mesh: Mesh, strategy: str, dtype: str) -> None:
+def test_all_reduce_matches_float64(mesh: Mesh, strategy: str, dtype: str, rng) -> None:
     world = mesh.devices.size
-    rng = np.random.default_rng()
     fn = _allreduce_fn(mesh, strategy)
     for n in SIZES:
         poison = _put(mesh, np.full((world, n), np.nan, np.float32), dtype, P("tp"))
@@ -110,9 +109,8 @@ def _fused_fn(mesh: Mesh, strategy: str, eps: float):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "hidden"), [(1, 4096), (5, 1000), (3, 4097), (64, 8192), (2, 8)])
-def test_fused_matches_float64(mesh: Mesh, dtype: str, rows: int, hidden: int) -> None:
+def test_fused_matches_float64(mesh: Mesh, dtype: str, rows: int, hidden: int, rng) -> None:
     world, eps = mesh.devices.size, 1e-5
-    rng = np.random.default_rng()
     fn = _fused_fn(mesh, "oneshot", eps)
     x = _put(mesh, rng.standard_normal((world, rows, hidden)), dtype, P("tp"))
     res = _put(mesh, rng.standard_normal((rows, hidden)), dtype, P())
@@ -132,10 +130,9 @@ def test_fused_matches_float64(mesh: Mesh, dtype: str, rows: int, hidden: int) -
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("splits", "rows", "hidden"), [(4, 2, 4096), (3, 5, 1000), (1, 3, 4097), (4, 64, 8192)])
 def test_fused_with_partial_products_matches_float64(mesh: Mesh, dtype: str, splits: int, rows: int,
-                                                     hidden: int) -> None:
+                                                     hidden: int, rng) -> None:
     """Each rank passes float32 partial products; its contribution is their sum rounded to the dtype."""
     world, eps = mesh.devices.size, 1e-5
-    rng = np.random.default_rng()
 
     def body(p, res, w):
         nr, normed = kernels.all_reduce_residual_rmsnorm(p[0], res, w, eps, "tp", "oneshot")
@@ -179,14 +176,13 @@ def test_engine_with_partial_products_decodes_like_psum(mesh: Mesh) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["oneshot", "twoshot", "fused"])
-def test_100k_calls_in_one_jitted_loop_across_epoch_wrap(mesh: Mesh, strategy: str) -> None:
+def test_100k_calls_in_one_jitted_loop_across_epoch_wrap(mesh: Mesh, strategy: str, rng) -> None:
     """100 000 back-to-back all-reduces inside one jitted fori_loop, starting the epoch counters
     50 000 below 2^32 so they wrap. Integer-valued float32 data: sum(x) * world / world is exact,
     so the result after the loop must equal sum(x) exactly."""
     world, iters = mesh.devices.size, 100_000
     start = 2**32 - 50_000
     kernels.reset(start)
-    rng = np.random.default_rng()
     xs = rng.integers(-8, 8, (world, 4, 1024)).astype(np.float32)
     inv = 1.0 / world
 
@@ -213,14 +209,13 @@ def test_100k_calls_in_one_jitted_loop_across_epoch_wrap(mesh: Mesh, strategy: s
     kernels.reset(0)
 
 
-def test_decode_like_step_with_command_buffers(mesh: Mesh) -> None:
+def test_decode_like_step_with_command_buffers(mesh: Mesh, rng) -> None:
     """A jitted step (matmul -> all-reduce -> matmul -> fused all-reduce + residual + norm) runs
     with command buffers on: the optimized HLO must hold our custom calls and a command buffer,
     and 10 chained steps must track the XLA psum strategy."""
     flags = os.environ.get("XLA_FLAGS", "")
     assert "CUSTOM_CALL" in flags, "run with --xla_gpu_enable_command_buffer=...,CUSTOM_CALL"
     world, hidden, eps = mesh.devices.size, 4096, 1e-5
-    rng = np.random.default_rng()
 
     def step(strategy):
         def body(h, res, w1, w2, g):
