@@ -33,3 +33,12 @@ __all__ = [
     "split_product",
     "status",
 ]
+
+# The row-parallel product + all-reduce (+ residual add, + RMSNorm) of a tensor-parallel layer.
+from switchyard.kernels.collectives import (
+    K_SPLITS,
+    row_parallel_residual,
+    row_parallel_residual_rmsnorm,
+)
+
+__all__ += ["K_SPLITS", "row_parallel_residual", "row_parallel_residual_rmsnorm"]
