@@ -7,6 +7,9 @@ ms/token against the roofline (weight + KV bytes per GPU per step over the measu
 ``roofline_ms`` counts the bytes a step must read (``ModelSpec.decode_bytes_per_step``: the embedding
 table only as the rows it gathers); ``roofline_all_weights_ms`` counts every parameter byte plus the
 KV, the accounting behind the engine issue's "85% of roofline = 4.4 ms/token" for Llama-3-8B on H200.
+Every engine is built through ``benchmarks/variants.py`` (a random KV cache; ``--attention``,
+``--k-splits``, ``--min-batch-bucket`` and the ``none`` strategy, a step without communication, are
+variants of the product).
 
     python benchmarks/decode.py --model llama3-8b --tp 1 2 --batch 1 8 32 --context 1024 4096 \
         --out benchmarks/results/decode-h200.json
@@ -15,9 +18,10 @@ KV, the accounting behind the engine issue's "85% of roofline = 4.4 ms/token" fo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
+import functools
 import gc
+import importlib.util
 import itertools
 import json
 import os
@@ -33,9 +37,18 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import jax
 import jax.numpy as jnp
-from switchyard.service.engine.model import K_SPLITS
-from switchyard.service.engine.tensor_parallel import Engine, make_mesh
+from switchyard.kernels import K_SPLITS
+from switchyard.service.engine.tensor_parallel import Engine
 from switchyard.service.modelspec import ServingLayout, preset
+
+
+@functools.cache
+def variants():
+    """benchmarks/variants.py (the engines that are not the product) as a module, loaded once."""
+    spec = importlib.util.spec_from_file_location("variants", Path(__file__).with_name("variants.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> dict[str, float]:
@@ -144,32 +157,6 @@ def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
     }
 
 
-@contextlib.contextmanager
-def without_communication(enabled: bool):
-    """The engine's two all-reduce call sites with the sum left out (each GPU keeps its own partial
-    result; residual add and RMSNorm stay, in XLA): the ``none`` strategy, a timing-only variant
-    whose outputs are meaningless, measured to find the all-reduces' share of a step."""
-    if not enabled:
-        yield
-        return
-    from switchyard.kernels import rmsnorm
-    from switchyard.service.engine import model
-
-    def all_reduce(x, axis, strategy="xla"):
-        return x
-
-    def all_reduce_residual_rmsnorm(x, residual, weight, eps, axis, strategy="xla"):
-        new_residual = residual + x.astype(residual.dtype)
-        return new_residual, rmsnorm(new_residual, weight, eps)
-
-    saved = model.all_reduce, model.all_reduce_residual_rmsnorm
-    model.all_reduce, model.all_reduce_residual_rmsnorm = all_reduce, all_reduce_residual_rmsnorm
-    try:
-        yield
-    finally:
-        model.all_reduce, model.all_reduce_residual_rmsnorm = saved
-
-
 def time_serving_loop(engine: Engine, steps: int, warmup: int) -> list[float]:
     """Per-token times of the serving loop: launch step n+1, then bring step n's tokens to the host
     (what the scheduler does), so host work overlaps the device's."""
@@ -205,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--strategy", nargs="+", default=["xla"],
-                        help="all-reduce strategies to compare; 'none' times the step without communication")
+                        help="all-reduce strategies to compare; 'none' times the step without communication "
+                             "(a variant whose outputs are meaningless, for the all-reduces' share of a step)")
     parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "xla"],
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
     parser.add_argument("--k-splits", type=int, nargs="+", default=[K_SPLITS],
@@ -229,68 +217,67 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for tp in args.tp:
         mesh_devices = jax.devices()[:tp]
-        make_mesh(tp, mesh_devices)
         base = None
         for strategy, min_bucket, attn, k_splits in itertools.product(
                 args.strategy, args.min_batch_bucket, args.attention, args.k_splits):
-            # "none": the all-reduce call sites patched out for this strategy's engines
+            # "none": the row-parallel products are not summed (the engine's strategy is then moot)
             engine_strategy = "xla" if strategy == "none" else strategy
-            with without_communication(strategy == "none"):
-                for context in args.context:
-                    for batch in args.batch:
-                        slots = max(batch, min_bucket)
-                        layout = ServingLayout(tp=tp, strategy=engine_strategy, batch_slots=slots,
-                                               max_seq_len=context + args.steps + args.warmup + 1)
-                        t0 = time.perf_counter()
-                        if base is None:
-                            engine = Engine.from_random(spec, layout, devices=mesh_devices, min_batch_bucket=min_bucket,
-                                                        attention_kernel=attn == "kernel", k_splits=k_splits)
-                            base = engine.params
-                        else:
-                            engine = Engine(spec, base, make_mesh(tp, mesh_devices), batch_slots=slots,
-                                            max_seq_len=layout.max_seq_len, strategy=engine_strategy, dtype="bfloat16",
-                                            cache_init="random", min_batch_bucket=min_bucket,
-                                            attention_kernel=attn == "kernel", k_splits=k_splits)
-                        engine.occupy_slots(context, count=batch)
-                        name = f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == K_SPLITS else f"-k{k_splits}")
-                        if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
-                            summary = hlo_summary(engine, batch)
-                            Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-                            hlo_file = Path(args.hlo_dir, f"step-{name}.hlo.txt")
-                            hlo_file.write_text(summary.pop("hlo_text"))
-                            print("  hlo:", summary, flush=True)
-                        times = time_serving_loop(engine, args.steps, args.warmup)
-                        sync_ms = 1000 * statistics.median(time_synchronous(engine, args.steps // 2, 2))
-                        # The profile comes after the timing, so that the tracer cannot touch the timed steps.
-                        prof = None
-                        if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
-                            prof = profile_steps(engine, 8, f"{args.profile_dir}/{name}")
-                            print("  profile:", json.dumps(prof, indent=1), flush=True)
-                        setup = time.perf_counter() - t0
-                        ms = 1000 * statistics.median(times)
-                        per_gpu = spec.decode_bytes_per_step(batch, context) / tp
-                        roofline_ms = 1000 * per_gpu / bandwidth
-                        all_weights = spec.param_bytes + batch * context * spec.kv_bytes_per_token
-                        all_weights_ms = 1000 * all_weights / tp / bandwidth
-                        row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
-                               "attention": attn, "k_splits": k_splits, "min_batch_bucket": min_bucket,
-                               "ms_per_token": round(ms, 4),
-                               "tokens_per_s": round(batch * 1000 / ms, 1),
-                               "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
-                               "roofline_all_weights_ms": round(all_weights_ms, 4),
-                               "fraction_of_roofline_all_weights": round(all_weights_ms / ms, 4),
-                               "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
-                               "synchronous_ms_per_token": round(sync_ms, 4)}
-                        if prof is not None:
-                            row["profile"] = prof
-                        rows.append(row)
-                        print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
-                              f"k-splits {k_splits} min-bucket {min_bucket} "
-                              f"{ms:8.3f} ms/token "
-                              f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
-                              f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)
-                        del engine
-                        gc.collect()
+            variant = variants().Variant(attention=attn, k_splits=k_splits, communication=strategy != "none",
+                                         min_batch_bucket=min_bucket)
+            for context in args.context:
+                for batch in args.batch:
+                    slots = max(batch, min_bucket)
+                    layout = ServingLayout(tp=tp, strategy=engine_strategy, batch_slots=slots,
+                                           max_seq_len=context + args.steps + args.warmup + 1)
+                    t0 = time.perf_counter()
+                    if base is None:
+                        engine = variants().VariantEngine.from_random(spec, layout, devices=mesh_devices,
+                                                                      variant=variant)
+                        base = engine.params, engine.mesh
+                    else:
+                        engine = variants().VariantEngine(spec, *base, batch_slots=slots,
+                                                          max_seq_len=layout.max_seq_len, strategy=engine_strategy,
+                                                          dtype="bfloat16", variant=variant)
+                    engine.occupy_slots(context, count=batch)
+                    name = f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == K_SPLITS else f"-k{k_splits}")
+                    if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
+                        summary = hlo_summary(engine, batch)
+                        Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+                        hlo_file = Path(args.hlo_dir, f"step-{name}.hlo.txt")
+                        hlo_file.write_text(summary.pop("hlo_text"))
+                        print("  hlo:", summary, flush=True)
+                    times = time_serving_loop(engine, args.steps, args.warmup)
+                    sync_ms = 1000 * statistics.median(time_synchronous(engine, args.steps // 2, 2))
+                    # The profile comes after the timing, so that the tracer cannot touch the timed steps.
+                    prof = None
+                    if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
+                        prof = profile_steps(engine, 8, f"{args.profile_dir}/{name}")
+                        print("  profile:", json.dumps(prof, indent=1), flush=True)
+                    setup = time.perf_counter() - t0
+                    ms = 1000 * statistics.median(times)
+                    per_gpu = spec.decode_bytes_per_step(batch, context) / tp
+                    roofline_ms = 1000 * per_gpu / bandwidth
+                    all_weights = spec.param_bytes + batch * context * spec.kv_bytes_per_token
+                    all_weights_ms = 1000 * all_weights / tp / bandwidth
+                    row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
+                           "attention": attn, "k_splits": k_splits, "min_batch_bucket": min_bucket,
+                           "ms_per_token": round(ms, 4),
+                           "tokens_per_s": round(batch * 1000 / ms, 1),
+                           "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
+                           "roofline_all_weights_ms": round(all_weights_ms, 4),
+                           "fraction_of_roofline_all_weights": round(all_weights_ms / ms, 4),
+                           "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
+                           "synchronous_ms_per_token": round(sync_ms, 4)}
+                    if prof is not None:
+                        row["profile"] = prof
+                    rows.append(row)
+                    print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
+                          f"k-splits {k_splits} min-bucket {min_bucket} "
+                          f"{ms:8.3f} ms/token "
+                          f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
+                          f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)
+                    del engine
+                    gc.collect()
         del base
         gc.collect()
 

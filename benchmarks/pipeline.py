@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -54,6 +56,15 @@ CHECK_REQUESTS = [
     [[1, 500, 501, 502, 503], 16, 0.0, 0, 1.0, 0],
     [[1, 9, 9, 9], 33, 0.0, 0, 1.0, 0],
 ]
+
+
+@functools.cache
+def variants() -> Any:
+    """benchmarks/variants.py (random caches, slots occupied without prefill) as a module, loaded once."""
+    spec = importlib.util.spec_from_file_location("variants", Path(__file__).with_name("variants.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def check_spec() -> Any:
@@ -149,7 +160,6 @@ def speed_row(layout: str, streams: int, slots: int, times: list[float], emitted
 
 
 def role_speed_stage(args: argparse.Namespace) -> None:
-    from switchyard.service.engine.pipeline import PipelineEngine
     from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine, follow, join
     from switchyard.service.modelspec import preset
 
@@ -163,7 +173,7 @@ def role_speed_stage(args: argparse.Namespace) -> None:
         slots = -(-max(streams, PP) // PP) * PP
         # A stream advances one position every pp ticks.
         layout = group_layout(args, batch_slots=slots, max_seq_len=args.context + args.steps + args.warmup + 8)
-        engine = PipelineEngine.from_random(spec, layout, dtype=args.dtype)
+        engine = variants().VariantPipelineEngine.from_random(spec, layout, dtype=args.dtype)
         engine.occupy_slots(args.context, count=streams)
         if args.stage:
             follow(engine, channel)
@@ -181,7 +191,6 @@ def role_speed_stage(args: argparse.Namespace) -> None:
 
 def role_speed_tp(args: argparse.Namespace) -> None:
     import jax
-    from switchyard.service.engine.tensor_parallel import Engine
     from switchyard.service.modelspec import ServingLayout, preset
 
     spec = preset(args.model)
@@ -191,7 +200,7 @@ def role_speed_tp(args: argparse.Namespace) -> None:
         slots = max(streams, 2)  # the engine's smallest step bucket is two rows
         layout = ServingLayout(tp=PP, strategy=args.strategy, batch_slots=slots,
                                max_seq_len=args.context + args.steps + args.warmup + 8)
-        engine = Engine.from_random(spec, layout, dtype=args.dtype, devices=jax.devices()[:PP])
+        engine = variants().VariantEngine.from_random(spec, layout, dtype=args.dtype, devices=jax.devices()[:PP])
         engine.occupy_slots(args.context, count=streams)
         times, emitted, wall = timed_loop(engine, args.steps, args.warmup)
         rows.append(speed_row(f"TP{PP}", streams, slots, times, emitted, wall, time.perf_counter() - t0))

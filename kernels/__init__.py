@@ -20,10 +20,13 @@ from switchyard.kernels.selection import STRATEGIES
 if TYPE_CHECKING:
     from switchyard.kernels import attention
     from switchyard.kernels.collectives import (
+        K_SPLITS,
         all_reduce,
         all_reduce_residual_rmsnorm,
         plan,
         rmsnorm,
+        row_parallel_residual,
+        row_parallel_residual_rmsnorm,
         split_product,
     )
     from switchyard.kernels.native import KernelError, check_errors, init, reset, set_timeout, status
@@ -36,6 +39,10 @@ _LAZY = {
     "plan": "collectives",
     "rmsnorm": "collectives",
     "split_product": "collectives",
+    # The row-parallel product + all-reduce (+ residual add, + RMSNorm) of a tensor-parallel layer.
+    "K_SPLITS": "collectives",
+    "row_parallel_residual": "collectives",
+    "row_parallel_residual_rmsnorm": "collectives",
     "KernelError": "native",
     "check_errors": "native",
     "init": "native",
@@ -45,6 +52,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "K_SPLITS",
     "STRATEGIES",
     "KernelError",
     "all_reduce",
@@ -55,6 +63,8 @@ __all__ = [
     "plan",
     "reset",
     "rmsnorm",
+    "row_parallel_residual",
+    "row_parallel_residual_rmsnorm",
     "set_timeout",
     "split_product",
     "status",

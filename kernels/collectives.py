@@ -142,3 +142,38 @@ def all_reduce_residual_rmsnorm(
     reduced = _staged_all_reduce(impl, contribution(x), axis)
     new_residual = residual + reduced.astype(residual.dtype)
     return new_residual, rmsnorm(new_residual, weight, eps)
+
+
+# ---- the row-parallel product of a tensor-parallel layer, summed over the GPUs --------------------
+# Partial products per row-parallel product for the fused kernel: 4 and 8 were equally fast, and 4
+# keeps the kernel's loads per pack fewer (benchmarks/NOTES.md).
+K_SPLITS = 4
+
+
+def row_parallel_residual_rmsnorm(
+    a: jax.Array, w: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, axis: str, strategy: str = "xla",
+    *, k_splits: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``residual + all_reduce(a @ w)`` and its RMSNorm: returns ``(new_residual, normed)``.
+
+    ``a @ w`` is this device's share of a row-parallel product (``w`` holds rows of the weight). Where
+    the fused kernel runs, the product is written as ``k_splits`` float32 partial products over
+    slices of K (``split_product``, default ``K_SPLITS``), which the kernel sums as it loads them; with
+    ``k_splits=1``, a K that does not divide, or no fused kernel, it is a plain dot.
+    """
+    splits = K_SPLITS if k_splits is None else k_splits
+    if not 1 <= splits <= MAX_PARTIALS:
+        raise ValueError(f"k_splits must be 1..{MAX_PARTIALS}, got {splits}")
+    if splits > 1 and a.shape[-1] % splits == 0 and plan("fused", strategy, residual, axis) == "fused":
+        return all_reduce_residual_rmsnorm(split_product(a, w, splits), residual, weight, eps, axis, strategy)
+    return all_reduce_residual_rmsnorm(a @ w, residual, weight, eps, axis, strategy)
+
+
+def row_parallel_residual(
+    a: jax.Array, w: jax.Array, residual: jax.Array, axis: str, strategy: str = "xla"
+) -> jax.Array:
+    """``residual + all_reduce(a @ w)``, with no norm after it (a pipeline stage's last layer)."""
+    return residual + all_reduce(a @ w, axis, strategy).astype(residual.dtype)
+
+
+__all__ += ["K_SPLITS", "row_parallel_residual", "row_parallel_residual_rmsnorm"]

@@ -23,18 +23,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from switchyard.kernels import all_reduce, all_reduce_residual_rmsnorm, attention, plan, rmsnorm, split_product
-from switchyard.kernels.collectives import MAX_PARTIALS
+from switchyard.kernels import attention, rmsnorm, row_parallel_residual, row_parallel_residual_rmsnorm
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
 Params = dict[str, Any]
+# (a, w, residual, norm weight, eps, axis, strategy) -> (residual + all_reduce(a @ w), its RMSNorm)
+RowParallelNorm = Callable[..., tuple[jax.Array, jax.Array]]
+# (a, w, residual, axis, strategy) -> residual + all_reduce(a @ w)
+RowParallel = Callable[..., jax.Array]
+# (qkv, k_cache, v_cache, positions, write_at) -> (out, k_cache, v_cache)
+DecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,36 +131,32 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 # ---- forward passes (per shard) ------------------------------------------------------------------
-# Partial products per product for the fused all-reduce (ForwardConfig.k_splits): 4 and 8 were
-# equally fast, and 4 keeps the kernel's loads per pack fewer (benchmarks/NOTES.md).
-K_SPLITS = 4
-
-
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
+    """How the forward passes run on one shard.
+
+    The three callables are the seam for benchmark variants (``benchmarks/variants.py``): their
+    defaults are the product's, and a variant's engine replaces them (decode attention through XLA's
+    ops, the row-parallel products as another number of partial products, or without the all-reduce).
+    """
+
     shape: ShardShape
     strategy: str
     inv_freq: tuple[float, ...]
     # Prompts longer than this attend in query blocks of this many tokens, so the score matrix of a
     # long prompt never exists whole (an 8k prompt's would be 8.6 GB per layer for Llama-3-8B).
     prefill_chunk: int = 1024
-    # Decode attention through the CUDA kernel where it can run (switchyard.kernels.attention; XLA's
-    # ops elsewhere). On by default: faster than XLA's ops, or within 1%, at every batch and context
-    # measured (benchmarks/NOTES.md).
-    attention_kernel: bool = True
-    # Where the fused all-reduce kernel runs, the row-parallel products in front of it are written as
-    # this many float32 partial products over slices of K, which the kernel sums (1: a plain dot).
-    k_splits: int = K_SPLITS
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.k_splits <= MAX_PARTIALS:
-            raise ValueError(f"k_splits must be 1..{MAX_PARTIALS}, got {self.k_splits}")
+    # Row-parallel product, all-reduce, residual add and RMSNorm (the fused kernel where it runs).
+    row_parallel_norm: RowParallelNorm = row_parallel_residual_rmsnorm
+    # Row-parallel product, all-reduce and residual add: a pipeline stage's last layer.
+    row_parallel: RowParallel = row_parallel_residual
+    # Decode attention through the CUDA kernel where it can run (XLA's ops elsewhere): faster than
+    # XLA's ops, or within 1%, at every batch and context measured (benchmarks/NOTES.md).
+    decode_attention: DecodeAttention = attention.decode_attention_packed
 
     @classmethod
-    def make(cls, spec: ModelSpec, tp: int, strategy: str, prefill_chunk: int = 1024,
-             attention_kernel: bool = True, k_splits: int = K_SPLITS) -> ForwardConfig:
-        return cls(ShardShape(spec, tp), strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk,
-                   attention_kernel, k_splits)
+    def make(cls, shape: ShardShape, strategy: str) -> ForwardConfig:
+        return cls(shape, strategy, tuple(float(f) for f in rope_inv_freq(shape.spec)))
 
 
 def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -186,26 +188,16 @@ def run_layers(
     stage's).
     """
     eps = cfg.shape.spec.rms_norm_eps
-
-    def project_add_norm(a: jax.Array, w: jax.Array, residual: jax.Array, norm: jax.Array):
-        """Row-parallel product a @ w, summed over the GPUs, + residual, then RMSNorm."""
-        k = a.shape[-1]
-        if (cfg.k_splits > 1 and k % cfg.k_splits == 0 and cfg.shape.tp > 1
-                and plan("fused", cfg.strategy, residual, AXIS) == "fused"):
-            return all_reduce_residual_rmsnorm(split_product(a, w, cfg.k_splits), residual, norm, eps, AXIS,
-                                               cfg.strategy)
-        return all_reduce_residual_rmsnorm(a @ w, residual, norm, eps, AXIS, cfg.strategy)
-
     residual = x
     h = rmsnorm(x, layers[0]["attn_norm"], eps)
     for i, layer in enumerate(layers):
-        residual, h = project_add_norm(attention(i, h), layer["wo"], residual, layer["mlp_norm"])
+        residual, h = cfg.row_parallel_norm(attention(i, h), layer["wo"], residual, layer["mlp_norm"], eps, AXIS,
+                                            cfg.strategy)
         act = _mlp_activation(h, layer, cfg.shape)
         next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else final_norm
         if next_norm is None:
-            mlp = act @ layer["wdown"]
-            return residual + all_reduce(mlp, AXIS, cfg.strategy).astype(residual.dtype), None
-        residual, h = project_add_norm(act, layer["wdown"], residual, next_norm)
+            return cfg.row_parallel(act, layer["wdown"], residual, AXIS, cfg.strategy), None
+        residual, h = cfg.row_parallel_norm(act, layer["wdown"], residual, next_norm, eps, AXIS, cfg.strategy)
     return residual, h
 
 
@@ -234,8 +226,7 @@ def decode_attention(
     qkv = jnp.where(is_qk[None, :, None], roped, qkv)
     # Rows that must not write aim past the cache's end: the write is dropped.
     at = positions if write is None else jnp.where(write, positions, k_cache.shape[2])
-    out, k_cache, v_cache = attention.decode_attention_packed(qkv, k_cache, v_cache, positions, at,
-                                                              use_kernel=cfg.attention_kernel)
+    out, k_cache, v_cache = cfg.decode_attention(qkv, k_cache, v_cache, positions, at)
     return out.reshape(n, shape.q_heads * shape.spec.head_dim).astype(h.dtype), k_cache, v_cache
 
 

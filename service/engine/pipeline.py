@@ -18,8 +18,9 @@ A request inserted into a slot whose micro-batch is in flight must not receive t
 slot has an insert count (``epoch``) that travels with its row through the pipeline; rows whose
 epoch changed on the way neither write KV nor emit tokens.
 
-The class offers the same API as :class:`~switchyard.service.engine.tensor_parallel.Engine`, so the scheduler drives
-either unchanged. In a multi-process group every process runs the same calls in the same order
+The class implements the engine contract (:class:`~switchyard.service.engine.contract.DecodeEngine`), as
+:class:`~switchyard.service.engine.tensor_parallel.Engine` does, so the scheduler drives either
+unchanged. In a multi-process group every process runs the same calls in the same order
 (:mod:`switchyard.service.engine.pipeline_group`).
 """
 
@@ -36,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import rmsnorm
 from switchyard.service.engine.checkpoint import NP_DTYPES, load_params
+from switchyard.service.engine.contract import PendingStep, Prefix, StepResult
 from switchyard.service.engine.model import (
     AXIS,
     ForwardConfig,
@@ -44,16 +46,12 @@ from switchyard.service.engine.model import (
     param_shapes,
     param_specs,
     prefill_layers,
-    rope_inv_freq,
     run_layers,
 )
 from switchyard.service.engine.sampling import SamplingParams, sample_sharded
 from switchyard.service.engine.tensor_parallel import (
     CACHE_ALIGN,
-    PendingStep,
-    Prefix,
     SlotBook,
-    StepResult,
     new_cache,
     random_params,
     sampling_arrays,
@@ -75,6 +73,15 @@ def make_pipeline_mesh(pp: int, tp: int, devices: Sequence[jax.Device] | None = 
 
 
 class PipelineEngine(SlotBook):
+    """Pipeline-parallel decoding (see the module docstring); implements
+    :class:`~switchyard.service.engine.contract.DecodeEngine`.
+
+    The seam for benchmark variants (``benchmarks/variants.py``), as on
+    :class:`~switchyard.service.engine.tensor_parallel.Engine`: the constructor calls
+    ``_forward_config()`` and ``_new_cache(shape, sharding, layers)`` once each, and a variant may
+    replace per-slot entries of the device state ``_state`` with the slot book's host mirror.
+    """
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -85,8 +92,6 @@ class PipelineEngine(SlotBook):
         max_seq_len: int,
         strategy: str = "xla",
         dtype: str | None = None,
-        prefill_chunk: int = 1024,
-        cache_init: str = "zeros",
     ) -> None:
         super().__init__(spec, batch_slots, max_seq_len)
         self.params = params
@@ -100,8 +105,8 @@ class PipelineEngine(SlotBook):
         self.strategy = strategy
         self.dtype = dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp, vocab_shards=self.pp * self.tp)
-        self._cfg = ForwardConfig(self.shape, strategy, tuple(float(f) for f in rope_inv_freq(spec)), prefill_chunk)
-        self._state = self._new_state(cache_init)
+        self._cfg = self._forward_config()
+        self._state = self._new_state()
         self.tick = 0
         self._entry: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (active, generation) at entry
 
@@ -121,31 +126,29 @@ class PipelineEngine(SlotBook):
     @classmethod
     def from_random(
         cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
-        devices: Sequence[jax.Device] | None = None, cache_init: str = "random",
+        devices: Sequence[jax.Device] | None = None,
     ) -> PipelineEngine:
         """Random weights made on the devices, each stage's layers on its own (benchmarks)."""
-        mesh = make_pipeline_mesh(layout.pp, layout.tp, devices)
-        pp = layout.pp
-        if spec.num_layers % pp:
-            raise ValueError(f"{pp} pipeline stages must divide the {spec.num_layers} layers")
-        shapes = param_shapes(ShardShape(spec, layout.tp, vocab_shards=pp * layout.tp))
-        specs = param_specs(spec)
-        per_stage = spec.num_layers // pp
-        shapes["layers"] = [{k: (pp, *v) for k, v in layer.items()} for layer in shapes["layers"][:per_stage]]
-        specs["layers"] = [{k: P(PP, *v) for k, v in layer.items()} for layer in specs["layers"][:per_stage]]
-        specs["lm_head"] = P(None, VOCAB_AXES)
-        params = random_params(shapes, specs, mesh, dtype, seed)
+        params, mesh = random_stage_weights(spec, layout, dtype, seed, devices)
         return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
-                   strategy=layout.strategy, dtype=dtype, cache_init=cache_init)
+                   strategy=layout.strategy, dtype=dtype)
+
+    # ---- the seam for benchmark variants (see the class docstring) ----------------------------------
+    def _forward_config(self) -> ForwardConfig:
+        return ForwardConfig.make(self.shape, self.strategy)
+
+    def _new_cache(self, shape: tuple[int, ...], sharding: NamedSharding,
+                   layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
+        return new_cache(shape, sharding, self.dtype, layers)
 
     # ---- state ------------------------------------------------------------------------------------
-    def _new_state(self, cache_init: str) -> dict[str, Any]:
+    def _new_state(self) -> dict[str, Any]:
         s, pp, m = self.spec, self.pp, self.group
         per_stage = s.num_layers // pp
         cache_len = -(-self.max_seq_len // CACHE_ALIGN) * CACHE_ALIGN
         # k[j][r]: layer j of this stage, local micro-batch array r (see the module docstring).
-        k, v = new_cache((pp, m, s.num_kv_heads, cache_len, s.head_dim), NamedSharding(self.mesh, CACHE_SPEC),
-                         self.dtype, per_stage * pp, cache_init)
+        k, v = self._new_cache((pp, m, s.num_kv_heads, cache_len, s.head_dim), NamedSharding(self.mesh, CACHE_SPEC),
+                               per_stage * pp)
         rep = NamedSharding(self.mesh, P())
         n = self.max_slots
 
@@ -362,8 +365,8 @@ class PipelineEngine(SlotBook):
         return StepResult(step=pending.step, batch=pending.batch, tokens=np.asarray(pending.tokens),
                           active=pending.active, generations=pending.generations, logits=None)
 
-    def generate(self) -> StepResult:
-        return self.collect(self.dispatch())
+    def generate(self, return_logits: bool = False) -> StepResult:
+        return self.collect(self.dispatch(return_logits))
 
     def warmup(self) -> float:
         # With no slot active (and the epochs guarding every later insert) nothing is emitted.
@@ -371,4 +374,21 @@ class PipelineEngine(SlotBook):
             for t in range(self.pp):  # one program per local micro-batch array
                 self.run_tick(t, greedy).block_until_ready()
 
-        return warm_up(self, ticks)
+        return warm_up(self, self, ticks)
+
+
+def random_stage_weights(spec: ModelSpec, layout: ServingLayout, dtype: str, seed: int,
+                         devices: Sequence[jax.Device] | None = None) -> tuple[dict, Mesh]:
+    """Random weights for a pipeline of ``layout.pp`` stages of ``layout.tp`` devices, each stage's
+    layers made on its own devices, and the pipeline's mesh."""
+    mesh = make_pipeline_mesh(layout.pp, layout.tp, devices)
+    pp = layout.pp
+    if spec.num_layers % pp:
+        raise ValueError(f"{pp} pipeline stages must divide the {spec.num_layers} layers")
+    shapes = param_shapes(ShardShape(spec, layout.tp, vocab_shards=pp * layout.tp))
+    specs = param_specs(spec)
+    per_stage = spec.num_layers // pp
+    shapes["layers"] = [{k: (pp, *v) for k, v in layer.items()} for layer in shapes["layers"][:per_stage]]
+    specs["layers"] = [{k: P(PP, *v) for k, v in layer.items()} for layer in specs["layers"][:per_stage]]
+    specs["lm_head"] = P(None, VOCAB_AXES)
+    return random_params(shapes, specs, mesh, dtype, seed), mesh

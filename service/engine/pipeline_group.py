@@ -18,15 +18,17 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import jax
 import numpy as np
+from switchyard.service.engine.contract import PendingStep, Prefix, StepResult
 from switchyard.service.engine.pipeline import PipelineEngine
 from switchyard.service.engine.sampling import SamplingParams
-from switchyard.service.engine.tensor_parallel import PendingStep, Prefix, StepResult, warm_up
+from switchyard.service.engine.tensor_parallel import warm_up
 from switchyard.service.errors import FatalEngineError
-from switchyard.service.modelspec import ServingLayout
+from switchyard.service.modelspec import ModelSpec, ServingLayout
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,9 @@ def _sampling_from(message: np.ndarray) -> SamplingParams:
 class LeaderEngine:
     """Stage 0's engine: a :class:`PipelineEngine` whose every SPMD call is first announced to the group.
 
-    Offers the engine API the scheduler uses; everything else is the wrapped engine's.
+    Implements :class:`~switchyard.service.engine.contract.DecodeEngine`: the calls that run programs
+    on every stage (prefill, insert, dispatch, warmup) are announced, then run on the wrapped engine;
+    the host-side ones (slots, bookkeeping) are the wrapped engine's, delegated.
     """
 
     def __init__(self, engine: PipelineEngine, channel: CommandChannel) -> None:
@@ -177,9 +181,6 @@ class LeaderEngine:
             self.broken = err
             raise GroupBrokenError(f"a pipeline stage did not answer: {err}") from err
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
     def _run(self, call: Any, *args: Any) -> Any:
         """Stage 0's part of an announced call. The other stages run it too, so a failure here
         leaves them in an unknown state (or waiting in a collective): the group is broken."""
@@ -189,7 +190,41 @@ class LeaderEngine:
             self.broken = err
             raise GroupBrokenError(f"stage 0 failed a call the whole group runs: {err!r}") from err
 
-    def prefill(self, tokens, sampling: SamplingParams | None = None, return_logits: bool = False) -> Prefix:
+    # ---- host-side: the wrapped engine's ---------------------------------------------------------------
+    @property
+    def spec(self) -> ModelSpec:
+        return self.engine.spec
+
+    @property
+    def max_slots(self) -> int:
+        return self.engine.max_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    def validate_prompt(self, tokens: Sequence[int]) -> None:
+        self.engine.validate_prompt(tokens)
+
+    def free_slots(self) -> list[int]:
+        return self.engine.free_slots()
+
+    def room(self, slot: int) -> int:
+        return self.engine.room(slot)
+
+    def slot_generation(self, slot: int) -> int:
+        return self.engine.slot_generation(slot)
+
+    def evict(self, slot: int) -> None:
+        """Host bookkeeping only: the freed slot's stale state is overwritten by the next insert."""
+        self.engine.evict(slot)
+
+    def compiled_count(self) -> int:
+        return self.engine.compiled_count()
+
+    # ---- programs of the whole group: announced, then run ----------------------------------------------
+    def prefill(self, tokens: Sequence[int], sampling: SamplingParams | None = None,
+                return_logits: bool = False) -> Prefix:
         sampling = sampling or SamplingParams()
         padded = self.engine.padded_prompt(tokens, sampling)  # bad requests are refused before any announce
         n, bucket = len(tokens), len(padded)
@@ -211,8 +246,8 @@ class LeaderEngine:
     def collect(self, pending: PendingStep) -> StepResult:
         return self._run(self.engine.collect, pending)
 
-    def generate(self) -> StepResult:
-        return self.collect(self.dispatch())
+    def generate(self, return_logits: bool = False) -> StepResult:
+        return self.collect(self.dispatch(return_logits))
 
     def warmup(self) -> float:
         """Compile every program the group will run, on every stage (each call is announced)."""
@@ -222,7 +257,7 @@ class LeaderEngine:
                 self._announce(TICK, t, int(greedy))
                 self.engine.run_tick(t, greedy).block_until_ready()
 
-        return warm_up(self, ticks)
+        return warm_up(self, self.engine, ticks)
 
     def stop(self) -> None:
         """Release the followers (they exit their loop)."""

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from switchyard.service.engine.contract import DecodeEngine, PendingStep, StepResult
 from switchyard.service.engine.sampling import SamplingParams
-from switchyard.service.engine.tensor_parallel import Engine, PendingStep, StepResult
 from switchyard.service.engine.tokenizer import IncrementalDecoder, Tokenizer
 from switchyard.service.errors import (
     DuplicateRequestError,
@@ -114,7 +114,7 @@ class _Live:
 class Scheduler:
     def __init__(
         self,
-        engine: Engine,
+        engine: DecodeEngine,
         tokenizer: Tokenizer,
         *,
         max_queue: int = 64,
@@ -264,7 +264,7 @@ class Scheduler:
                     self._fail_all(err)
                 continue
             live.slot = slot
-            live.generation = int(self.engine.generation[slot])
+            live.generation = self.engine.slot_generation(slot)
             self._slots[slot] = live
             now = time.monotonic()
             live.t_first = now

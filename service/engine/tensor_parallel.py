@@ -8,7 +8,6 @@ occupied slot) and per sampling mode (all-greedy, or sampled); prompts are padde
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -23,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 from switchyard import kernels
 from switchyard.kernels.selection import check_strategy
 from switchyard.service.engine.checkpoint import NP_DTYPES, load_params
+from switchyard.service.engine.contract import DecodeEngine, PendingStep, Prefix, StepResult
 from switchyard.service.engine.model import (
     AXIS,
-    K_SPLITS,
     ForwardConfig,
     ShardShape,
     decode_forward,
@@ -39,48 +38,10 @@ from switchyard.service.modelspec import ModelSpec, ServingLayout
 
 CACHE_SPEC = P(None, AXIS, None, None)  # [slots, kv_heads, max_seq, head_dim], sharded by KV head
 MIN_PREFILL_BUCKET = 16
+# A step for one sequence runs as two rows: XLA on GPU compiles some [1, K] x [K, N] products as a
+# broadcast-multiply plus reduce that writes a K x N temporary (see benchmarks/NOTES.md).
+MIN_BATCH_BUCKET = 2
 CACHE_ALIGN = 128  # positions; the cache length is a multiple of this
-
-
-@dataclasses.dataclass
-class Prefix:
-    """A prefilled prompt, ready to be inserted into a slot."""
-
-    first_token: int
-    length: int
-    bucket: int
-    sampling: SamplingParams
-    k: jax.Array  # [layers, kv_heads, bucket, head_dim]
-    v: jax.Array
-    logits: jax.Array | None = None  # [padded_vocab] at the prompt's last position, when asked for
-
-
-@dataclasses.dataclass
-class StepResult:
-    """One generate step: a token for each slot in ``[0, batch)``; only active slots' tokens count.
-
-    ``generations[s]`` is the slot's insert count when the step was launched: a token belongs to the
-    request that occupied the slot then, even if the slot has been reused since.
-    """
-
-    step: int
-    batch: int
-    tokens: np.ndarray  # int32 [batch]
-    active: np.ndarray  # bool [batch]
-    generations: np.ndarray  # int64 [batch]
-    logits: jax.Array | None = None  # [batch, padded_vocab] when asked for
-
-
-@dataclasses.dataclass
-class PendingStep:
-    """A launched step whose tokens are still on the device."""
-
-    step: int
-    batch: int
-    tokens: jax.Array
-    active: np.ndarray
-    generations: np.ndarray
-    logits: jax.Array | None
 
 
 def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -90,7 +51,8 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.array(devices[:tp]), (AXIS,))
 
 
-def _buckets(limit: int, start: int) -> list[int]:
+def doubling_buckets(limit: int, start: int) -> list[int]:
+    """``start``, doubled while below ``limit``, then ``limit``: the sizes programs are compiled for."""
     out, b = [], start
     while b < limit:
         out.append(b)
@@ -101,7 +63,7 @@ def _buckets(limit: int, start: int) -> list[int]:
 
 class SlotBook:
     """Host-side bookkeeping shared by the engines: slots, their occupancy and insert counts, prompt
-    checks and bucketing, and the table of compiled programs."""
+    checks and bucketing, and the table of compiled programs. Uses only its own state."""
 
     def __init__(self, spec: ModelSpec, batch_slots: int, max_seq_len: int) -> None:
         if batch_slots < 1:
@@ -112,7 +74,7 @@ class SlotBook:
         self.spec = spec
         self.max_slots = batch_slots
         self.max_seq_len = max_seq_len
-        self.prefill_buckets = _buckets(max_seq_len, min(MIN_PREFILL_BUCKET, max_seq_len))
+        self.prefill_buckets = doubling_buckets(max_seq_len, min(MIN_PREFILL_BUCKET, max_seq_len))
         self._jits: dict[tuple, Any] = {}
         self.active = np.zeros(batch_slots, dtype=bool)
         self.greedy = np.ones(batch_slots, dtype=bool)
@@ -164,6 +126,10 @@ class SlotBook:
         """How many more tokens the slot can generate before its context is full."""
         return int(self.max_seq_len - self.positions[slot])
 
+    def slot_generation(self, slot: int) -> int:
+        """The slot's insert count."""
+        return int(self.generation[slot])
+
     def greedy_only(self) -> bool:
         occupied = np.flatnonzero(self.active)
         return bool(self.greedy[occupied].all()) if occupied.size else True
@@ -178,30 +144,24 @@ class SlotBook:
         """Compiled executables across all program tables (tests assert it stays flat after warm-up)."""
         return sum(fn._cache_size() for fn in self._jits.values())
 
-    # ---- benchmarks ------------------------------------------------------------------------------
-    def occupy_slots(self, context: int, count: int | None = None, sampling: SamplingParams | None = None) -> None:
-        """Benchmarks: mark the first ``count`` slots (all by default) active at ``context`` tokens of
-        whatever the cache holds, without prefill."""
-        if not 1 <= context < self.max_seq_len:
-            raise ValueError(f"context must be in [1, {self.max_seq_len})")
-        count = self.max_slots if count is None else count
-        s = sampling or SamplingParams()
-        n = self.max_slots
-        rep = NamedSharding(self.mesh, P())
-        self._state = dict(self._state)
-        for key, value in (("positions", np.full(n, context, np.int32)), ("counters", np.ones(n, np.int32)),
-                           ("temperature", np.full(n, s.temperature, np.float32)),
-                           ("top_k", np.full(n, s.top_k, np.int32)), ("top_p", np.full(n, s.top_p, np.float32)),
-                           ("seeds", np.full(n, s.seed, np.int32)),
-                           ("tokens", np.arange(n, dtype=np.int32) % self.spec.vocab_size)):
-            self._state[key] = jax.device_put(value, rep)
-        self.active[:] = False
-        self.active[:count] = True
-        self.greedy[:] = s.greedy
-        self.positions[:] = context
-
 
 class Engine(SlotBook):
+    """The decode engine of one tensor-parallel group (see the module docstring); implements
+    :class:`~switchyard.service.engine.contract.DecodeEngine`.
+
+    The seam for benchmark variants (``benchmarks/variants.py``): the constructor calls three hook
+    methods, once each, that a subclass may override to build an engine that is not the product:
+
+    - ``_forward_config()``: the :class:`ForwardConfig` of every compiled program (its callables:
+      decode attention, the row-parallel products with their all-reduce);
+    - ``_new_cache(shape, sharding, layers)``: the per-layer K and V caches it starts with;
+    - ``_batch_buckets()``: the step batches it compiles (ascending; the last is ``max_slots``).
+
+    A variant may also replace entries of the device state ``_state`` (the per-slot arrays that
+    ``_new_state`` makes, replicated over ``mesh``) together with the slot book's host mirror.
+    Nothing else is meant to be overridden.
+    """
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -212,11 +172,6 @@ class Engine(SlotBook):
         max_seq_len: int,
         strategy: str = "xla",
         dtype: str | None = None,
-        cache_init: str = "zeros",
-        min_batch_bucket: int = 2,
-        prefill_chunk: int = 1024,
-        attention_kernel: bool = True,
-        k_splits: int = K_SPLITS,
     ) -> None:
         check_strategy(strategy)
         super().__init__(spec, batch_slots, max_seq_len)
@@ -226,16 +181,14 @@ class Engine(SlotBook):
         self.strategy = strategy
         self.dtype = dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp)
-        self._cfg = ForwardConfig.make(spec, self.tp, strategy, prefill_chunk, attention_kernel, k_splits)
+        self._cfg = self._forward_config()
         self._pspecs = param_specs(spec)
-        # A step for one sequence can run as two rows: XLA on GPU compiles some [1, K] x [K, N] products
-        # as a broadcast-multiply plus reduce that writes a K x N temporary (see benchmarks/NOTES.md).
-        self.batch_buckets = _buckets(batch_slots, min(max(1, min_batch_bucket), batch_slots))
+        self.batch_buckets = self._batch_buckets()
         if strategy != "xla" and self.tp > 1:
             # Workspaces and peer access for the custom all-reduce, on exactly this mesh's GPUs and
             # before any step is compiled (no-op, with the reason in kernels.status(), off GPU).
             kernels.init(list(mesh.devices.flat))
-        self._state = self._new_state(cache_init)
+        self._state = self._new_state()
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -254,22 +207,30 @@ class Engine(SlotBook):
     @classmethod
     def from_random(
         cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
-        devices: Sequence[jax.Device] | None = None, cache_init: str = "random", min_batch_bucket: int = 2,
-        attention_kernel: bool = True, k_splits: int = K_SPLITS,
+        devices: Sequence[jax.Device] | None = None,
     ) -> Engine:
         """Random weights made on the devices, shard by shard (for benchmarks of large shapes)."""
-        mesh = make_mesh(layout.tp, devices)
-        params = random_params(param_shapes(ShardShape(spec, layout.tp)), param_specs(spec), mesh, dtype, seed)
+        params, mesh = random_weights(spec, layout.tp, dtype, seed, devices)
         return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
-                   strategy=layout.strategy, dtype=dtype, cache_init=cache_init, min_batch_bucket=min_batch_bucket,
-                   attention_kernel=attention_kernel, k_splits=k_splits)
+                   strategy=layout.strategy, dtype=dtype)
 
-    def _new_state(self, cache_init: str) -> dict[str, Any]:
+    # ---- the seam for benchmark variants (see the class docstring) ----------------------------------
+    def _forward_config(self) -> ForwardConfig:
+        return ForwardConfig.make(self.shape, self.strategy)
+
+    def _new_cache(self, shape: tuple[int, ...], sharding: NamedSharding,
+                   layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
+        return new_cache(shape, sharding, self.dtype, layers)
+
+    def _batch_buckets(self) -> list[int]:
+        return doubling_buckets(self.max_slots, min(MIN_BATCH_BUCKET, self.max_slots))
+
+    def _new_state(self) -> dict[str, Any]:
         s = self.spec
         # Round the cache length up so attention's matrix products need no padded copy of the cache.
         cache_len = -(-self.max_seq_len // CACHE_ALIGN) * CACHE_ALIGN
         cache_shape = (self.max_slots, s.num_kv_heads, cache_len, s.head_dim)
-        k, v = new_cache(cache_shape, NamedSharding(self.mesh, CACHE_SPEC), self.dtype, s.num_layers, cache_init)
+        k, v = self._new_cache(cache_shape, NamedSharding(self.mesh, CACHE_SPEC), s.num_layers)
         rep = NamedSharding(self.mesh, P())
         n = self.max_slots
 
@@ -416,29 +377,30 @@ class Engine(SlotBook):
                 self._state, _, _ = self._step_fn(batch, greedy, False)(self.params, self._state)
             jax.block_until_ready(self._state)
 
-        return warm_up(self, steps)
+        return warm_up(self, self, steps)
 
 
-def warm_up(engine: Any, steps: Callable[[bool], None]) -> float:
+def warm_up(engine: DecodeEngine, book: SlotBook, steps: Callable[[bool], None]) -> float:
     """Compile every program an engine serves with, by running each once: every prefill bucket
     (greedy and sampled), an insert per bucket, then ``steps(greedy)`` for the decode programs.
 
     Runs them for real (not ahead-of-time lowering) so that the dispatch caches are warm; with no
-    active slot they only touch free slots' state, which the next insert overwrites. ``engine`` is
-    anything with the engine API (a pipeline leader passes itself, so every call is announced).
+    active slot they only touch free slots' state, which the next insert overwrites. The calls go to
+    ``engine`` (a pipeline leader passes itself, so every call is announced); ``book`` is the slot
+    book that engine keeps.
     """
-    if engine.active.any():
+    if book.active.any():
         raise RuntimeError("warm up before inserting requests")
     t0 = time.perf_counter()
     for greedy in (True, False):
         sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
-        for bucket in engine.prefill_buckets:
+        for bucket in book.prefill_buckets:
             prefix = engine.prefill([0] * min(bucket, engine.max_seq_len - 1), sampling)
             if greedy:
                 engine.insert(prefix, 0)
                 engine.evict(0)
         steps(greedy)
-    engine.positions[:] = 0
+    book.positions[:] = 0
     return time.perf_counter() - t0
 
 
@@ -447,20 +409,18 @@ def sampling_arrays(params: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
             np.array([p.top_p for p in params], np.float32), np.array([p.seed for p in params], np.int32))
 
 
-def new_cache(shape: tuple[int, ...], sharding: NamedSharding, dtype: str, layers: int,
-              cache_init: str) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Per-layer K and V caches, made on the devices: zeros, or random values (benchmarks never time
-    on zeros)."""
-    if cache_init not in ("zeros", "random"):
-        raise ValueError(f"cache_init must be 'zeros' or 'random', got {cache_init!r}")
-    jdtype = jnp.dtype(NP_DTYPES[dtype])
-    if cache_init == "random":
-        make = jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * 0.5).astype(jdtype),
-                       out_shardings=sharding)
-        return ([make(jax.random.PRNGKey(2 * i)) for i in range(layers)],
-                [make(jax.random.PRNGKey(2 * i + 1)) for i in range(layers)])
-    zeros = jax.jit(lambda: jnp.zeros(shape, jdtype), out_shardings=sharding)
+def new_cache(shape: tuple[int, ...], sharding: NamedSharding, dtype: str,
+              layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per-layer K and V caches of zeros, made on the devices."""
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(NP_DTYPES[dtype])), out_shardings=sharding)
     return [zeros() for _ in range(layers)], [zeros() for _ in range(layers)]
+
+
+def random_weights(spec: ModelSpec, tp: int, dtype: str, seed: int,
+                   devices: Sequence[jax.Device] | None = None) -> tuple[dict, Mesh]:
+    """Random weights for a tensor-parallel group of ``tp`` devices, and its mesh."""
+    mesh = make_mesh(tp, devices)
+    return random_params(param_shapes(ShardShape(spec, tp)), param_specs(spec), mesh, dtype, seed), mesh
 
 
 def random_params(shapes: Any, specs: Any, mesh: Mesh, dtype: str, seed: int) -> Any:

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from helpers import scripts
 from helpers.hf_reference import hf_greedy, hf_logits, hf_model, save_hf
 from switchyard.service.engine.checkpoint import load_params
 from switchyard.service.engine.tensor_parallel import Engine, make_mesh
@@ -82,7 +83,9 @@ def test_long_prompts_attend_in_chunks_with_the_same_result(tiny_folder):
     spec = TINY
     mesh = make_mesh(2)
     params = load_params(tiny_folder, spec, mesh, "float32", progress=False)
-    chunked = Engine(spec, params, mesh, batch_slots=2, max_seq_len=64, prefill_chunk=16)
+    variants = scripts.load("variants")
+    chunked = variants.VariantEngine(spec, params, mesh, batch_slots=2, max_seq_len=64,
+                                     variant=variants.Variant(prefill_chunk=16, cache="zeros"))
     prompt = [1, *range(3, 43)]  # 41 tokens: bucket 64, four query blocks
     logits = np.asarray(chunked.prefill(prompt, return_logits=True).logits, np.float64)[: spec.vocab_size]
     expected = hf_logits(hf_model(spec, seed=7), prompt)[-1]

@@ -4,6 +4,7 @@ with requests joining and leaving while micro-batches are in flight."""
 from __future__ import annotations
 
 import pytest
+from helpers import scripts
 from helpers.engine_fixtures import varied_checkpoint
 from switchyard.service.engine.pipeline import PipelineEngine
 from switchyard.service.engine.sampling import SamplingParams
@@ -114,7 +115,8 @@ def test_occupied_slots_get_a_token_every_pp_ticks(checkpoint):
     from switchyard.service.modelspec import ModelSpec
 
     spec = ModelSpec.from_file(checkpoint)
-    engine = PipelineEngine.from_random(spec, ServingLayout(tp=1, pp=2, batch_slots=4, max_seq_len=64))
+    variants = scripts.load("variants")
+    engine = variants.VariantPipelineEngine.from_random(spec, ServingLayout(tp=1, pp=2, batch_slots=4, max_seq_len=64))
     engine.occupy_slots(10, count=3)  # micro-batches {0, 1} (both active) and {2, 3} (slot 3 idle)
     emitted = [engine.generate().active for _ in range(5)]
     assert not emitted[0].any(), "tick 0 only fills the pipeline"

@@ -1,4 +1,8 @@
-"""Shared tiny checkpoint and engines (compiling is the slow part of CPU tests, so engines are reused)."""
+"""Shared tiny checkpoint and engines (compiling is the slow part of CPU tests, so engines are reused).
+
+Engines that are not the product (XLA attention, another k_splits, a random cache, a prefill chunk)
+come from one place, ``benchmarks/variants.py``: load it with ``helpers.scripts.load("variants")``.
+"""
 
 from __future__ import annotations
 

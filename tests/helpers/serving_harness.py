@@ -108,6 +108,7 @@ def serving(
         yield Served(server.target, scheduler, recorder, app, server)
     finally:
         server.stop(grace=5.0)
+        free = set(engine.free_slots())
         for slot in range(engine.max_slots):  # leave a clean engine for the next server, whatever happened
-            if engine.active[slot]:
+            if slot not in free:
                 engine.evict(slot)

@@ -203,7 +203,7 @@ def test_engine_with_partial_products_decodes_like_xla(fake_gpu_capability) -> N
     fake_gpu_capability(2)
     spec = preset("tiny")
     engines = [Engine.from_random(spec, ServingLayout(tp=2, strategy=s, batch_slots=2, max_seq_len=64),
-                                  devices=jax.devices("cpu")[:2], dtype="float32", cache_init="zeros", seed=3)
+                                  devices=jax.devices("cpu")[:2], dtype="float32", seed=3)
                for s in ("oneshot", "xla")]
     step = engines[0]._step_fn(2, True, False)
     text = step.trace(engines[0].params, engines[0]._state).lower(lowering_platforms=("cuda",)).as_text()

@@ -167,7 +167,7 @@ def test_engine_with_partial_products_decodes_like_psum(mesh: Mesh) -> None:
 
     spec = kernel_sized_spec()
     engines = [Engine.from_random(spec, ServingLayout(tp=2, strategy=s, batch_slots=4, max_seq_len=256),
-                                  devices=list(mesh.devices.flat), cache_init="zeros") for s in ("auto", "xla")]
+                                  devices=list(mesh.devices.flat)) for s in ("auto", "xla")]
     step = engines[0]._step_fn(4, True, False)
     compiled = step.lower(engines[0].params, engines[0]._state).compile().as_text()
     assert compiled.count("switchyard_fused_rmsnorm") >= 2 * spec.num_layers - 1

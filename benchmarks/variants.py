@@ -1,0 +1,193 @@
+"""Engines that are not the product: the one place where benchmarks and tests build them.
+
+A :class:`Variant` says how an engine departs from the product; :class:`VariantEngine` and
+:class:`VariantPipelineEngine` are the product's engine classes with the hooks of their seam
+overridden (listed in :class:`~switchyard.service.engine.tensor_parallel.Engine`'s docstring):
+
+- ``_forward_config()``: decode attention through XLA's ops instead of the CUDA kernel; the
+  row-parallel products as another number of partial products for the fused all-reduce; or with no
+  all-reduce at all (the ``none`` strategy of ``decode.py``: a step whose outputs are meaningless,
+  timed to find the all-reduces' share); and the prefill's query-block length;
+- ``_new_cache()``: a random KV cache (benchmarks never time on zeros);
+- ``_batch_buckets()``: the smallest step batch compiled.
+
+Both classes also have ``occupy_slots``: mark slots active at a context without prefill, so a
+benchmark times steps at a long context without running its prompts.
+
+Benchmarks import this file as a sibling module; tests load it with ``helpers.scripts.load("variants")``.
+Loaded so, it is not in ``sys.modules``: hence no ``from __future__ import annotations`` here (the
+dataclass would look its string annotations up there).
+"""
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Self
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from switchyard import kernels
+from switchyard.kernels.collectives import MAX_PARTIALS
+from switchyard.service.engine.checkpoint import NP_DTYPES
+from switchyard.service.engine.model import ForwardConfig
+from switchyard.service.engine.pipeline import PipelineEngine, random_stage_weights
+from switchyard.service.engine.sampling import SamplingParams
+from switchyard.service.engine.tensor_parallel import MIN_BATCH_BUCKET, Engine, doubling_buckets, random_weights
+from switchyard.service.modelspec import ModelSpec, ServingLayout
+
+ATTENTIONS = ("kernel", "xla")
+CACHES = ("random", "zeros")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How an engine departs from the product. ``Variant(cache="zeros")`` is the product."""
+
+    attention: str = "kernel"  # decode attention: the CUDA kernel where it runs ("kernel"), or XLA's ops ("xla")
+    k_splits: int = kernels.K_SPLITS  # row-parallel products as this many partial products (1: a plain dot)
+    communication: bool = True  # False: the row-parallel products are not summed over the GPUs
+    min_batch_bucket: int = MIN_BATCH_BUCKET  # the smallest step batch compiled (tensor-parallel engines)
+    cache: str = "random"  # the KV cache's initial values: "random" or "zeros"
+    prefill_chunk: int = 1024  # prompts attend in query blocks of this many tokens
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.cache not in CACHES:
+            raise ValueError(f"cache must be one of {CACHES}, got {self.cache!r}")
+        if not 1 <= self.k_splits <= MAX_PARTIALS:
+            raise ValueError(f"k_splits must be 1..{MAX_PARTIALS}, got {self.k_splits}")
+        if self.min_batch_bucket < 1:
+            raise ValueError(f"min_batch_bucket must be at least 1, got {self.min_batch_bucket}")
+
+    def forward_config(self, product: ForwardConfig) -> ForwardConfig:
+        """The product's forward configuration with this variant's departures; the product's own
+        callables where the variant keeps them."""
+        changes: dict = {"prefill_chunk": self.prefill_chunk}
+        if self.attention == "xla":
+            changes["decode_attention"] = functools.partial(kernels.attention.decode_attention_packed,
+                                                            use_kernel=False)
+        if not self.communication:
+            changes["row_parallel_norm"], changes["row_parallel"] = residual_rmsnorm_unsummed, residual_unsummed
+        elif self.k_splits != kernels.K_SPLITS:
+            changes["row_parallel_norm"] = functools.partial(kernels.row_parallel_residual_rmsnorm,
+                                                             k_splits=self.k_splits)
+        return dataclasses.replace(product, **changes)
+
+
+def residual_rmsnorm_unsummed(a: jax.Array, w: jax.Array, residual: jax.Array, weight: jax.Array, eps: float,
+                              axis: str, strategy: str) -> tuple[jax.Array, jax.Array]:
+    """As ``kernels.row_parallel_residual_rmsnorm`` without the all-reduce: each GPU keeps its own
+    partial product (residual add and RMSNorm stay, in XLA)."""
+    new_residual = residual + (a @ w).astype(residual.dtype)
+    return new_residual, kernels.rmsnorm(new_residual, weight, eps)
+
+
+def residual_unsummed(a: jax.Array, w: jax.Array, residual: jax.Array, axis: str, strategy: str) -> jax.Array:
+    """As ``kernels.row_parallel_residual`` without the all-reduce."""
+    return residual + (a @ w).astype(residual.dtype)
+
+
+def random_cache(shape: tuple[int, ...], sharding: NamedSharding, dtype: str,
+                 layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per-layer K and V caches of random values, made on the devices."""
+    jdtype = jnp.dtype(NP_DTYPES[dtype])
+    make = jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * 0.5).astype(jdtype),
+                   out_shardings=sharding)
+    return ([make(jax.random.PRNGKey(2 * i)) for i in range(layers)],
+            [make(jax.random.PRNGKey(2 * i + 1)) for i in range(layers)])
+
+
+class _Occupying:
+    """``occupy_slots`` for either engine: writes the per-slot entries of the device state ``_state``
+    and the slot book's host mirror, as the engines' seam allows."""
+
+    mesh: Mesh
+    spec: ModelSpec
+    max_slots: int
+    max_seq_len: int
+    active: np.ndarray
+    greedy: np.ndarray
+    positions: np.ndarray
+    _state: dict
+
+    def occupy_slots(self, context: int, count: int | None = None, sampling: SamplingParams | None = None) -> None:
+        """Mark the first ``count`` slots (all by default) active at ``context`` tokens of whatever the
+        cache holds, without prefill."""
+        if not 1 <= context < self.max_seq_len:
+            raise ValueError(f"context must be in [1, {self.max_seq_len})")
+        count = self.max_slots if count is None else count
+        s = sampling or SamplingParams()
+        n = self.max_slots
+        rep = NamedSharding(self.mesh, P())
+        self._state = dict(self._state)
+        for key, value in (("positions", np.full(n, context, np.int32)), ("counters", np.ones(n, np.int32)),
+                           ("temperature", np.full(n, s.temperature, np.float32)),
+                           ("top_k", np.full(n, s.top_k, np.int32)), ("top_p", np.full(n, s.top_p, np.float32)),
+                           ("seeds", np.full(n, s.seed, np.int32)),
+                           ("tokens", np.arange(n, dtype=np.int32) % self.spec.vocab_size)):
+            self._state[key] = jax.device_put(value, rep)
+        self.active[:] = False
+        self.active[:count] = True
+        self.greedy[:] = s.greedy
+        self.positions[:] = context
+
+
+class VariantEngine(_Occupying, Engine):
+    """A tensor-parallel :class:`Engine` built as ``variant`` says."""
+
+    def __init__(self, spec: ModelSpec, params: dict, mesh: Mesh, *, batch_slots: int, max_seq_len: int,
+                 strategy: str = "xla", dtype: str | None = None, variant: Variant = Variant()) -> None:
+        self.variant = variant  # the hooks below run in Engine's constructor
+        super().__init__(spec, params, mesh, batch_slots=batch_slots, max_seq_len=max_seq_len, strategy=strategy,
+                         dtype=dtype)
+
+    @classmethod
+    def from_random(cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
+                    devices: Sequence[jax.Device] | None = None, *, variant: Variant = Variant()) -> Self:
+        params, mesh = random_weights(spec, layout.tp, dtype, seed, devices)
+        return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
+                   strategy=layout.strategy, dtype=dtype, variant=variant)
+
+    def _forward_config(self) -> ForwardConfig:
+        return self.variant.forward_config(super()._forward_config())
+
+    def _new_cache(self, shape: tuple[int, ...], sharding: NamedSharding,
+                   layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
+        if self.variant.cache == "random":
+            return random_cache(shape, sharding, self.dtype, layers)
+        return super()._new_cache(shape, sharding, layers)
+
+    def _batch_buckets(self) -> list[int]:
+        return doubling_buckets(self.max_slots, min(self.variant.min_batch_bucket, self.max_slots))
+
+
+class VariantPipelineEngine(_Occupying, PipelineEngine):
+    """A :class:`PipelineEngine` built as ``variant`` says (its ``min_batch_bucket`` does not apply:
+    every tick runs a whole micro-batch)."""
+
+    def __init__(self, spec: ModelSpec, params: dict, mesh: Mesh, *, batch_slots: int, max_seq_len: int,
+                 strategy: str = "xla", dtype: str | None = None, variant: Variant = Variant()) -> None:
+        self.variant = variant  # the hooks below run in PipelineEngine's constructor
+        super().__init__(spec, params, mesh, batch_slots=batch_slots, max_seq_len=max_seq_len, strategy=strategy,
+                         dtype=dtype)
+
+    @classmethod
+    def from_random(cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
+                    devices: Sequence[jax.Device] | None = None, *,
+                    variant: Variant = Variant()) -> Self:
+        params, mesh = random_stage_weights(spec, layout, dtype, seed, devices)
+        return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
+                   strategy=layout.strategy, dtype=dtype, variant=variant)
+
+    def _forward_config(self) -> ForwardConfig:
+        return self.variant.forward_config(super()._forward_config())
+
+    def _new_cache(self, shape: tuple[int, ...], sharding: NamedSharding,
+                   layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
+        if self.variant.cache == "random":
+            return random_cache(shape, sharding, self.dtype, layers)
+        return super()._new_cache(shape, sharding, layers)

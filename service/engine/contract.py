@@ -1,0 +1,132 @@
+"""The engine contract: what the scheduler, the warm-up and the server call on a decode engine, and
+the data they exchange.
+
+:class:`~switchyard.service.engine.tensor_parallel.Engine` (one tensor-parallel group),
+:class:`~switchyard.service.engine.pipeline.PipelineEngine` (stages in one program) and
+:class:`~switchyard.service.engine.pipeline_group.LeaderEngine` (stage 0 of a group of processes)
+implement it; the scheduler is typed against :class:`DecodeEngine` alone. A request's life:
+``prefill`` its prompt (no slot needed), ``insert`` the prefix into a free slot, then every step makes
+a token for each occupied slot (``dispatch`` launches it, ``collect`` waits for its tokens; ``generate``
+does both), until ``evict`` frees the slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import jax
+import numpy as np
+from switchyard.service.engine.sampling import SamplingParams
+from switchyard.service.modelspec import ModelSpec
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled prompt, ready to be inserted into a slot."""
+
+    first_token: int
+    length: int
+    bucket: int
+    sampling: SamplingParams
+    k: jax.Array  # [layers, kv_heads, bucket, head_dim]
+    v: jax.Array
+    logits: jax.Array | None = None  # [padded_vocab] at the prompt's last position, when asked for
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One generate step: a token for each slot in ``[0, batch)``; only active slots' tokens count.
+
+    ``generations[s]`` is the slot's insert count when the step was launched: a token belongs to the
+    request that occupied the slot then, even if the slot has been reused since.
+    """
+
+    step: int
+    batch: int
+    tokens: np.ndarray  # int32 [batch]
+    active: np.ndarray  # bool [batch]
+    generations: np.ndarray  # int64 [batch]
+    logits: jax.Array | None = None  # [batch, padded_vocab] when asked for
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A launched step whose tokens are still on the device."""
+
+    step: int
+    batch: int
+    tokens: jax.Array
+    active: np.ndarray
+    generations: np.ndarray
+    logits: jax.Array | None
+
+
+@runtime_checkable
+class DecodeEngine(Protocol):
+    """A decode engine with a fixed number of slots, as the scheduler, the warm-up and the server use it."""
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model served."""
+        ...
+
+    @property
+    def max_slots(self) -> int:
+        """Slots: requests generating at once."""
+        ...
+
+    @property
+    def max_seq_len(self) -> int:
+        """Context per slot: prompt and generated tokens."""
+        ...
+
+    def validate_prompt(self, tokens: Sequence[int]) -> None:
+        """Raise InvalidRequestError / OutOfRangeError for a prompt this engine cannot take."""
+        ...
+
+    def free_slots(self) -> list[int]:
+        """The slots no request occupies, in ascending order."""
+        ...
+
+    def room(self, slot: int) -> int:
+        """How many more tokens the slot can generate before its context is full."""
+        ...
+
+    def slot_generation(self, slot: int) -> int:
+        """The slot's insert count: a step's tokens belong to the request of the count they carry."""
+        ...
+
+    def prefill(self, tokens: Sequence[int], sampling: SamplingParams | None = None,
+                return_logits: bool = False) -> Prefix:
+        """Run a prompt (no slot needed yet) and sample its first output token."""
+        ...
+
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        """Place a prefilled prompt into a free slot; it joins the batch at the next step."""
+        ...
+
+    def dispatch(self, return_logits: bool = False) -> PendingStep:
+        """Launch one decode step for the occupied slots without waiting for it."""
+        ...
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a dispatched step's tokens."""
+        ...
+
+    def generate(self, return_logits: bool = False) -> StepResult:
+        """One decode step, waited for."""
+        ...
+
+    def evict(self, slot: int) -> None:
+        """Free a slot."""
+        ...
+
+    def warmup(self) -> float:
+        """Compile every program serving runs, before any request; returns seconds."""
+        ...
+
+    def compiled_count(self) -> int:
+        """Compiled executables so far (flat after warm-up while serving)."""
+        ...
