@@ -427,7 +427,8 @@ def _time_axis(intervals: np.ndarray) -> _TimeAxis:
     instants = tuple(hi - lo < floor_len for lo, hi in real)
     real = [(lo, max(hi, lo + floor_len)) for lo, hi in real]
     lengths = np.array([hi - lo for lo, hi in real])
-    share = np.maximum(lengths / lengths.sum(), min(0.5 / len(real), 0.08))
+    # A floor per segment: an arrival alone needs room for its mark, activity room to be read.
+    share = np.maximum(lengths / lengths.sum(), np.where(instants, 0.05, min(0.5 / len(real), 0.15)))
     widths = share / share.sum() * (1.0 - _BREAK_WIDTH * (len(real) - 1))
     knots_real, knots_shown, segments = [], [], []
     x = 0.0
@@ -487,6 +488,8 @@ def timeline_figure(traces: Sequence[RequestTrace]) -> Any:
     n = len(rows)
     fig = Figure(figsize=(12, min(2.2 + 0.22 * max(n, 1), 9.0) + 3.4), layout="constrained")
     ax_req, ax_gap = fig.subplots(2, 1, height_ratios=[min(1.2 + 0.22 * max(n, 1), 7.0), 2.6])
+    ax_req.set_label("requests")
+    ax_gap.set_label("gaps")
     if not rows:
         ax_req.text(0.5, 0.5, "no request traces", ha="center", va="center", transform=ax_req.transAxes)
         ax_gap.set_axis_off()
@@ -507,7 +510,9 @@ def timeline_figure(traces: Sequence[RequestTrace]) -> Any:
     summary = summarize(rows)
 
     # Requests: decode under prefill under queue, so the narrow ones stay on top and visible.
-    ax_req.barh(ys[has_tokens], (xe - xf)[has_tokens], left=xf[has_tokens], color=_DECODE, height=0.6, zorder=2)
+    ax_req.barh(
+        ys[has_tokens], (xe - xf)[has_tokens], left=xf[has_tokens], color=_DECODE, height=0.6, zorder=2, gid="decode"
+    )
     had_prefill = has_tokens | np.array([t.prefill_s > 0 for t in rows])
     ax_req.barh(
         ys[had_prefill],
@@ -516,6 +521,7 @@ def timeline_figure(traces: Sequence[RequestTrace]) -> Any:
         color=_PREFILL,
         height=0.6,
         zorder=3,
+        gid="prefill",
     )
     ax_req.barh(ys, np.maximum(xq - xa, _MIN_BAR), left=xa, color=_QUEUE, height=0.6, zorder=4, gid="queue")
     marker_size = max(1.5, min(8.0, 160.0 / n))
@@ -677,7 +683,8 @@ def timeline_figure(traces: Sequence[RequestTrace]) -> Any:
     if n == 1:
         t = rows[0]
         head = (
-            f"request {t.request_id}: {t.output_tokens} output tokens, prompt {t.prompt_tokens}, "
+            f"request {t.request_id}: {t.output_tokens} output token{'' if t.output_tokens == 1 else 's'}, "
+            f"prompt {t.prompt_tokens}, "
             f"finish {t.finish_reason or '-'}, {_fmt_duration(t.duration_s)}"
         )
         stats.insert(0, f"queue {_fmt_duration(t.queue_s)}  prefill {_fmt_duration(t.prefill_s)}")
@@ -701,7 +708,17 @@ def _mark_one_request(ax: Any, axis: _TimeAxis, t: RequestTrace, arrive: float, 
         x = float(axis(arrive + t.token_s[0]))
         ttft_line = ax.axvline(x, color=_MARK, linewidth=1, linestyle=":", zorder=6, gid="ttft-line", label=ttft)
         legend.append(ttft_line)
-    ax.text(float(axis(arrive)), -0.36, " → ".join(phases), fontsize=8, va="bottom", ha="left", gid="phases")
+    ax.text(
+        float(axis(arrive)),
+        -0.36,
+        " → ".join(phases),
+        fontsize=8,
+        va="bottom",
+        ha="left",
+        gid="phases",
+        zorder=8,  # over a cut's hatching
+        bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0},
+    )
     if t.output_tokens > 1:
         gaps = t.inter_token_s
         slow = np.argsort(gaps, kind="stable")[::-1][: min(3, len(gaps))]
