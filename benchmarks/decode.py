@@ -9,10 +9,12 @@ table only as the rows it gathers); ``roofline_all_weights_ms`` counts every par
 KV, the accounting behind the engine issue's "85% of roofline = 4.4 ms/token" for Llama-3-8B on H200.
 Every engine is built through ``benchmarks/variants.py`` (a random KV cache; ``--attention``,
 ``--k-splits``, ``--min-batch-bucket`` and the ``none`` strategy, a step without communication, are
-variants of the product).
+variants of the product). ``--peer torch-compile`` also times ``benchmarks/torch_peer.py`` (a
+gpt-fast-style PyTorch decoder under ``torch.compile``) at the same batches and contexts in the same
+run, in a subprocess that ends before JAX takes the GPU, and writes its rows beside ours.
 
-    python benchmarks/decode.py --model llama3-8b --tp 1 2 --batch 1 8 32 --context 1024 4096 \
-        --out benchmarks/results/decode-h200.json
+    python benchmarks/decode.py --model llama3-8b --tp 1 --batch 1 8 32 --context 1024 \
+        --peer torch-compile --out benchmarks/results/current/decode-tp1-h200.json
 """
 
 from __future__ import annotations
@@ -185,6 +187,43 @@ def time_synchronous(engine: Engine, steps: int, warmup: int) -> list[float]:
     return times
 
 
+def run_peer(args: argparse.Namespace) -> dict:
+    """benchmarks/torch_peer.py at this run's model, batches and contexts, as its own process (its
+    CUDA context and memory are gone when it returns); its result file's content."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="switchyard-peer-") as scratch:
+        out = Path(scratch, "peer.json")
+        cmd = [sys.executable, str(Path(__file__).with_name("torch_peer.py")), "--model", args.model,
+               "--batch", *map(str, args.batch), "--context", *map(str, args.context), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--sdpa", *args.peer_sdpa, "--device", args.peer_device,
+               "--out", str(out)]
+        if args.peer_device == "cpu":
+            cmd.append("--no-compile")
+        done = subprocess.run(cmd, text=True, capture_output=True, check=False)
+        print(done.stdout, end="", flush=True)
+        if done.returncode != 0:
+            raise SystemExit(f"the peer failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def comparison(rows: list[dict], peer_rows: list[dict]) -> str:
+    """Our ms/token beside the peer's fastest attention backend, per batch and context (TP=1 rows)."""
+    lines = [f"{'batch':>5} {'context':>7} {'switchyard ms':>13} {'peer ms':>8} {'peer sdpa':>9} {'ours / peer':>11}"]
+    for row in rows:
+        if row["tp"] != 1:
+            continue
+        matching = [p for p in peer_rows if p["batch"] == row["batch"] and p["context"] == row["context"]]
+        if not matching:
+            continue
+        best = min(matching, key=lambda p: p["ms_per_token"])
+        ratio = row["ms_per_token"] / best["ms_per_token"]
+        lines.append(f"{row['batch']:>5} {row['context']:>7} {row['ms_per_token']:>13.3f} "
+                     f"{best['ms_per_token']:>8.3f} {best['sdpa']:>9} {ratio:>11.3f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3-8b")
@@ -206,9 +245,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="smallest step batch the engine compiles (compare 1 and 2)")
     parser.add_argument("--profile-dir", help="trace a few steps of the first config of each tp here")
     parser.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth-probe copy")
+    parser.add_argument("--peer", choices=["torch-compile"],
+                        help="also time the PyTorch peer (benchmarks/torch_peer.py) at the same batches and contexts")
+    parser.add_argument("--peer-sdpa", nargs="+", default=["math", "efficient"],
+                        help="the peer's attention backends (gpt-fast uses math; the best one is compared)")
+    parser.add_argument("--peer-device", default="cuda", help="the peer's torch device (cpu: eager, for tests)")
     args = parser.parse_args(argv)
 
     spec = preset(args.model)
+    peer = run_peer(args) if args.peer else None  # before JAX initialises the GPU and takes its memory
     device = jax.devices()[0]
     probes = copy_bandwidth(args.copy_gib)
     bandwidth = max(probes.values())
@@ -292,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "rows": rows,
     }
+    if peer is not None:
+        result["peer"] = peer
+        print(comparison(rows, peer["rows"]), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

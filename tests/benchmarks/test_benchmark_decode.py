@@ -36,3 +36,18 @@ def test_decode_benchmark_rows_and_the_variant_without_communication(tmp_path):
     without = (hlo / "step-tp2-b1-none-kernel.hlo.txt").read_text()
     assert "all-reduce" in with_comm
     assert "all-reduce" not in without
+
+
+def test_decode_benchmark_times_the_torch_peer_in_the_same_run(tmp_path):
+    out = tmp_path / "decode.json"
+    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tp", "1", "--batch", "1", "2",
+                          "--context", "16", "--steps", "3", "--warmup", "1", "--copy-gib", "0.01",
+                          "--peer", "torch-compile", "--peer-sdpa", "math", "--peer-device", "cpu", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    peer = result["peer"]["rows"]
+    assert [(r["batch"], r["context"]) for r in peer] == [(1, 16), (2, 16)]
+    assert all(r["ms_per_token"] > 0 and r["impl"] == "torch-eager" for r in peer)
+    assert "ours / peer" in run.stdout
