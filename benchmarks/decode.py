@@ -187,6 +187,16 @@ def time_synchronous(engine: Engine, steps: int, warmup: int) -> list[float]:
     return times
 
 
+def source_commit() -> str:
+    """The commit of the code measured: git's, or $SWITCHYARD_COMMIT where the tree is a copy without
+    its history (a benchmark machine)."""
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          check=False)
+    return done.stdout.strip() if done.returncode == 0 else os.environ.get("SWITCHYARD_COMMIT", "unknown")
+
+
 def run_peer(args: argparse.Namespace) -> dict:
     """benchmarks/torch_peer.py at this run's model, batches and contexts, as its own process (its
     CUDA context and memory are gone when it returns); its result file's content."""
@@ -330,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "device": f"{jax.device_count()}x {device.device_kind}",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": source_commit(),
         "jax": jax.__version__,
         "host": platform.node(),
         "copy_bandwidth_bytes_per_s": round(bandwidth),
