@@ -44,8 +44,8 @@ Writes benchmarks/results/current/load-<device>.json ``{"command","device","date
 run writes only to ``--out``, or prints only).
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: tests load this file with importlib without registering it in
+# sys.modules, where dataclasses cannot resolve string annotations.
 import argparse
 import concurrent.futures
 import dataclasses
