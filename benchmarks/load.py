@@ -350,8 +350,9 @@ def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], time
                 results[i].token_times.append(event.time)
             if event.finish_reason is not None:
                 failed = event.finish_reason not in ("length", "stop")
-                results[i].status, results[i].finish_reason = (FAILED if failed else FINISHED), event.finish_reason
-                with ended:
+                with ended:  # the submitting thread reads statuses under this lock
+                    results[i].status = FAILED if failed else FINISHED
+                    results[i].finish_reason = event.finish_reason
                     open_requests -= 1
                     ended.notify()
 
@@ -366,8 +367,8 @@ def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], time
             scheduler.submit(GenerationRequest(f"load-{stamp}-{i}", planned.prompt_ids, planned.output_tokens,
                                                SamplingParams(), on_event=on_event(i), ignore_eos=True))
         except Exception as err:  # refused (queue full, too long): counted, never dropped
-            results[i].status, results[i].finish_reason = FAILED, f"{type(err).__name__}: {err}"
             with ended:
+                results[i].status, results[i].finish_reason = FAILED, f"{type(err).__name__}: {err}"
                 open_requests -= 1
     with ended:
         ended.wait_for(lambda: open_requests == 0, timeout=timeout)
