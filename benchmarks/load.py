@@ -1,0 +1,565 @@
+#!/usr/bin/env python3
+"""Open-loop load: Poisson arrivals of requests with mixed prompt and output lengths, in-process and through gRPC.
+
+For each rate (``--rates``, requests/s) and each path (``--path``), requests arrive for ``--duration``
+seconds with exponential inter-arrival times (seeded; the same schedule and requests on every path of one
+rate), whatever the engine's state: arrivals never wait for earlier requests. After the last arrival the
+run waits at most ``--timeout`` seconds for the requests in flight; those still running then are cancelled
+and counted as ``unfinished``, requests refused or ended by an error as ``failed``.
+
+- ``in-process``: ``GenerationRequest``s submitted straight to the scheduler with ``ignore_eos``, so every
+  request generates exactly its output length; arrival = submit time, token times = the scheduler's emit
+  times (``TokenEvent.time``).
+- ``grpc``: the server in this process as ``switchyard serve`` runs it, the client (grpc.aio, one stream per
+  request, prompts as token ids) in a separate process that sends each request at its arrival time;
+  arrival and token times are the client's. The wire has no ignore-EOS, so a request asks for
+  ``max_tokens`` = its output length and may stop early at an end-of-sequence token (with random weights);
+  only generated tokens are counted (``stopped_early`` says how many requests did).
+
+Prompts are random token ids (never BOS or EOS) of the drawn length; with ``--shared-prefix N`` every
+prompt's first N tokens are the same. Length mixes: a list of lengths drawn from uniformly, ``uniform:LO:HI``
+(both included) or ``file:PATH`` (one length per line, or a JSON list, drawn from uniformly).
+
+Per (path, rate):
+
+- ``ttft_ms_p50/p99``: time to first token, arrival to first token, over requests with a token;
+- ``itl_ms_p50/p99/max``: inter-token gaps, between consecutive tokens of one request, pooled over all
+  requests;
+- ``output_tokens_per_s``: every output token over the span from the first arrival to the last token;
+- ``goodput_rps``: requests that meet the SLO over that same span. A request meets the SLO when it
+  finished, its TTFT <= ``--slo-ttft-ms`` and the p99 of its own inter-token gaps <= ``--slo-itl-ms``
+  (a request with one token has no gap and meets the inter-token bound);
+- ``slo_p99s_hold``: every request sent finished, the TTFT p99 over all requests <= ``--slo-ttft-ms`` and the
+  pooled inter-token p99 <= ``--slo-itl-ms``. ``highest_rate_slo_p99s_hold`` is, per path, the highest rate
+  measured where they hold (null: none).
+
+Percentiles interpolate linearly between the two nearest ranks (numpy's default): p of n sorted values is
+at position p/100 * (n - 1).
+
+    python benchmarks/load.py --preset llama3-8b --batch-slots 64 --max-seq-len 4096 --rates 4 8 12
+    python benchmarks/load.py --cpu --preset tiny --rates 20 --duration 1 --prompt-lengths 8 16 \\
+        --output-lengths 4 8 --path in-process grpc --max-seq-len 64 --batch-slots 4 --out /tmp/load.json
+
+Writes benchmarks/results/current/load-<device>.json ``{"command","device","date","rows"}`` (a ``--cpu``
+run writes only to ``--out``, or prints only).
+"""
+
+# No ``from __future__ import annotations``: tests load this file with importlib without registering it in
+# sys.modules, where dataclasses cannot resolve string annotations.
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import re
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = ("in-process", "grpc")
+FINISHED, FAILED, UNFINISHED = "finished", "failed", "unfinished"
+GRPC_EOS_NOTE = ("gRPC requests set max_tokens to the output length; the wire has no ignore-EOS, so with random "
+                 "weights a request may stop early at an end-of-sequence token; only generated tokens are counted")
+
+
+# ---- length mixes --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthMix:
+    """Lengths drawn uniformly from ``choices``, or uniformly from [low, high] when ``choices`` is empty."""
+
+    choices: tuple[int, ...] = ()
+    low: int = 0
+    high: int = 0
+
+    @property
+    def longest(self) -> int:
+        return max(self.choices) if self.choices else self.high
+
+    @property
+    def shortest(self) -> int:
+        return min(self.choices) if self.choices else self.low
+
+    def draw(self, rng: Any, n: int) -> list[int]:
+        if self.choices:
+            return [self.choices[i] for i in rng.integers(0, len(self.choices), n)]
+        return [int(x) for x in rng.integers(self.low, self.high + 1, n)]
+
+
+def _length(word: str, what: str) -> int:
+    try:
+        value = int(word)
+    except ValueError:
+        raise ValueError(f"{what}: {word!r} is not an integer length") from None
+    if value < 1:
+        raise ValueError(f"{what}: lengths must be at least 1, got {value}")
+    return value
+
+
+def lengths_from_text(text: str, what: str = "lengths") -> tuple[int, ...]:
+    """A length file's contents: a JSON list of integers, or one integer per line (blank lines skipped)."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(stripped)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{what}: not a JSON list: {err}") from None
+        if not isinstance(items, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in items):
+            raise ValueError(f"{what}: the JSON list must hold integers only")
+        words = [str(x) for x in items]
+    else:
+        words = [line.strip() for line in stripped.splitlines() if line.strip()]
+    if not words:
+        raise ValueError(f"{what}: no lengths")
+    return tuple(_length(w, what) for w in words)
+
+
+def parse_length_mix(spec: Sequence[str], read_text: Any = None) -> LengthMix:
+    """``["128", "256"]``, ``["uniform:LO:HI"]`` or ``["file:PATH"]``; ValueError says what is wrong.
+
+    ``read_text(path) -> str`` reads a length file (default: the file system)."""
+    words = list(spec)
+    if not words:
+        raise ValueError("no lengths given")
+    head = words[0]
+    if head.startswith(("uniform:", "file:")):
+        if len(words) > 1:
+            raise ValueError(f"{head.split(':')[0]}: takes no other values, got {words[1:]}")
+        if head.startswith("uniform:"):
+            parts = head.split(":")
+            if len(parts) != 3:
+                raise ValueError(f"{head!r}: expected uniform:LO:HI")
+            low, high = _length(parts[1], head), _length(parts[2], head)
+            if low > high:
+                raise ValueError(f"{head!r}: LO {low} is above HI {high}")
+            return LengthMix(low=low, high=high)
+        path = head[len("file:"):]
+        if not path:
+            raise ValueError("file: expected file:PATH")
+        try:
+            text = (read_text or (lambda p: Path(p).read_text()))(path)
+        except OSError as err:
+            raise ValueError(f"{head!r}: cannot read: {err.strerror or err}") from None
+        return LengthMix(choices=lengths_from_text(text, head))
+    return LengthMix(choices=tuple(_length(w, "lengths") for w in words))
+
+
+# ---- arrivals and requests -----------------------------------------------------------------------
+
+
+def poisson_arrivals(rate: float, duration: float, rng: Any) -> list[float]:
+    """Arrival offsets (seconds from the start) in [0, duration): exponential gaps of mean 1/rate."""
+    if rate <= 0 or duration <= 0:
+        raise ValueError(f"rate and duration must be positive, got {rate} and {duration}")
+    out: list[float] = []
+    t = 0.0
+    while True:
+        t += float(rng.exponential(1.0 / rate))
+        if t >= duration:
+            return out
+        out.append(t)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRequest:
+    offset: float  # seconds after the run's start
+    prompt_ids: list[int]
+    output_tokens: int
+
+
+def plan_requests(rate: float, duration: float, prompts: LengthMix, outputs: LengthMix, *, vocab_size: int,
+                  avoid: set[int], shared_prefix: int, seed: int) -> list[PlannedRequest]:
+    """The requests of one rate: Poisson offsets, drawn lengths, random prompt ids (none in ``avoid``)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    offsets = poisson_arrivals(rate, duration, rng)
+    n = len(offsets)
+    prompt_lengths, output_lengths = prompts.draw(rng, n), outputs.draw(rng, n)
+
+    def ids(length: int) -> list[int]:
+        return [t if t not in avoid else 3 for t in rng.integers(3, vocab_size, length).tolist()]
+
+    prefix = ids(shared_prefix)
+    return [PlannedRequest(offset, prefix + ids(p - shared_prefix), o)
+            for offset, p, o in zip(offsets, prompt_lengths, output_lengths, strict=True)]
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RequestTimes:
+    """One request as measured: its arrival and token times (seconds, one clock), how it ended."""
+
+    arrival: float
+    token_times: list[float]
+    status: str = FINISHED  # FINISHED, FAILED or UNFINISHED
+    finish_reason: str = ""  # "length", "stop", ... when finished; the error when failed
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Linear interpolation between the nearest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = p / 100 * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def gaps(times: Sequence[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def meets_slo(request: RequestTimes, ttft_s: float, itl_s: float) -> bool:
+    """Finished, TTFT <= ttft_s and the p99 of its own inter-token gaps <= itl_s (no gaps: met)."""
+    if request.status != FINISHED or not request.token_times:
+        return False
+    if request.token_times[0] - request.arrival > ttft_s:
+        return False
+    own = percentile(gaps(request.token_times), 99)
+    return own is None or own <= itl_s
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 3)
+
+
+def summarize(requests: Sequence[RequestTimes], ttft_s: float, itl_s: float) -> dict[str, Any]:
+    """The row of one (path, rate): counts, TTFT and inter-token percentiles (ms), tokens/s, goodput."""
+    ttfts = [r.token_times[0] - r.arrival for r in requests if r.token_times]
+    pooled = [g for r in requests for g in gaps(r.token_times)]
+    tokens = sum(len(r.token_times) for r in requests)
+    last = max((r.token_times[-1] for r in requests if r.token_times), default=None)
+    span = None if last is None else last - min(r.arrival for r in requests)
+    good = sum(meets_slo(r, ttft_s, itl_s) for r in requests)
+    finished = sum(r.status == FINISHED for r in requests)
+    ttft_p99, itl_p99 = percentile(ttfts, 99), percentile(pooled, 99)
+    return {
+        "sent": len(requests),
+        "finished": finished,
+        "failed": sum(r.status == FAILED for r in requests),
+        "unfinished": sum(r.status == UNFINISHED for r in requests),
+        "stopped_early": sum(r.status == FINISHED and r.finish_reason == "stop" for r in requests),
+        "ttft_ms_p50": _ms(percentile(ttfts, 50)),
+        "ttft_ms_p99": _ms(ttft_p99),
+        "itl_ms_p50": _ms(percentile(pooled, 50)),
+        "itl_ms_p99": _ms(itl_p99),
+        "itl_ms_max": _ms(max(pooled, default=None)),
+        "output_tokens": tokens,
+        "span_s": None if span is None else round(span, 4),
+        "output_tokens_per_s": round(tokens / span, 3) if span else None,
+        "slo_met_requests": good,
+        "goodput_rps": round(good / span, 4) if span else None,
+        "slo_p99s_hold": bool(requests) and finished == len(requests) and ttft_p99 is not None
+        and ttft_p99 <= ttft_s and (itl_p99 is None or itl_p99 <= itl_s),
+    }
+
+
+def highest_rate_holding(rows: Sequence[dict[str, Any]], path: str) -> float | None:
+    """The highest rate of ``path`` whose row has ``slo_p99s_hold``; None when none has."""
+    return max((r["rate_rps"] for r in rows if r["path"] == path and r["slo_p99s_hold"]), default=None)
+
+
+# ---- the client process (imports only gRPC and the generated code) ------------------------------
+
+
+def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: float) -> list[dict[str, Any]]:
+    """Send each ``(offset, prompt ids, max_tokens)`` at its offset, one stream each; per request its
+    arrival and token times (perf_counter), status and finish reason. Streams still open ``timeout``
+    seconds after the last arrival are cancelled and reported unfinished."""
+    import asyncio
+
+    import grpc
+    from switchyard.service.proto import decode_pb2, decode_pb2_grpc
+
+    reasons = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}
+
+    async def one(stub: Any, start: float, offset: float, ids: list[int], max_tokens: int, out: dict) -> None:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        request = decode_pb2.GenerateRequest(max_tokens=max_tokens)
+        request.token_ids.ids.extend(ids)
+        out["arrival"] = time.perf_counter()
+        try:
+            async for message in stub.Generate(request):
+                if message.token_ids:
+                    out["token_times"].append(time.perf_counter())
+                if message.finish_reason:
+                    out["status"], out["finish_reason"] = FINISHED, reasons.get(message.finish_reason, "other")
+            if out["status"] != FINISHED:
+                out["status"], out["finish_reason"] = FAILED, "stream ended without a finish reason"
+        except grpc.aio.AioRpcError as err:
+            out["status"], out["finish_reason"] = FAILED, f"{err.code().name}: {err.details()}"
+
+    async def main() -> list[dict[str, Any]]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            await channel.channel_ready()
+            results = [{"arrival": None, "token_times": [], "status": UNFINISHED, "finish_reason": ""} for _ in plan]
+            start = time.perf_counter()
+            tasks = [asyncio.create_task(one(stub, start, offset, ids, n, out))
+                     for (offset, ids, n), out in zip(plan, results, strict=True)]
+            last = max((offset for offset, _, _ in plan), default=0.0)
+            _, pending = await asyncio.wait(tasks, timeout=last + timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for out, (offset, _, _) in zip(results, plan, strict=True):
+                if out["arrival"] is None:  # never sent: count it at its planned time
+                    out["arrival"] = start + offset
+        return results
+
+    return asyncio.run(main())
+
+
+# ---- the two paths -------------------------------------------------------------------------------
+
+
+def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float) -> list[RequestTimes]:
+    from switchyard.service.engine.sampling import SamplingParams
+    from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
+
+    scheduler = Scheduler(engine, tokenizer, max_queue=len(plan) + 8)
+    stop = threading.Event()
+    thread = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
+    thread.start()
+    results = [RequestTimes(math.nan, [], UNFINISHED) for _ in plan]
+    ended = threading.Condition()
+    open_requests = len(plan)
+
+    def on_event(i: int):
+        def record(event: Any) -> None:  # scheduler thread
+            nonlocal open_requests
+            if event.token_id is not None:
+                results[i].token_times.append(event.time)
+            if event.finish_reason is not None:
+                failed = event.finish_reason not in ("length", "stop")
+                with ended:  # the submitting thread reads statuses under this lock
+                    results[i].status = FAILED if failed else FINISHED
+                    results[i].finish_reason = event.finish_reason
+                    open_requests -= 1
+                    ended.notify()
+
+        return record
+
+    stamp = time.monotonic_ns()
+    start = time.monotonic()
+    for i, planned in enumerate(plan):
+        time.sleep(max(0.0, start + planned.offset - time.monotonic()))
+        results[i].arrival = time.monotonic()
+        try:
+            scheduler.submit(GenerationRequest(f"load-{stamp}-{i}", planned.prompt_ids, planned.output_tokens,
+                                               SamplingParams(), on_event=on_event(i), ignore_eos=True))
+        except Exception as err:  # refused (queue full, too long): counted, never dropped
+            with ended:
+                results[i].status, results[i].finish_reason = FAILED, f"{type(err).__name__}: {err}"
+                open_requests -= 1
+    with ended:
+        ended.wait_for(lambda: open_requests == 0, timeout=timeout)
+        unfinished = [i for i, r in enumerate(results) if r.status == UNFINISHED]
+    for i in unfinished:
+        scheduler.cancel(f"load-{stamp}-{i}")
+    with ended:
+        ended.wait_for(lambda: open_requests == 0, timeout=60)
+    stop.set()
+    thread.join()
+    for i in unfinished:  # ran out of time: not failures, though their final event says "cancelled"
+        if results[i].finish_reason in ("", "cancelled"):
+            results[i].status, results[i].finish_reason = UNFINISHED, "timeout"
+    return results
+
+
+def run_grpc(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float,
+             clients: concurrent.futures.Executor) -> list[RequestTimes]:
+    from switchyard.service.api.server import DecodeApp, ServerThread
+    from switchyard.service.api.wire import Limits
+    from switchyard.service.engine.scheduler import Scheduler
+    from switchyard.service.telemetry.tracing import RequestRecorder
+
+    recorder = RequestRecorder(None)
+    scheduler = Scheduler(engine, tokenizer, max_queue=len(plan) + 8, on_finish=recorder.on_finish)
+    app = DecodeApp(model_name="load", limits=Limits(default_max_tokens=max((p.output_tokens for p in plan),
+                                                                             default=1)), recorder=recorder)
+    server = ServerThread(app, scheduler, tokenizer)
+    wire = [(p.offset, p.prompt_ids, p.output_tokens) for p in plan]
+    last = max((p.offset for p in plan), default=0.0)
+    try:
+        measured = clients.submit(grpc_load, server.target, wire, timeout).result(timeout=last + timeout + 120)
+    finally:
+        server.stop(grace=10)  # also closes the recorder
+    return [RequestTimes(m["arrival"], m["token_times"], m["status"], m["finish_reason"]) for m in measured]
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any]:
+    from switchyard.service.engine.tensor_parallel import Engine
+    from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
+    from switchyard.service.modelspec import ServingLayout, preset
+
+    layout = ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
+                           max_seq_len=args.max_seq_len)
+    if args.model_path:
+        engine = Engine.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
+        tokenizer = Tokenizer.from_dir(args.model_path)
+    else:
+        spec = preset(args.preset)
+        engine = Engine.from_random(spec, layout, dtype=args.dtype or spec.dtype, seed=args.seed)
+        tokenizer = Tokenizer(build_tokenizer(spec), spec.eos_token_ids, spec.vocab_size)
+    print(f"warm-up: {engine.warmup():.1f} s", flush=True)
+    return engine, tokenizer
+
+
+def device_name() -> tuple[str, str]:
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    label = f"{jax.device_count()}x {kind}"
+    slug = re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
+    return label, slug
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model-path", help="a Hugging Face checkpoint folder")
+    source.add_argument("--preset", default="llama3-8b", help="random weights of a preset shape (default)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--batch-slots", type=int, default=64)
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--cpu", action="store_true", help="host devices (JAX_PLATFORMS=cpu): a smoke test of tiny")
+    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0, 12.0], help="requests/s")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds to wait after the last arrival for the requests in flight")
+    parser.add_argument("--prompt-lengths", nargs="+", default=["128", "256", "512", "1024", "2048", "3072"],
+                        help="lengths drawn uniformly, uniform:LO:HI, or file:PATH")
+    parser.add_argument("--output-lengths", nargs="+", default=["128", "256", "512"],
+                        help="lengths drawn uniformly, uniform:LO:HI, or file:PATH")
+    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    parser.add_argument("--path", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    parser.add_argument("--slo-itl-ms", type=float, default=20.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval, as switchyard serve --switch-interval (default: CPython's)")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/current/load-<device>.json; a --cpu run writes only here")
+    args = parser.parse_args(argv)
+    try:
+        args.prompt_mix = parse_length_mix(args.prompt_lengths)
+        args.output_mix = parse_length_mix(args.output_lengths)
+    except ValueError as err:
+        parser.error(str(err))
+    if any(r <= 0 for r in args.rates) or args.duration <= 0 or args.timeout <= 0:
+        parser.error("--rates, --duration and --timeout must be positive")
+    if not 0 <= args.shared_prefix <= args.prompt_mix.shortest:
+        parser.error(f"--shared-prefix {args.shared_prefix} must be within [0, the shortest prompt length "
+                     f"{args.prompt_mix.shortest}]")
+    if args.prompt_mix.longest + args.output_mix.longest > args.max_seq_len:
+        parser.error(f"the longest prompt ({args.prompt_mix.longest}) and output ({args.output_mix.longest}) do not "
+                     f"fit --max-seq-len {args.max_seq_len}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cpu:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    from switchyard.service.api.server import tune_interpreter
+
+    tune_interpreter(args.switch_interval)
+    engine, tokenizer = build(args)
+    label, slug = device_name()
+    avoid = set(tokenizer.eos_token_ids) | {engine.spec.bos_token_id}
+    ttft_s, itl_s = args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3
+    clients = None
+    if "grpc" in args.path:
+        clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        # Unmeasured: starts the client process and its imports, and the server's first call.
+        warm = PlannedRequest(0.0, [3] * args.prompt_mix.shortest, args.output_mix.shortest)
+        run_grpc(engine, tokenizer, [warm], args.timeout, clients)
+    rows = []
+    for i, rate in enumerate(args.rates):
+        plan = plan_requests(rate, args.duration, args.prompt_mix, args.output_mix, vocab_size=engine.spec.vocab_size,
+                             avoid=avoid, shared_prefix=args.shared_prefix, seed=args.seed * 1000 + i)
+        for path in args.path:
+            if path == "grpc":
+                measured = run_grpc(engine, tokenizer, plan, args.timeout, clients)
+            else:
+                measured = run_in_process(engine, tokenizer, plan, args.timeout)
+            row = {"path": path, "rate_rps": rate, **summarize(measured, ttft_s, itl_s)}
+            rows.append(row)
+            print(f"{path} {rate:g}/s: sent {row['sent']} finished {row['finished']} failed {row['failed']} "
+                  f"unfinished {row['unfinished']}", flush=True)
+    if clients is not None:
+        clients.shutdown()
+    result = {
+        "command": "python benchmarks/load.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "device": label,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "config": {
+            "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
+            "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len, "rates_rps": args.rates,
+            "duration_s": args.duration, "timeout_s": args.timeout, "prompt_lengths": args.prompt_lengths,
+            "output_lengths": args.output_lengths, "shared_prefix": args.shared_prefix, "seed": args.seed,
+            "paths": args.path, "switch_interval_s": sys.getswitchinterval(),
+        },
+        "slo": {
+            "ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms,
+            "request_meets": "finished, TTFT (arrival to first token) <= ttft_ms and the p99 of its own inter-token "
+                             "gaps <= itl_ms (no gap: met); goodput_rps = such requests / (last token - first "
+                             "arrival)",
+            "p99s_hold": "every request sent finished, TTFT p99 over all requests <= ttft_ms and the pooled "
+                         "inter-token p99 <= itl_ms",
+            "percentiles": "linear interpolation between the nearest ranks (numpy's default)",
+        },
+        "highest_rate_slo_p99s_hold": {path: highest_rate_holding(rows, path) for path in args.path},
+        "notes": [GRPC_EOS_NOTE] if "grpc" in args.path else [],
+        "rows": rows,
+    }
+    out = Path(args.out) if args.out else None
+    if out is None and not args.cpu:
+        out = ROOT / "benchmarks" / "results" / "current" / f"load-{slug}.json"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+    else:
+        print("a --cpu run without --out: no file written")
+    print(f"{'path':10} {'rate/s':>6} {'sent':>5} {'done':>5} {'fail':>4} {'unfin':>5} {'ttft p50':>9} {'ttft p99':>9} "
+          f"{'itl p50':>8} {'itl p99':>8} {'itl max':>8} {'tok/s':>9} {'good/s':>7} {'p99s':>4}")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    for row in rows:
+        holds = "yes" if row["slo_p99s_hold"] else "no"
+        print(f"{row['path']:10} {row['rate_rps']:>6g} {row['sent']:>5} {row['finished']:>5} {row['failed']:>4} "
+              f"{row['unfinished']:>5} {ms(row['ttft_ms_p50']):>9} {ms(row['ttft_ms_p99']):>9} "
+              f"{ms(row['itl_ms_p50']):>8} {ms(row['itl_ms_p99']):>8} {ms(row['itl_ms_max']):>8} "
+              f"{ms(row['output_tokens_per_s']):>9} {ms(row['goodput_rps']):>7} {holds:>4}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
