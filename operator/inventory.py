@@ -8,8 +8,8 @@ What a node offers comes from GPU Feature Discovery labels (``nvidia.com/gpu.pro
 parallelism inside one pod. Anything we cannot identify as SXM is treated as PCIe: no custom
 all-reduce, strategy ``xla``. Admins can override with the node label ``switchyard.dev/nvswitch``.
 
-Label and allocatable values are parsed strictly (decimal integers in a sane range): a node with a
-value that is not (``inf``, ``nan``, ``1e308``, ``-8``, ``lots``) is skipped and named in
+Label and allocatable values are parsed strictly (decimal integers in a sane range): a node with any
+other value (``inf``, ``nan``, ``1e308``, ``-8``, ``lots``) is skipped and named in
 ``Inventory.skipped``, so that one mislabelled node never stops the planning of anything else.
 """
 

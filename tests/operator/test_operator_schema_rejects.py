@@ -53,6 +53,8 @@ REJECTED = {
                                    "limits.memory"),
     "selector key with space": ({"nodeSelector": {"gpu pool": "a"}},
                                 'spec.nodeSelector: Invalid value: "object": nodeSelector keys must be label keys'),
+    "selector key too long": ({"nodeSelector": {"a." * 200 + "/x": "y"}},
+                              'spec.nodeSelector: Invalid value: "object": nodeSelector keys must be label keys'),
     "selector value with space": ({"nodeSelector": {"pool": "a b"}}, "spec.nodeSelector.pool: 'a b' does not match"),
     "image with space": ({"image": "registry/x:1 --privileged"},
                          "spec.image: 'registry/x:1 --privileged' does not match"),
