@@ -8,7 +8,7 @@ import time
 
 import pytest
 from helpers.kube.harness import decode_service, gpu_node
-from switchyard.operator import inventory, planner
+from switchyard.operator import crd, inventory, planner, render
 from switchyard.operator import spec as specmod
 from switchyard.operator.rejections import ServiceRejection
 from switchyard.service.modelspec import ModelSpec, preset
@@ -119,3 +119,14 @@ def test_a_pinned_pp_that_does_not_divide_the_layers_says_so():
     p = planner.plan(specmod.model_spec(spec), inventory.build([gpu_node("h200-0")]), specmod.request(spec))
     assert p.rejection is ServiceRejection.DOES_NOT_FIT
     assert "pp 3 does not divide the model's 32 layers" in p.message
+
+
+def test_the_status_lists_fit_the_crd_however_many_gpu_pools():
+    # 40 kinds of GPU: a model too big for all of them rejects 4 TP sizes on each.
+    nodes = [gpu_node(f"n{i}", product=f"GPU-{i}", mem_mib=1024 + i) for i in range(40)]
+    p = planner.plan(preset("llama3.1-405b"), inventory.build(nodes), planner.Request())
+    assert len(p.alternatives) > render.MAX_STATUS_ITEMS
+    status = render.plan_status(p, render.Owner("x", "default", "uid"))
+    schema = crd.openapi_schema()["properties"]["status"]["properties"]
+    assert len(status["alternatives"]) <= schema["alternatives"]["maxItems"] == render.MAX_STATUS_ITEMS
+    assert len(status["reasons"]) <= schema["reasons"]["maxItems"]
