@@ -7,6 +7,10 @@ What a node offers comes from GPU Feature Discovery labels (``nvidia.com/gpu.pro
 ``nvidia.com/gpu.clique`` only on multi-node NVLink systems, and we record it but still keep tensor
 parallelism inside one pod. Anything we cannot identify as SXM is treated as PCIe: no custom
 all-reduce, strategy ``xla``. Admins can override with the node label ``switchyard.dev/nvswitch``.
+
+Label and allocatable values are parsed strictly (decimal integers in a sane range): a node with any
+other value (``inf``, ``nan``, ``1e308``, ``-8``, ``lots``) is skipped and named in
+``Inventory.skipped``, so that one mislabelled node never stops the planning of anything else.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ MEMORY_LABEL = "nvidia.com/gpu.memory"
 CLIQUE_LABEL = "nvidia.com/gpu.clique"
 NVSWITCH_LABEL = "switchyard.dev/nvswitch"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+# Largest values a node may claim: beyond these a label is a typo or an attack, not hardware.
+MAX_GPUS_PER_NODE = 1024
+MAX_GPU_MEMORY_MIB = 1 << 24  # 16 TiB per GPU
 # The taint the NVIDIA GPU operator and most clouds put on GPU nodes; our pods always tolerate it.
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 
@@ -52,8 +59,23 @@ class GpuNode:
 
 
 @dataclasses.dataclass(frozen=True)
+class SkippedNode:
+    """A GPU node left out of the inventory because one of its values cannot be read."""
+
+    name: str
+    field: str  # the label (or ``status.allocatable[nvidia.com/gpu]``) that is wrong
+    value: str  # as found, cut short
+    why: str
+
+    @property
+    def message(self) -> str:
+        return f"node {self.name} skipped: {self.field}={self.value!r} {self.why}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Inventory:
     nodes: tuple[GpuNode, ...]
+    skipped: tuple[SkippedNode, ...] = ()
 
     def eligible(self, node_selector: Mapping[str, str] | None = None,
                  tolerations: Sequence[Mapping[str, Any]] = ()) -> tuple[list[GpuNode], list[str]]:
@@ -70,16 +92,43 @@ class Inventory:
         return chosen, left_out
 
 
+class BadValue(ValueError):
+    """A label or quantity that is not a whole number in its sane range (the message says why)."""
+
+
+_WHOLE = re.compile(r"[0-9]{1,19}")
+_MILLI = re.compile(r"([0-9]{1,22})m")
+
+
+def strict_int(value: Any, maximum: int) -> int:
+    """A decimal integer in ``[0, maximum]``, as GFD writes its labels ("8", "143771"); anything else
+    (floats, exponents, ``inf``/``nan``, signs, words, out of range) raises :class:`BadValue`."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise BadValue("is not a whole number")
+    text = str(value).strip()
+    if not _WHOLE.fullmatch(text):
+        raise BadValue("is not a whole number")
+    number = int(text)
+    if number > maximum:
+        raise BadValue(f"is above {maximum}")
+    return number
+
+
+def strict_quantity(value: Any, maximum: int) -> int:
+    """An integer extended-resource quantity ("8", 8, "8000m") in ``[0, maximum]``; else :class:`BadValue`."""
+    if isinstance(value, str) and (m := _MILLI.fullmatch(value.strip())):
+        return strict_int(str(int(m.group(1)) // 1000), maximum)
+    return strict_int(value, maximum)
+
+
 def parse_quantity(value: Any) -> int:
-    """Integer quantities as Kubernetes writes them for extended resources ("8", 8, "8000m")."""
+    """Integer quantities as Kubernetes writes them for extended resources ("8", 8, "8000m"); 0 for
+    what is absent or unreadable (the API server validates pods' quantities; this never raises)."""
     if value is None:
         return 0
-    text = str(value).strip()
-    if text.endswith("m"):
-        return int(text[:-1]) // 1000
     try:
-        return int(float(text))
-    except ValueError:
+        return strict_quantity(value, MAX_GPUS_PER_NODE)
+    except BadValue:
         return 0
 
 
@@ -124,17 +173,35 @@ def build(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]] 
         used[node_name] = used.get(node_name, 0) + pod_gpus(pod)
 
     out = []
+    skipped = []
     for node in nodes:
         meta = node.get("metadata", {})
         labels: Mapping[str, str] = meta.get("labels") or {}
         status = node.get("status", {})
-        allocatable = parse_quantity((status.get("allocatable") or {}).get(GPU_RESOURCE))
-        if allocatable <= 0 and GPU_RESOURCE not in (status.get("capacity") or {}):
-            continue  # not a GPU node
         name = meta["name"]
+        allocatable_field = f"status.allocatable[{GPU_RESOURCE}]"
+        raw = {allocatable_field: (status.get("allocatable") or {}).get(GPU_RESOURCE),
+               COUNT_LABEL: labels.get(COUNT_LABEL), MEMORY_LABEL: labels.get(MEMORY_LABEL)}
+        parsers = {allocatable_field: lambda v: strict_quantity(v, MAX_GPUS_PER_NODE),
+                   COUNT_LABEL: lambda v: strict_int(v, MAX_GPUS_PER_NODE),
+                   MEMORY_LABEL: lambda v: strict_int(v, MAX_GPU_MEMORY_MIB)}
+        values: dict[str, int] = {}
+        bad: SkippedNode | None = None
+        for field, value in raw.items():
+            try:
+                values[field] = 0 if value is None else parsers[field](value)
+            except BadValue as err:
+                bad = bad or SkippedNode(name, field, str(value)[:64], str(err))
+        allocatable = values.get(allocatable_field, 0)
+        if allocatable <= 0 and GPU_RESOURCE not in (status.get("capacity") or {}) and (
+                bad is None or bad.field != allocatable_field):
+            continue  # not a GPU node
+        if bad is not None:
+            skipped.append(bad)
+            continue
         product = labels.get(PRODUCT_LABEL, "unknown")
-        count = parse_quantity(labels.get(COUNT_LABEL)) or allocatable
-        memory_mib = parse_quantity(labels.get(MEMORY_LABEL))
+        count = values[COUNT_LABEL] or allocatable
+        memory_mib = values[MEMORY_LABEL]
         ready = any(c.get("type") == "Ready" and c.get("status") == "True"
                     for c in status.get("conditions", []) or [])
         nvswitch = is_nvswitch(product, count, labels)
@@ -153,7 +220,7 @@ def build(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]] 
             labels=dict(labels),
         ))
     out.sort(key=lambda n: n.name)
-    return Inventory(tuple(out))
+    return Inventory(tuple(out), tuple(sorted(skipped, key=lambda n: n.name)))
 
 
 def _why_not(node: GpuNode, selector: Mapping[str, str], tolerations: Sequence[Mapping[str, Any]]) -> str:

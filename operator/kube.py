@@ -33,10 +33,21 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
 }
 
 
+# Statuses with which the API server refuses an object as written (invalid, malformed): sending it
+# again changes nothing.
+REFUSED = (400, 422)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.message = message
+
+    @property
+    def refused(self) -> bool:
+        """The API server refused the object itself (400 BadRequest, 422 Invalid)."""
+        return self.status in REFUSED
 
 
 def path(kind: str, namespace: str | None = None, name: str | None = None, subresource: str = "") -> str:
@@ -198,9 +209,10 @@ class Kube:
         try:
             self.replace(desired)
         except ApiError as err:
-            if err.status != 422 or desired["kind"] != "StatefulSet":
+            if err.status != 422 or desired["kind"] != "StatefulSet" or "Forbidden" not in err.message:
                 raise
-            # An immutable StatefulSet field changed: the only way forward is a new object.
+            # An immutable StatefulSet field changed ("spec: Forbidden: updates to statefulset spec for
+            # fields other than ..."): the only way forward is a new object.
             self.delete(desired["kind"], meta.get("namespace"), meta["name"])
             del meta["resourceVersion"]
             self.create(desired)

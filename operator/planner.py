@@ -40,6 +40,11 @@ MAX_REPLICAS = 1024
 BALANCED_LATENCY_FACTOR = 2.0
 # Latency: layouts this close to the fastest count as equally fast (stated model tolerance).
 LATENCY_TIE = 0.02
+# The serving engine needs room for a prompt token and a generated one.
+MIN_SEQ_LEN = 2
+# The smallest time per token the estimate reports (its rounding step): a model too small to
+# measure still gets a finite tokens/s.
+MIN_MS_PER_TOKEN = 0.001
 GiB = 1024**3
 
 
@@ -178,6 +183,14 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         f"{model.kv_bytes_per_token / 1024:.0f} KiB KV per token; sequences up to {max_seq} tokens "
         f"({request.input_tokens} in + {request.output_tokens} out), {request.concurrency} concurrent"
     ]
+    if inventory.skipped:
+        reasons.append(f"{len(inventory.skipped)} GPU node(s) skipped for unreadable values: "
+                       + "; ".join(n.message for n in inventory.skipped[:5])
+                       + (" ..." if len(inventory.skipped) > 5 else ""))
+    if max_seq < MIN_SEQ_LEN:
+        msg = (f"{model.name} has max_position_embeddings {model.max_position_embeddings}: the server needs "
+               f"sequences of at least {MIN_SEQ_LEN} tokens")
+        return Plan(None, ServiceRejection.INVALID_MODEL, msg, (*reasons, msg), ())
     eligible, left_out = inventory.eligible(request.node_selector, request.tolerations)
     if left_out:
         reasons.append(f"{len(left_out)} GPU node(s) left out: " + "; ".join(left_out[:5])
@@ -230,6 +243,10 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
                 fitting_pp = fitting_pp or pp
                 candidates.append(cand)
 
+    if not candidates and request.pp is not None and model.num_layers % request.pp:
+        msg = (f"pp {request.pp} does not divide the model's {model.num_layers} layers "
+               f"(pipeline depths that do: {', '.join(map(str, _divisors(model.num_layers)[:12]))})")
+        return Plan(None, ServiceRejection.DOES_NOT_FIT, msg, (*reasons, msg), tuple(_closest_misses(rejected)))
     if not candidates:
         best_fit = _closest_misses(rejected)
         msg = (f"{model.name} does not fit the eligible GPUs with any layout "
@@ -296,7 +313,16 @@ def _pools(nodes: Sequence[GpuNode]) -> list[_Pool]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n`` in ascending order, by trial division up to its square root."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def place(nodes: Sequence[GpuNode], tp: int, pp: int, groups: int, use_free: bool = True) -> list[tuple[str, ...]]:
@@ -446,7 +472,7 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
         batch_slots=slots, active_batch=batch, max_seq_len=max_seq,
         kv_budget_tokens=slots * max_seq,
         kv_bytes_per_gpu=math.ceil(slots * max_seq * kv_token_gpu), weight_bytes_per_gpu=weights,
-        ms_per_token=round(ms, 3), tokens_per_s=round(group_tps * len(placed), 1),
+        ms_per_token=max(round(ms, 3), MIN_MS_PER_TOKEN), tokens_per_s=round(group_tps * len(placed), 1),
         ttft_ms=round(ttft, 1), placement=tuple(placed),
     )
     return _Candidate(layout, slo_ok, slo_note, groups_free, dp, eff_note, ar_us, ar_bytes, usable), None

@@ -13,14 +13,19 @@ from typing import Any
 
 from . import inventory, planner, render
 from . import spec as specmod
-from .kube import CONFLICT_ATTEMPTS, Kube
+from .kube import CONFLICT_ATTEMPTS, ApiError, Kube
+
+# Condition and Event reason when the API server refuses an object the operator renders.
+OBJECT_REJECTED = "ObjectRejected"
+# The API server's own words, cut to fit a condition message.
+MAX_REJECTION_MESSAGE = 1000
 
 
 @dataclasses.dataclass
 class Outcome:
     plan: planner.Plan | None
     status: dict[str, Any]
-    actions: dict[str, str]  # "Kind/name" -> created/updated/unchanged/deleted
+    actions: dict[str, str]  # "Kind/name" -> created/updated/recreated/unchanged/deleted/rejected
     events: list[tuple[str, str, str]]  # (type Normal|Warning, reason, message)
 
 
@@ -55,9 +60,20 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
         return Outcome(None, status, {}, [("Warning", reason, error)])
 
     inv = build_inventory(kube, owner)
+    events += [("Warning", "BadNodeLabel", node.message) for node in inv.skipped]
     plan = planner.plan(model, inv, specmod.request(spec))
     objs = render.render(body, spec, plan, source, config)
-    actions = {f"{o['kind']}/{o['metadata']['name']}": kube.apply(o) for o in objs}
+    actions: dict[str, str] = {}
+    refused: list[str] = []  # "Kind/name: the API server's message"
+    for o in objs:
+        key = f"{o['kind']}/{o['metadata']['name']}"
+        try:
+            actions[key] = kube.apply(o)
+        except ApiError as err:
+            if not err.refused:
+                raise  # API trouble: the caller retries
+            actions[key] = "rejected"
+            refused.append(f"{key}: {err.message}")
     wanted = {(o["kind"], o["metadata"]["name"]) for o in objs}
     # Prune what an earlier plan rendered and this one does not (groups beyond dp, a pp change).
     for kind in ("StatefulSet", "ConfigMap"):
@@ -79,6 +95,11 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
     status = render.plan_status(plan, owner, config)
     dp = lay.dp if lay else 0
     status.update({"readyReplicas": ready, "ready": f"{ready}/{dp}"})
+    if refused:
+        # Sending the same object again is refused again: say so where people look, not in a retry loop.
+        rejection = ("the API server refused " + "; ".join(refused))[:MAX_REJECTION_MESSAGE]
+        degraded = (OBJECT_REJECTED, rejection)
+        events.append(("Warning", OBJECT_REJECTED, rejection))
     write_status(kube, owner, lambda previous: {
         **status, "conditions": render.conditions_for(plan, ready, owner.generation, previous, now(),
                                                       degraded=degraded)})
@@ -87,7 +108,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], config: render.RenderConfig,
         events.append(("Warning", plan.status, plan.message))
     else:
         events.append(("Normal" if plan.rejection is None else "Warning", plan.status, plan.message))
-        changed = sorted(k for k, v in actions.items() if v != "unchanged")
+        changed = sorted(k for k, v in actions.items() if v not in ("unchanged", "rejected"))
         if changed:
             events.append(("Normal", "Applied", ", ".join(f"{k} {actions[k]}" for k in changed)[:1000]))
     return Outcome(plan, status, actions, events)

@@ -40,6 +40,8 @@ LAYOUT_FILE = f"{LAYOUT_DIR}/layout.json"
 TRTLLM_OPTIONS = "trtllm-options.yaml"
 STAGE_ENV = "SWITCHYARD_PIPELINE_STAGE"
 # TensorRT-LLM's allreduce_strategy names for our strategy settings.
+# The CRD's maxItems of status.reasons and status.alternatives: a longer list would be refused.
+MAX_STATUS_ITEMS = 64
 TRTLLM_ALLREDUCE = {"auto": "AUTO", "xla": "NCCL", "oneshot": "ONESHOT", "twoshot": "TWOSHOT"}
 
 
@@ -332,11 +334,11 @@ def plan_status(plan: Plan, owner: Owner, config: RenderConfig = RenderConfig())
     """The status fields a plan decides (conditions are added by :func:`conditions`)."""
     status: dict[str, Any] = {
         "observedGeneration": owner.generation,
-        "reasons": list(plan.reasons),
+        "reasons": list(plan.reasons)[:MAX_STATUS_ITEMS],
         "alternatives": [
             {k: v for k, v in {"layout": a.layout, "msPerToken": a.ms_per_token, "tokensPerSecond": a.tokens_per_s,
                                "rejected": a.rejected}.items() if v is not None}
-            for a in plan.alternatives
+            for a in plan.alternatives[:MAX_STATUS_ITEMS]
         ],
         "selector": selector_string(owner),
         "endpoint": endpoint(owner, config),

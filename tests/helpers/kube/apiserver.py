@@ -16,7 +16,10 @@ subclass adds, and fakes nothing beyond:
   ``spec.replicas`` (CRD ``specReplicasPath``) as an ``autoscaling/v1`` Scale;
 * CRDs: creating one serves its resource at once (discovery, status/scale subresources), marks it
   Established, and admits its objects against the openAPIV3Schema: defaults applied, unknown fields
-  pruned or, with ``fieldValidation=Strict``, rejected (422 Invalid with the field paths);
+  pruned or, with ``fieldValidation=Strict``, rejected (422 Invalid with the field paths), and the
+  CEL rules (``x-kubernetes-validations``) of its schema evaluated;
+* admission policies (``ApiServer.policies``, as a ValidatingAdmissionPolicy): a test's check on
+  the objects of one resource, whose complaints refuse a create or update with 422 Invalid;
 * finalizers and ``deletionTimestamp``; deletion of an owner removes its dependents in the background,
   as kube-controller-manager's garbage collector does;
 * lists with ``kind: <Kind>List``, ``apiVersion`` and the current ``resourceVersion``; label and field
@@ -28,7 +31,7 @@ subclass adds, and fakes nothing beyond:
   additionalPrinterColumns (dates as ages), as from a real API server.
 
 Not emulated: controllers (no Pods appear for a StatefulSet; tests write StatefulSet status as the
-StatefulSet controller would), admission webhooks, RBAC, CEL validation rules, OpenAPI endpoints.
+StatefulSet controller would), admission webhooks, RBAC, OpenAPI endpoints.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp.web
@@ -162,6 +165,8 @@ class ApiServer(kmock.KubernetesEmulator):
         self.crd_columns: dict[resource, list[dict[str, Any]]] = {}
         self.gc_tasks: set[asyncio.Task[None]] = set()
         self.gates: list[Gate] = []
+        # (plural, check): check(object) -> complaints ("field: what is wrong"); any refuses the write.
+        self.policies: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = []
         self.closing = False  # set at shutdown: open watches end
         self.writes: list[tuple[str, str, str | None, str]] = []  # (method, plural, name, agent) of writes
         # (user agent, RBAC verb, API group, resource[/subresource]) of every resource request
@@ -382,9 +387,13 @@ class ApiServer(kmock.KubernetesEmulator):
                obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         schema = self.crd_schemas.get(res)
         if schema is None:
-            return obj, []
+            return obj, self._policy_errors(res, obj)
         strict = request.params.get("fieldValidation") == "Strict"
-        return crschema.admit(schema, obj, strict=strict)
+        admitted, errors = crschema.admit(schema, obj, strict=strict)
+        return admitted, errors or self._policy_errors(res, admitted)
+
+    def _policy_errors(self, res: resource, obj: dict[str, Any]) -> list[str]:
+        return [complaint for plural, check in self.policies if plural == res.plural for complaint in check(obj)]
 
     async def _create(self, request: rendering.Request, res: resource, info: ResourceInfo) -> aiohttp.web.Response:
         obj = request.data

@@ -2,7 +2,9 @@
 for tests: prune (or, under ``fieldValidation=Strict``, reject) unknown fields, apply ``default:``
 values, then validate with an OpenAPI 3.0 validator. Returns readable messages like the API
 server's (``spec.objective: Unsupported value...`` becomes ``spec.objective: 'fastest' is not one of
-[...]``). CEL rules (x-kubernetes-validations) are not evaluated; the DecodeService CRD has none.
+[...]``), and evaluate the CEL rules (``x-kubernetes-validations``, :mod:`helpers.kube.cel`) of
+what passed the schema. Messages are cut short as the API server cuts them: a megabyte value is not
+echoed back.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ import copy
 from typing import Any
 
 from openapi_schema_validator import OAS30Validator
+
+from helpers.kube import cel
+
+# Longer messages lose their middle (the echoed value), keeping the field and what is wrong with it.
+MAX_MESSAGE = 1024
 
 
 def _walk_unknown(schema: dict[str, Any], value: Any, path: str, unknown: list[str], prune: bool) -> None:
@@ -63,6 +70,11 @@ def admit(schema: dict[str, Any], obj: dict[str, Any], strict: bool = True) -> t
     for err in sorted(OAS30Validator(root).iter_errors({**body, "metadata": out.get("metadata", {})}),
                       key=lambda e: list(e.absolute_path)):
         where = ".".join(str(p) for p in err.absolute_path) or "<root>"
-        errors.append(f"{where}: {err.message}")
+        message = err.message
+        if len(message) > MAX_MESSAGE:
+            message = message[:MAX_MESSAGE // 2] + " ... " + message[-MAX_MESSAGE // 2:]
+        errors.append(f"{where}: {message}")
+    if not errors:
+        errors += cel.violations(root, body)
     stored = {**body, "metadata": out.get("metadata", {})}
     return stored, errors
