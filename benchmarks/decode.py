@@ -188,13 +188,15 @@ def time_synchronous(engine: Engine, steps: int, warmup: int) -> list[float]:
 
 
 def source_commit() -> str:
-    """The commit of the code measured: git's, or $SWITCHYARD_COMMIT where the tree is a copy without
-    its history (a benchmark machine)."""
+    """The commit of the code measured: $SWITCHYARD_COMMIT where it is set (a copy of a working tree on
+    a benchmark machine, whose .git may be another commit's), else git's."""
     import subprocess
 
+    if os.environ.get("SWITCHYARD_COMMIT"):
+        return os.environ["SWITCHYARD_COMMIT"]
     done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
                           check=False)
-    return done.stdout.strip() if done.returncode == 0 else os.environ.get("SWITCHYARD_COMMIT", "unknown")
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
 def run_peer(args: argparse.Namespace) -> dict:

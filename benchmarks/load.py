@@ -517,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/load.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "device": label,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": os.environ.get("SWITCHYARD_COMMIT", ""),  # set by whoever runs it on a copy of the tree
         "config": {
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
             "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len, "rates_rps": args.rates,
