@@ -16,7 +16,7 @@ from switchyard.cli.main import build_parser
 from switchyard.operator import crd
 
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and a current one.
-K8S_VERSIONS = ["1.28.0", "1.33.0"]
+K8S_VERSIONS = ["1.29.0", "1.33.0"]
 
 
 def test_lint_strict():
