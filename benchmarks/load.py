@@ -485,9 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    from switchyard.service.api.server import tune_interpreter
-
-    tune_interpreter(args.switch_interval)
+    if args.switch_interval is not None:  # as `switchyard serve --switch-interval` does, without importing gRPC
+        sys.setswitchinterval(args.switch_interval)
     engine, tokenizer = build(args)
     label, slug = device_name()
     avoid = set(tokenizer.eos_token_ids) | {engine.spec.bos_token_id}
