@@ -6,7 +6,7 @@ times the serving loop (launch step n+1, then bring step n's tokens to the host,
 ms/token against the roofline (weight + KV bytes per GPU per step over the measured bandwidth).
 ``roofline_ms`` counts the bytes a step must read (``ModelSpec.decode_bytes_per_step``: the embedding
 table only as the rows it gathers); ``roofline_all_weights_ms`` counts every parameter byte plus the
-KV, the accounting behind the engine issue's "85% of roofline = 4.4 ms/token" for Llama-3-8B on H200.
+KV, the accounting behind the target "85% of roofline = 4.4 ms/token" for Llama-3-8B on H200.
 Every engine is built through ``benchmarks/variants.py`` (a random KV cache; ``--attention``,
 ``--k-splits``, ``--min-batch-bucket`` and the ``none`` strategy, a step without communication, are
 variants of the product). ``--peer torch-compile`` also times ``benchmarks/torch_peer.py`` (a

@@ -16,7 +16,7 @@ token received, ``grpc_overhead`` is the fraction the gRPC path adds over the in
 same round (ms/token at concurrency 1, tokens/s otherwise), ``tracing_overhead`` the fraction
 tracing-on costs over tracing-off on the same path. Tracing on = per-request spans to an OTLP-JSON
 file through the SDK's batch processor, plus the GenAI histograms. Medians over the rounds.
-Targets (issue 4): gRPC adds <= 3 %; tracing costs <= 2 % of tokens/s at 32 and of ms/token at 1.
+Targets: gRPC adds <= 3 %; tracing costs <= 2 % of tokens/s at 32 and of ms/token at 1.
 
     python benchmarks/serve.py --preset llama3-8b --tp 1 --batch-slots 64 --max-seq-len 1024
     python benchmarks/serve.py --model-path /models/llama-3-8b --tp 8 --strategy auto

@@ -1,4 +1,4 @@
-"""Planner scenarios (issue 5), calibration, placement and speed. Pure: no cluster."""
+"""Planner scenarios, calibration, placement and speed. Pure: no cluster."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def plan(model: str, nodes: list[dict], pods: list[dict] | None = None, **reques
     return planner.plan(preset(model), inventory.build(nodes, pods or []), planner.Request(**request))
 
 
-# ---- the scenarios of issue 5 ------------------------------------------------------------------------
+# ---- the scenarios the planner must decide ---------------------------------------------------------------------
 def test_llama3_8b_on_one_h200_node_latency_uses_tensor_parallelism():
     p = plan("llama3-8b", h200(1), objective="latency")
     assert p.status == "Planned" and p.layout is not None
