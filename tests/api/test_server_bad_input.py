@@ -220,11 +220,12 @@ def test_drain_that_runs_out_of_grace_logs_every_request_it_cuts(caplog) -> None
 
         def run(i: int) -> None:
             try:
-                results.append(client.generate(make_request("long", max_tokens=240, request_id=f"cut-{i}"),
+                results.append(client.generate(make_request("a long story", max_tokens=240, request_id=f"cut-{i}"),
                                                timeout=60))
             except grpc.RpcError as err:
                 results.append(err)
 
+        # Greedy on the tiny model, this prompt makes 240 tokens without meeting an end-of-sequence token.
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
@@ -251,7 +252,7 @@ def test_unary_call_whose_deadline_passes_is_no_server_error(served, server_erro
     expired = 0
     for timeout in (0.01, 0.03, 0.1, 0.3, 1.0):
         try:
-            client.stub.GenerateUnary(make_request("slow", max_tokens=240), timeout=timeout)
+            client.stub.GenerateUnary(make_request("a long story", max_tokens=240), timeout=timeout)
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
             expired += 1
