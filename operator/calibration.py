@@ -42,8 +42,7 @@ STAND_INS = {"xla": "torch_nccl", "oneshot": "symm_mem_oneshot", "twoshot": "sym
 # kernel the engine ships (rows without the field predate the kernel and used XLA's ops) ...
 SHIPPED_ATTENTION = "kernel"
 # ... and the step without communication (``none``) beside the engine's all-reduce strategies
-# (switchyard.kernels.STRATEGIES; the operator does not import the kernels). Baselines are no checks.
-ENGINE_STRATEGIES = ("xla", "oneshot", "twoshot", "auto")
+# (selection.STRATEGIES). Baselines are no checks.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,15 +255,14 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
       older engine's figures are superseded), rows of that file are kept;
     * ``copy_bandwidth_bytes_per_s`` of the newest result on a device sets that device's HBM figure.
 
-    Every result given is used except the baseline rows named above and files marked ``experiment``
-    (code that is not the shipped engine, kept for the comparison they record), which are skipped
-    whole. Anything the result files do not cover stays as it was, with its provenance.
+    Every result given is used except the baseline rows named above (measured beside the engine, in
+    the same run, for comparison). Anything the result files do not cover stays as it was, with its
+    provenance.
     """
     out = copy.deepcopy(dict(base))
     results = list(results)
     labels = list(names) or [f"result {i}" for i in range(len(results))]
-    ordered = sorted(((label, result) for label, result in zip(labels, results, strict=True)
-                      if not result.get("experiment")), key=lambda pair: str(pair[1].get("date", "")))
+    ordered = sorted(zip(labels, results, strict=True), key=lambda pair: str(pair[1].get("date", "")))
     tables: dict[str, dict[int, list[float]]] = {}
     table_source: dict[str, str] = {}
     gpus_seen: set[int] = set()
@@ -297,7 +295,7 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 newest_check[key] = (where, [check])
             elif "ms_per_token" in row and "model" in row:
                 if (row.get("attention", "xla") != SHIPPED_ATTENTION
-                        or row.get("strategy", "xla") not in ENGINE_STRATEGIES):
+                        or row.get("strategy", "xla") not in selection.STRATEGIES):
                     continue  # a baseline: XLA's attention ops or no communication
                 key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")

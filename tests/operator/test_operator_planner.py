@@ -345,13 +345,11 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
     xla_attention["rows"][0]["attention"] = "xla"  # XLA's attention ops: an experiment since the kernel ships
     before_kernel = decode("2026-12-07", 2.5)
     del before_kernel["rows"][0]["attention"]  # rows from before the field existed used XLA's ops
-    experiment = decode("2026-12-08", 1.5, 9.9e12)
-    experiment["experiment"] = "a kernel variant that does not ship"  # skipped whole, bandwidth too
     new = calibration.from_results([decode("2026-12-02", 6.0, 4.0e12), allreduce, decode("2026-11-01", 9.0),
-                                    pipeline, silent, xla_attention, before_kernel, experiment],
+                                    pipeline, silent, xla_attention, before_kernel],
                                    base,
                                    names=["new.json", "ar.json", "old.json", "pp.json", "none.json",
-                                          "xla-attention.json", "before-kernel.json", "experiment.json"])
+                                          "xla-attention.json", "before-kernel.json"])
     (pp_check,) = new["pipeline"]["checks"]  # the TP row is the comparison, not a pipeline figure
     assert pp_check["pp"] == 2 and pp_check["tp"] == 1 and pp_check["context"] == 1024
     assert pp_check["step_ms"] == 4.5 and pp_check["source"].startswith("pp.json")
