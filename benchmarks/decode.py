@@ -23,15 +23,16 @@ import argparse
 import datetime
 import functools
 import gc
-import importlib.util
 import itertools
 import json
 import os
 import platform
+import runpy
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -43,14 +44,8 @@ from switchyard.kernels import K_SPLITS
 from switchyard.service.engine.tensor_parallel import Engine
 from switchyard.service.modelspec import ServingLayout, preset
 
-
-@functools.cache
-def variants():
-    """benchmarks/variants.py (the engines that are not the product) as a module, loaded once."""
-    spec = importlib.util.spec_from_file_location("variants", Path(__file__).with_name("variants.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+# benchmarks/variants.py (engines that are not the product), loaded on first use.
+variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
 
 
 def copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> dict[str, float]:

@@ -50,19 +50,27 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import math
 import multiprocessing
 import os
 import re
+import runpy
 import shlex
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+# benchmarks/variants.py (engines that are not the product), loaded on first use.
+variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
+# benchmarks/serve.py (the serving engine's flags; it imports nothing heavy at load), loaded on first use.
+serve_bench = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("serve.py")))))
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -409,24 +417,6 @@ def run_grpc(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: f
 # ---- main ----------------------------------------------------------------------------------------
 
 
-def build(args: argparse.Namespace) -> tuple[Any, Any]:
-    from switchyard.service.engine.tensor_parallel import Engine
-    from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
-    from switchyard.service.modelspec import ServingLayout, preset
-
-    layout = ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
-                           max_seq_len=args.max_seq_len)
-    if args.model_path:
-        engine = Engine.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
-        tokenizer = Tokenizer.from_dir(args.model_path)
-    else:
-        spec = preset(args.preset)
-        engine = Engine.from_random(spec, layout, dtype=args.dtype or spec.dtype, seed=args.seed)
-        tokenizer = Tokenizer(build_tokenizer(spec), spec.eos_token_ids, spec.vocab_size)
-    print(f"warm-up: {engine.warmup():.1f} s", flush=True)
-    return engine, tokenizer
-
-
 def device_name() -> tuple[str, str]:
     import jax
 
@@ -438,14 +428,7 @@ def device_name() -> tuple[str, str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model-path", help="a Hugging Face checkpoint folder")
-    source.add_argument("--preset", default="llama3-8b", help="random weights of a preset shape (default)")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--strategy", default="auto")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--batch-slots", type=int, default=64)
-    parser.add_argument("--max-seq-len", type=int, default=4096)
+    serve_bench().add_engine_arguments(parser, max_seq_len=4096)
     parser.add_argument("--cpu", action="store_true", help="host devices (JAX_PLATFORMS=cpu): a smoke test of tiny")
     parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0, 12.0], help="requests/s")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
@@ -487,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
     if args.switch_interval is not None:  # as `switchyard serve --switch-interval` does, without importing gRPC
         sys.setswitchinterval(args.switch_interval)
-    engine, tokenizer = build(args)
+    engine, tokenizer = variants().serving_engine(args)
     label, slug = device_name()
     avoid = set(tokenizer.eos_token_ids) | {engine.spec.bos_token_id}
     ttft_s, itl_s = args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3

@@ -28,10 +28,10 @@ import dataclasses
 import datetime
 import functools
 import gc
-import importlib.util
 import json
 import os
 import platform
+import runpy
 import socket
 import statistics
 import subprocess
@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -58,13 +59,8 @@ CHECK_REQUESTS = [
 ]
 
 
-@functools.cache
-def variants() -> Any:
-    """benchmarks/variants.py (random caches, slots occupied without prefill) as a module, loaded once."""
-    spec = importlib.util.spec_from_file_location("variants", Path(__file__).with_name("variants.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+# benchmarks/variants.py (engines that are not the product), loaded on first use.
+variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
 
 
 def check_spec() -> Any:

@@ -30,12 +30,12 @@ import argparse
 import concurrent.futures
 import datetime
 import functools
-import importlib.util
 import itertools
 import json
 import multiprocessing
 import os
 import re
+import runpy
 import shlex
 import statistics
 import sys
@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -158,33 +159,8 @@ def run_grpc(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: 
 # ---- main ----------------------------------------------------------------------------------------
 
 
-@functools.cache
-def variants() -> Any:
-    """benchmarks/variants.py as a module, loaded once."""
-    spec = importlib.util.spec_from_file_location("variants", Path(__file__).with_name("variants.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def build(args: argparse.Namespace) -> tuple[Any, Any]:
-    from switchyard.service.engine.tensor_parallel import Engine
-    from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
-    from switchyard.service.modelspec import ServingLayout, preset
-
-    layout = ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
-                           max_seq_len=args.max_seq_len)
-    if args.model_path:
-        engine = Engine.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
-        tokenizer = Tokenizer.from_dir(args.model_path)
-    else:
-        spec = preset(args.preset)
-        # Random weights with a random KV cache (benchmarks never time on zeros): the product's engine
-        # otherwise, built through benchmarks/variants.py.
-        engine = variants().VariantEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype)
-        tokenizer = Tokenizer(build_tokenizer(spec), spec.eos_token_ids, spec.vocab_size)
-    print(f"warm-up: {engine.warmup():.1f} s", flush=True)
-    return engine, tokenizer
+# benchmarks/variants.py (engines that are not the product), loaded on first use.
+variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
 
 
 def prompts_for(n: int, length: int, vocab: int, avoid: set[int], seed: int) -> list[list[int]]:
@@ -211,8 +187,8 @@ def overhead(value: float, base: float, *, higher_is_better: bool) -> float:
     return (base / value - 1.0) if higher_is_better else (value / base - 1.0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_engine_arguments(parser: argparse.ArgumentParser, max_seq_len: int) -> None:
+    """The flags of the engine a serving benchmark runs (``variants.serving_engine`` reads them)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model-path", help="a Hugging Face checkpoint folder")
     source.add_argument("--preset", default="llama3-8b", help="random weights of a preset shape (default)")
@@ -220,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--batch-slots", type=int, default=64)
-    parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--max-seq-len", type=int, default=max_seq_len)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_arguments(parser, max_seq_len=1024)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--concurrency", default="1,8,32,64")
@@ -236,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if max(levels) > args.batch_slots:
         parser.error(f"--batch-slots {args.batch_slots} is below the largest concurrency {max(levels)}")
 
-    engine, tokenizer = build(args)
+    engine, tokenizer = variants().serving_engine(args)
     label, slug = device_name()
     avoid = set(tokenizer.eos_token_ids) | {engine.spec.bos_token_id}
     samples: dict[tuple[int, str, bool], list[dict]] = {}

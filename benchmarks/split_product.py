@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import importlib.util
 import json
 import platform
+import runpy
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -70,13 +71,8 @@ def time_variant(variant: str, xs, ws, r, reps: int, trace_dir: str) -> tuple[fl
     return busy / (reps * len(ws)), kernels
 
 
-@functools.cache
-def decode_bench():
-    """benchmarks/decode.py as a module (its profiler helper), loaded once."""
-    spec = importlib.util.spec_from_file_location("decode_bench", Path(__file__).with_name("decode.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+# benchmarks/decode.py (its profiler helper), loaded on first use.
+decode_bench = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("decode.py")))))
 
 
 def main(argv: list[str] | None = None) -> int:

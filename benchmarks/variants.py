@@ -101,18 +101,45 @@ def random_cache(shape: tuple[int, ...], sharding: NamedSharding, dtype: str,
             [make(jax.random.PRNGKey(2 * i + 1)) for i in range(layers)])
 
 
-class _Occupying:
-    """``occupy_slots`` for either engine: writes the per-slot entries of the device state ``_state``
-    and the slot book's host mirror, as the engines' seam allows."""
+class _Variant:
+    """What both variant engines add to the product's class: the ``variant`` they are built as, the
+    seam's hooks it overrides, and ``occupy_slots``, which writes the per-slot entries of the device
+    state ``_state`` and the slot book's host mirror."""
 
     mesh: Mesh
     spec: ModelSpec
+    dtype: str
     max_slots: int
     max_seq_len: int
     active: np.ndarray
     greedy: np.ndarray
     positions: np.ndarray
     _state: dict
+    variant: Variant
+    # (spec, layout, dtype, seed, devices) -> (params, mesh): each engine class says how its weights are made
+    random_weights: staticmethod
+
+    def __init__(self, spec: ModelSpec, params: dict, mesh: Mesh, *, batch_slots: int, max_seq_len: int,
+                 strategy: str = "xla", dtype: str | None = None, variant: Variant = Variant()) -> None:
+        self.variant = variant  # the hooks below run in the product's constructor
+        super().__init__(spec, params, mesh, batch_slots=batch_slots, max_seq_len=max_seq_len, strategy=strategy,
+                         dtype=dtype)
+
+    @classmethod
+    def from_random(cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
+                    devices: Sequence[jax.Device] | None = None, *, variant: Variant = Variant()) -> Self:
+        params, mesh = cls.random_weights(spec, layout, dtype, seed, devices)
+        return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
+                   strategy=layout.strategy, dtype=dtype, variant=variant)
+
+    def _forward_config(self) -> ForwardConfig:
+        return self.variant.forward_config(super()._forward_config())
+
+    def _new_cache(self, shape: tuple[int, ...], sharding: NamedSharding,
+                   layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
+        if self.variant.cache == "random":
+            return random_cache(shape, sharding, self.dtype, layers)
+        return super()._new_cache(shape, sharding, layers)
 
     def occupy_slots(self, context: int, count: int | None = None, sampling: SamplingParams | None = None) -> None:
         """Mark the first ``count`` slots (all by default) active at ``context`` tokens of whatever the
@@ -136,58 +163,43 @@ class _Occupying:
         self.positions[:] = context
 
 
-class VariantEngine(_Occupying, Engine):
+def _tensor_parallel_weights(spec: ModelSpec, layout: ServingLayout, dtype: str, seed: int,
+                             devices: Sequence[jax.Device] | None) -> tuple[dict, Mesh]:
+    return random_weights(spec, layout.tp, dtype, seed, devices)
+
+
+class VariantEngine(_Variant, Engine):
     """A tensor-parallel :class:`Engine` built as ``variant`` says."""
 
-    def __init__(self, spec: ModelSpec, params: dict, mesh: Mesh, *, batch_slots: int, max_seq_len: int,
-                 strategy: str = "xla", dtype: str | None = None, variant: Variant = Variant()) -> None:
-        self.variant = variant  # the hooks below run in Engine's constructor
-        super().__init__(spec, params, mesh, batch_slots=batch_slots, max_seq_len=max_seq_len, strategy=strategy,
-                         dtype=dtype)
-
-    @classmethod
-    def from_random(cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
-                    devices: Sequence[jax.Device] | None = None, *, variant: Variant = Variant()) -> Self:
-        params, mesh = random_weights(spec, layout.tp, dtype, seed, devices)
-        return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
-                   strategy=layout.strategy, dtype=dtype, variant=variant)
-
-    def _forward_config(self) -> ForwardConfig:
-        return self.variant.forward_config(super()._forward_config())
-
-    def _new_cache(self, shape: tuple[int, ...], sharding: NamedSharding,
-                   layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
-        if self.variant.cache == "random":
-            return random_cache(shape, sharding, self.dtype, layers)
-        return super()._new_cache(shape, sharding, layers)
+    random_weights = staticmethod(_tensor_parallel_weights)
 
     def _batch_buckets(self) -> list[int]:
         return doubling_buckets(self.max_slots, min(self.variant.min_batch_bucket, self.max_slots))
 
 
-class VariantPipelineEngine(_Occupying, PipelineEngine):
+class VariantPipelineEngine(_Variant, PipelineEngine):
     """A :class:`PipelineEngine` built as ``variant`` says (its ``min_batch_bucket`` does not apply:
     every tick runs a whole micro-batch)."""
 
-    def __init__(self, spec: ModelSpec, params: dict, mesh: Mesh, *, batch_slots: int, max_seq_len: int,
-                 strategy: str = "xla", dtype: str | None = None, variant: Variant = Variant()) -> None:
-        self.variant = variant  # the hooks below run in PipelineEngine's constructor
-        super().__init__(spec, params, mesh, batch_slots=batch_slots, max_seq_len=max_seq_len, strategy=strategy,
-                         dtype=dtype)
+    random_weights = staticmethod(random_stage_weights)
 
-    @classmethod
-    def from_random(cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
-                    devices: Sequence[jax.Device] | None = None, *,
-                    variant: Variant = Variant()) -> Self:
-        params, mesh = random_stage_weights(spec, layout, dtype, seed, devices)
-        return cls(spec, params, mesh, batch_slots=layout.batch_slots, max_seq_len=layout.max_seq_len,
-                   strategy=layout.strategy, dtype=dtype, variant=variant)
 
-    def _forward_config(self) -> ForwardConfig:
-        return self.variant.forward_config(super()._forward_config())
+def serving_engine(args) -> tuple:
+    """The warmed-up engine and tokenizer a serving benchmark runs (``args``: ``model_path`` or
+    ``preset``, ``tp``, ``strategy``, ``batch_slots``, ``max_seq_len``, ``dtype``): a checkpoint's, as
+    ``switchyard serve`` loads it, or random weights of a preset with a random KV cache (benchmarks
+    never time on zeros)."""
+    from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
+    from switchyard.service.modelspec import preset
 
-    def _new_cache(self, shape: tuple[int, ...], sharding: NamedSharding,
-                   layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
-        if self.variant.cache == "random":
-            return random_cache(shape, sharding, self.dtype, layers)
-        return super()._new_cache(shape, sharding, layers)
+    layout = ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
+                           max_seq_len=args.max_seq_len)
+    if args.model_path:
+        engine = Engine.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
+        tokenizer = Tokenizer.from_dir(args.model_path)
+    else:
+        spec = preset(args.preset)
+        engine = VariantEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype)
+        tokenizer = Tokenizer(build_tokenizer(spec), spec.eos_token_ids, spec.vocab_size)
+    print(f"warm-up: {engine.warmup():.1f} s", flush=True)
+    return engine, tokenizer
