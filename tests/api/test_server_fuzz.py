@@ -150,3 +150,47 @@ def _call_infer(channel: grpc.Channel, request) -> None:
         event(err.code().name)
         assert err.code() in CLIENT_ERRORS, (err.code(), err.details())
         assert err.details()
+
+
+# ---- bytes on the wire: valid messages mutated (truncated, bytes flipped, bytes inserted) ------------
+
+RAW_METHODS = {
+    "/switchyard.v1.Decode/GenerateUnary": lambda: decode_pb2.GenerateRequest(text="Once upon", max_tokens=4),
+    "/switchyard.v1.Decode/Tokenize": lambda: decode_pb2.TokenizeRequest(text="Once upon"),
+    f"/{kserve.SERVICE}/ModelInfer": lambda: _valid_infer_request(b"Once upon", 4),
+}
+
+
+@st.composite
+def mutated(draw, valid: bytes) -> bytes:
+    data = bytearray(valid)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "insert", "truncate"]))
+        if kind == "truncate" and data:
+            del data[draw(st.integers(0, len(data) - 1)):]
+        elif kind == "flip" and data:
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        else:
+            at = draw(st.integers(0, len(data)))
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
+@given(path=st.sampled_from(sorted(RAW_METHODS)), data=st.data())
+@FUZZ
+def test_mutated_bytes_on_both_apis_get_a_proper_status(served, path, data) -> None:
+    payload = data.draw(mutated(RAW_METHODS[path]().SerializeToString()))
+    with grpc.insecure_channel(served.target) as channel:
+        call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+        try:
+            call(payload, timeout=60)
+            event("OK")
+        except grpc.RpcError as err:
+            event(err.code().name)
+            assert err.code() in CLIENT_ERRORS, (path, payload, err.code(), err.details())
+            assert err.details()
+        # The server is still there and healthy after every message.
+        health = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                     response_deserializer=None)
+        assert health(b"", timeout=10) == b"\x08\x01"  # status: SERVING
+    served.assert_no_leaked_slots()
