@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(T.format_report(found, table_rows=args.rows, top=args.top))
     if args.png:
-        path = T.plot_timeline(found, args.png)
+        from switchyard.service.telemetry.timeline import plot_timeline
+
+        path = plot_timeline(found, args.png)
         print(f"timeline: {path}")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from switchyard.service.telemetry import timeline
 from switchyard.service.telemetry import traces as T
 from switchyard.service.telemetry.traces import RequestTrace
 
@@ -106,7 +107,7 @@ def row_extents(ax) -> dict[float, tuple[float, float]]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_png_is_written_for_every_case(case: str, tmp_path) -> None:
-    path = T.plot_timeline(CASES[case](), tmp_path / "out" / "timeline.png")
+    path = timeline.plot_timeline(CASES[case](), tmp_path / "out" / "timeline.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -114,12 +115,12 @@ def test_plot_timeline_leaves_no_pyplot_figure_open(tmp_path) -> None:
     import matplotlib.pyplot as plt
 
     before = plt.get_fignums()
-    T.plot_timeline([trace()], tmp_path / "t.png")
+    timeline.plot_timeline([trace()], tmp_path / "t.png")
     assert plt.get_fignums() == before
 
 
 def test_a_sub_millisecond_queue_is_still_visible() -> None:
-    fig = T.timeline_figure([trace(queue_s=0.0001, tokens=60)])  # 0.1 ms of ~310 ms: 0.03 % of the axis
+    fig = timeline.timeline_figure([trace(queue_s=0.0001, tokens=60)])  # 0.1 ms of ~310 ms: 0.03 % of the axis
     ax = axes(fig)["requests"]
     (queue,) = patches(ax, "queue")
     assert axis_fraction(ax, queue.get_x(), queue.get_x() + queue.get_width()) >= 0.004
@@ -130,14 +131,14 @@ def test_a_sub_millisecond_queue_is_still_visible() -> None:
 def test_one_request_marks_its_ttft_phases_and_slowest_gaps() -> None:
     t = trace(queue_s=0.002, prefill_s=0.020)
     t.token_s[10:] += 0.030  # one stall of 30 ms before token 10
-    ax = axes(T.timeline_figure([t]))["requests"]
+    ax = axes(timeline.timeline_figure([t]))["requests"]
     ttft = line(ax, "ttft-line")
     assert ttft.get_label() == "TTFT 22 ms"
     assert ttft.get_xdata()[0] == pytest.approx(line(ax, "tokens").get_xdata()[0])  # on the first token
     texts = {x.get_gid(): x.get_text() for x in ax.texts}
     assert texts["phases"] == "queue 2 ms → prefill 20 ms → first token: TTFT 22 ms"
     assert t.inter_token_s.max() > 0.030
-    assert texts["slowest-gap"] == f"slowest gap {T._fmt_duration(t.inter_token_s.max())} (before token 10)"
+    assert texts["slowest-gap"] == f"slowest gap {timeline._fmt_duration(t.inter_token_s.max())} (before token 10)"
     assert len(patches(ax, "slow-gap")) == 3
     legend = [x.get_text() for x in ax.get_legend().get_texts()]
     assert "TTFT 22 ms" in legend and "3 slowest gaps" in legend
@@ -145,31 +146,31 @@ def test_one_request_marks_its_ttft_phases_and_slowest_gaps() -> None:
 
 def test_every_request_gets_a_ttft_mark_and_an_arrival() -> None:
     traces = [trace(f"r-{i}", start_s=0.02 * i, seed=i) for i in range(5)] + [trace("none", tokens=0)]
-    ax = axes(T.timeline_figure(traces))["requests"]
+    ax = axes(timeline.timeline_figure(traces))["requests"]
     assert len(line(ax, "ttft").get_xdata()) == 5
     assert len(line(ax, "arrival").get_xdata()) == 6
 
 
 @pytest.mark.parametrize("traces", [[trace(tokens=200)], many(40, 50)], ids=["one", "forty"])
 def test_p50_and_p99_are_marked_with_their_values(traces) -> None:
-    fig = T.timeline_figure(traces)
+    fig = timeline.timeline_figure(traces)
     ax = axes(fig)["gaps"]
     summary = T.summarize(traces)
     for p in (50, 99):
         mark = line(ax, f"p{p}")
         assert mark.get_ydata()[0] == pytest.approx(summary.inter_token_ms[p])
-        assert mark.get_label() == f"p{p} {T._fmt_ms(summary.inter_token_ms[p])}"
+        assert mark.get_label() == f"p{p} {timeline._fmt_ms(summary.inter_token_ms[p])}"
         assert mark.get_label() in [x.get_text() for x in ax.get_legend().get_texts()]
 
 
 def test_a_constant_batch_size_is_said_in_words_not_as_a_colour_bar() -> None:
-    fig = T.timeline_figure([trace(f"r-{i}", start_s=0.01 * i, batch=8) for i in range(3)])
+    fig = timeline.timeline_figure([trace(f"r-{i}", start_s=0.01 * i, batch=8) for i in range(3)])
     assert set(axes(fig)) == {"requests", "gaps"}  # no colour bar axes
     assert "batch size 8 in every step" in axes(fig)["gaps"].get_title(loc="left")
 
 
 def test_a_varying_batch_size_gets_a_colour_bar() -> None:
-    fig = T.timeline_figure(many(20, 60))
+    fig = timeline.timeline_figure(many(20, 60))
     assert len(fig.axes) == 3
     (bar,) = [ax for ax in fig.axes if ax.get_label() not in ("requests", "gaps")]
     assert bar.get_ylabel() == "batch size"
@@ -179,7 +180,7 @@ def test_tick_labels_are_plain_numbers_with_units() -> None:
     slow = trace("slow", tokens=50, gap_s=0.00002)
     slow.token_s[25:] += 4.0  # gaps from ~20 µs to 4 s: five decades on the log axis
     for traces in ([trace()], [slow], many(30, 40)):
-        fig = T.timeline_figure(traces)
+        fig = timeline.timeline_figure(traces)
         FigureCanvasAgg(fig).draw()
         gaps = axes(fig)["gaps"]
         labels = [x.get_text() for x in gaps.get_yticklabels() + gaps.get_xticklabels()]
@@ -199,7 +200,7 @@ def test_long_ids_with_a_shared_start_or_end_get_distinct_readable_labels() -> N
         "short",  # the same id twice: two rows, still two labels
     ]
     traces = [trace(r, start_s=0.01 * i) for i, r in enumerate(ids)]
-    ax = axes(T.timeline_figure(traces))["requests"]
+    ax = axes(timeline.timeline_figure(traces))["requests"]
     labels = [x.get_text() for x in ax.get_yticklabels()]
     assert len(set(labels)) == len(ids)
     assert labels[:2] == ["chatcmpl-202…atch-000017", "chatcmpl-202…atch-000018"]  # start and end kept
@@ -212,7 +213,7 @@ def test_requests_minutes_apart_each_keep_a_readable_span() -> None:
         trace("late-long", start_s=300.0, tokens=1000),  # ~5 s, five minutes later
         trace("later", start_s=900.0, tokens=40),
     ]
-    fig = T.timeline_figure(traces)
+    fig = timeline.timeline_figure(traces)
     ax = axes(fig)["requests"]
     spans = [axis_fraction(ax, lo, hi) for lo, hi in row_extents(ax).values()]
     assert len(spans) == 3 and min(spans) >= 0.05, spans
@@ -221,12 +222,12 @@ def test_requests_minutes_apart_each_keep_a_readable_span() -> None:
 
 
 def test_a_huge_queue_leaves_room_for_the_tokens() -> None:
-    ax = axes(T.timeline_figure([trace(queue_s=60.0)]))["requests"]
+    ax = axes(timeline.timeline_figure([trace(queue_s=60.0)]))["requests"]
     tokens = line(ax, "tokens").get_xdata()
     assert axis_fraction(ax, tokens.min(), tokens.max()) >= 0.5
 
 
 def test_the_timeline_without_tokens_or_gaps_says_so() -> None:
     for traces, words in (([trace(tokens=0)], "0 output tokens"), ([trace(tokens=1)], "1 output token")):
-        gap_texts = [x.get_text() for x in axes(T.timeline_figure(traces))["gaps"].texts]
+        gap_texts = [x.get_text() for x in axes(timeline.timeline_figure(traces))["gaps"].texts]
         assert any(words in text for text in gap_texts), gap_texts
