@@ -64,6 +64,7 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() value
     on_event: Callable[[TokenEvent], None] | None = None  # called on the scheduler thread
     ignore_eos: bool = False  # generate exactly max_tokens unless a stop id or string is met
+    reuse_prefix: bool = True  # may share cached KV blocks of an identical prompt prefix
 
 
 @dataclasses.dataclass
@@ -84,6 +85,13 @@ class RequestRecord:
     model: str
     sampling: SamplingParams
     max_tokens: int
+    # The prompt's prefill: the engine steps that carried a chunk of it, when each was launched, and
+    # how many prompt tokens each carried (one entry for a whole-prompt prefill).
+    chunk_steps: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    chunk_times: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float64))
+    chunk_tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    preemptions: int = 0  # times the request lost its KV blocks and was recomputed
 
     @property
     def output_tokens(self) -> int:
