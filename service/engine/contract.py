@@ -82,6 +82,21 @@ class DecodeEngine(Protocol):
         """Context per slot: prompt and generated tokens."""
         ...
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV cache holds, over all sequences."""
+        ...
+
+    @property
+    def kv_block_size(self) -> int:
+        """Positions per KV block (the unit the cache is handed out in)."""
+        ...
+
+    @property
+    def step_tokens(self) -> int:
+        """Prompt tokens one step carries beside the decode tokens; 0: prompts are prefilled whole."""
+        ...
+
     def validate_prompt(self, tokens: Sequence[int]) -> None:
         """Raise InvalidRequestError / OutOfRangeError for a prompt this engine cannot take."""
         ...

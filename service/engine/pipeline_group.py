@@ -203,6 +203,18 @@ class LeaderEngine:
     def max_seq_len(self) -> int:
         return self.engine.max_seq_len
 
+    @property
+    def kv_tokens(self) -> int:
+        return self.engine.kv_tokens
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.engine.kv_block_size
+
+    @property
+    def step_tokens(self) -> int:
+        return self.engine.step_tokens
+
     def validate_prompt(self, tokens: Sequence[int]) -> None:
         self.engine.validate_prompt(tokens)
 

@@ -106,6 +106,21 @@ class SlotBook:
     def free_slots(self) -> list[int]:
         return [int(i) for i in np.flatnonzero(~self.active)]
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV cache holds: every slot reserves its whole context."""
+        return self.max_slots * self.max_seq_len
+
+    @property
+    def kv_block_size(self) -> int:
+        """Positions per KV block: here a block is a slot's whole context."""
+        return self.max_seq_len
+
+    @property
+    def step_tokens(self) -> int:
+        """Prompt tokens a step carries beside the decode tokens; 0: prompts are prefilled whole."""
+        return 0
+
     def check_free(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
