@@ -25,7 +25,7 @@ def contract_members(kind: type) -> set[str]:
 
 def test_the_contract_has_the_calls_of_the_scheduler_and_the_warm_up():
     methods, properties = contract_members(type(contract_members)), contract_members(property)
-    assert properties == {"spec", "max_slots", "max_seq_len"}
+    assert properties == {"spec", "max_slots", "max_seq_len", "kv_tokens", "kv_block_size", "step_tokens"}
     assert methods == {"validate_prompt", "free_slots", "room", "slot_generation", "prefill", "insert", "dispatch",
                        "collect", "generate", "evict", "warmup", "compiled_count"}
     assert inspect.signature(Scheduler).parameters["engine"].annotation == "DecodeEngine"
