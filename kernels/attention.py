@@ -115,3 +115,42 @@ def decode_attention(
         return reference_decode_attention(q, k_new, v_new, k_cache, v_cache, positions, write_at)
     qkv = jnp.concatenate([q, k_new.astype(q.dtype), v_new.astype(q.dtype)], axis=1)
     return decode_attention_packed(qkv, k_cache, v_cache, positions, write_at, use_kernel=use_kernel)
+
+
+def reference_paged_decode_attention_packed(
+    qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array, positions: jax.Array,
+    write_at: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """As :func:`reference_decode_attention_packed` over a paged pool: pools [NB, kv, B, D]; row b's
+    logical position p lives in block ``block_tables[b, p // B]`` at offset ``p % B``. A ``write_at``
+    outside the table's positions, or whose table entry is outside the pool, writes nothing."""
+    n, _, d = qkv.shape
+    nb, kv, bs, _ = k_pool.shape
+    m = block_tables.shape[1]
+    heads = qkv.shape[1] - 2 * kv
+    rows = jnp.arange(n)
+    inside = (write_at >= 0) & (write_at < m * bs)
+    entry = block_tables[rows, jnp.clip(write_at // bs, 0, m - 1)]
+    block = jnp.where(inside & (entry >= 0) & (entry < nb), entry, nb)
+    offset = jnp.where(inside, write_at % bs, 0)
+    k_pool = k_pool.at[block, :, offset, :].set(qkv[:, heads:heads + kv].astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[block, :, offset, :].set(qkv[:, heads + kv:].astype(v_pool.dtype), mode="drop")
+    kc = jnp.swapaxes(k_pool[block_tables], 1, 2).reshape(n, kv, m * bs, d)
+    vc = jnp.swapaxes(v_pool[block_tables], 1, 2).reshape(n, kv, m * bs, d)
+    visible = jnp.arange(m * bs)[None, :] <= positions[:, None]
+    kc = jnp.where(visible[:, None, :, None], kc, 0)  # unwritten positions may hold anything
+    vc = jnp.where(visible[:, None, :, None], vc, 0)
+    qg = qkv[:, :heads].reshape(n, kv, heads // kv, d)
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg, kc, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible[:, None, None, :], scores / math.sqrt(d), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
+    out = jnp.einsum("bkgs,bksd->bkgd", probs, vc)
+    return out.reshape(n, heads, d), k_pool, v_pool
+
+
+def paged_decode_attention_packed(
+    qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array, positions: jax.Array,
+    write_at: jax.Array, *, use_kernel: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """As :func:`reference_paged_decode_attention_packed`."""
+    return reference_paged_decode_attention_packed(qkv, k_pool, v_pool, block_tables, positions, write_at)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -64,8 +64,8 @@ class PendingStep:
 
 
 @runtime_checkable
-class DecodeEngine(Protocol):
-    """A decode engine with a fixed number of slots, as the scheduler, the warm-up and the server use it."""
+class EngineBase(Protocol):
+    """What every engine offers the scheduler, the warm-up and the server."""
 
     @property
     def spec(self) -> ModelSpec:
@@ -105,12 +105,34 @@ class DecodeEngine(Protocol):
         """The slots no request occupies, in ascending order."""
         ...
 
-    def room(self, slot: int) -> int:
-        """How many more tokens the slot can generate before its context is full."""
-        ...
-
     def slot_generation(self, slot: int) -> int:
         """The slot's insert count: a step's tokens belong to the request of the count they carry."""
+        ...
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a dispatched step's tokens."""
+        ...
+
+    def evict(self, slot: int) -> None:
+        """Free a slot."""
+        ...
+
+    def warmup(self) -> float:
+        """Compile every program serving runs, before any request; returns seconds."""
+        ...
+
+    def compiled_count(self) -> int:
+        """Compiled executables so far (flat after warm-up while serving)."""
+        ...
+
+
+@runtime_checkable
+class DecodeEngine(EngineBase, Protocol):
+    """A decode engine with a fixed number of slots, whose prompts are prefilled whole and then
+    inserted into a slot."""
+
+    def room(self, slot: int) -> int:
+        """How many more tokens the slot can generate before its context is full."""
         ...
 
     def prefill(self, tokens: Sequence[int], sampling: SamplingParams | None = None,
@@ -126,22 +148,51 @@ class DecodeEngine(Protocol):
         """Launch one decode step for the occupied slots without waiting for it."""
         ...
 
-    def collect(self, pending: PendingStep) -> StepResult:
-        """Wait for a dispatched step's tokens."""
-        ...
-
     def generate(self, return_logits: bool = False) -> StepResult:
         """One decode step, waited for."""
         ...
 
-    def evict(self, slot: int) -> None:
-        """Free a slot."""
+
+@runtime_checkable
+class TokenBudgetEngine(EngineBase, Protocol):
+    """An engine with a paged KV pool whose steps carry prompt chunks beside the decode tokens
+    (:class:`~switchyard.service.engine.paged.PagedEngine`). It has no ``prefill`` / ``insert``: a
+    prompt enters with ``begin`` and is computed chunk by chunk by the steps themselves."""
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise OutOfRangeError when one such sequence alone could not fit the KV pool."""
         ...
 
-    def warmup(self) -> float:
-        """Compile every program serving runs, before any request; returns seconds."""
+    def free_blocks(self) -> int:
+        """KV blocks that can be handed out now."""
         ...
 
-    def compiled_count(self) -> int:
-        """Compiled executables so far (flat after warm-up while serving)."""
+    def blocks_to_begin(self, tokens: Sequence[int], reuse_prefix: bool = True) -> int:
+        """Fresh KV blocks ``begin`` would take for this prompt."""
+        ...
+
+    def begin(self, slot: int, tokens: Sequence[int], sampling: SamplingParams, *, counter: int = 0,
+              reuse_prefix: bool = True) -> int | None:
+        """Take a free slot and the prompt's blocks; returns its tokens found in the prefix cache, or
+        None when the pool has too few blocks (nothing taken)."""
+        ...
+
+    def prefilling(self) -> list[int]:
+        """Slots whose prompt is not all launched yet."""
+        ...
+
+    def decoding(self) -> list[int]:
+        """Slots that make a token at every step."""
+        ...
+
+    def next_chunk(self, slot: int) -> Any:
+        """The chunk of the slot's prompt the next step would carry."""
+        ...
+
+    def ensure_decode_blocks(self) -> bool:
+        """Blocks for every decoding slot's next token; False (nothing taken) when the pool is short."""
+        ...
+
+    def dispatch(self, chunk: Any = None) -> PendingStep:
+        """Launch one step: a token for every decoding slot, and the chunk when given."""
         ...

@@ -41,6 +41,10 @@ RowParallelNorm = Callable[..., tuple[jax.Array, jax.Array]]
 RowParallel = Callable[..., jax.Array]
 # (qkv, k_cache, v_cache, positions, write_at) -> (out, k_cache, v_cache)
 DecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+# (qkv, k_pool, v_pool, block_tables, positions, write_at) -> (out, k_pool, v_pool)
+PagedDecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+# (q [C, H, D], k [S, kv, D], v [S, kv, D], q_positions [C]) -> out [C, H, D]: causal by position
+ChunkAttention = Callable[..., jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +157,14 @@ class ForwardConfig:
     # Decode attention through the CUDA kernel where it can run (XLA's ops elsewhere): faster than
     # XLA's ops, or within 1%, at every batch and context measured (benchmarks/NOTES.md).
     decode_attention: DecodeAttention = attention.decode_attention_packed
+    # The same over a paged KV pool (block tables).
+    paged_decode_attention: PagedDecodeAttention = attention.paged_decode_attention_packed
+    # A prompt chunk's queries against its sequence's keys so far: cuDNN's flash attention on GPUs.
+    chunk_attention: ChunkAttention = None  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.chunk_attention is None:
+            object.__setattr__(self, "chunk_attention", chunk_attention)
 
     @classmethod
     def make(cls, shape: ShardShape, strategy: str) -> ForwardConfig:
@@ -307,3 +319,119 @@ def prefill_forward(
     last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
     logits = jnp.dot(last, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, ks, vs
+
+
+# ---- paged KV pool: token-budget steps ------------------------------------------------------------
+def _chunk_attention_with(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                          implementation: str | None) -> jax.Array:
+    keys = jnp.arange(k.shape[0])
+    mask = keys[None, :] <= q_positions[:, None]  # [C, S]
+    return jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None],
+                                        implementation=implementation)[0]
+
+
+def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
+    """q [C, H, D] at ``q_positions`` against keys k, v [S, kv, D] at positions 0..S-1, causal:
+    query i sees keys at positions <= q_positions[i]. cuDNN's flash attention on CUDA, XLA's elsewhere."""
+    def cudnn(*args: jax.Array) -> jax.Array:
+        return _chunk_attention_with(*args, implementation="cudnn")
+
+    def xla(*args: jax.Array) -> jax.Array:
+        return _chunk_attention_with(*args, implementation="xla")
+
+    if jnp.dtype(q.dtype).name not in ("bfloat16", "float16"):
+        return xla(q, k, v, q_positions)
+    return jax.lax.platform_dependent(q, k, v, q_positions, default=xla, cuda=cudnn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """The prompt chunk a step carries (traced arrays): ``tokens`` [C] padded, the first ``length``
+    real; they sit at positions ``start..start + length - 1`` of the sequence whose block table is
+    ``table`` [M]. ``kv_len`` (static) covers every position the chunk attends to."""
+
+    tokens: jax.Array
+    start: jax.Array
+    length: jax.Array
+    table: jax.Array
+    kv_len: int
+
+
+def _pack_rope(qkv: jax.Array, positions: jax.Array, shape: ShardShape, cfg: ForwardConfig) -> jax.Array:
+    """[n, q + 2 kv, hd] with rope applied to the query and key heads at ``positions`` [n]."""
+    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
+    roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
+    is_qk = jnp.arange(qkv.shape[1]) < shape.q_heads + shape.kv_heads
+    return jnp.where(is_qk[None, :, None], roped, qkv)
+
+
+def _chunk_layer_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, chunk: Chunk,
+                           cfg: ForwardConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A chunk's attention in one layer: its K/V written into its blocks, then its queries against
+    the sequence's keys so far. qkv [C, q + 2 kv, hd] (roped)."""
+    shape = cfg.shape
+    nb, kv, bs, hd = k_pool.shape
+    m = chunk.table.shape[0]
+    C = qkv.shape[0]
+    q = qkv[:, : shape.q_heads]
+    k_new, v_new = qkv[:, shape.q_heads: shape.q_heads + kv], qkv[:, shape.q_heads + kv:]
+    pos = chunk.start + jnp.arange(C)
+    real = jnp.arange(C) < chunk.length
+    block = jnp.where(real, chunk.table[jnp.minimum(pos // bs, m - 1)], nb)  # nb: dropped
+    offset = pos % bs
+    k_pool = k_pool.at[block, :, offset, :].set(k_new.astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[block, :, offset, :].set(v_new.astype(v_pool.dtype), mode="drop")
+    blocks = chunk.table[: chunk.kv_len // bs]
+    k = jnp.swapaxes(k_pool[blocks], 1, 2).reshape(chunk.kv_len, kv, hd)
+    v = jnp.swapaxes(v_pool[blocks], 1, 2).reshape(chunk.kv_len, kv, hd)
+    written = (jnp.arange(chunk.kv_len) < chunk.start + chunk.length)[:, None, None]
+    k, v = jnp.where(written, k, 0), jnp.where(written, v, 0)  # positions not written may hold anything
+    out = cfg.chunk_attention(q, k.astype(q.dtype), v.astype(q.dtype), pos)
+    return out, k_pool, v_pool
+
+
+def budget_forward(
+    params: Params,
+    k_pool: list[jax.Array],
+    v_pool: list[jax.Array],
+    tokens: jax.Array,
+    positions: jax.Array,
+    tables: jax.Array,
+    write: jax.Array,
+    chunk: Chunk | None,
+    cfg: ForwardConfig,
+) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+    """One token-budget step over a paged pool, in one forward pass: a token for each of the ``n``
+    decode rows (tokens, positions, write [n], block tables [n, M]; rows where ``write`` is False
+    neither write nor matter) plus, when given, one prompt chunk.
+
+    Pools: per layer [blocks, kv_heads_local, block_size, head_dim]. Returns local logits
+    [n + 1, padded_vocab / tp] (the last row: the chunk's last real position; [n, ...] without a
+    chunk) and the pools.
+    """
+    shape = cfg.shape
+    n = tokens.shape[0]
+    hd = shape.spec.head_dim
+    heads = shape.q_heads + 2 * shape.kv_heads
+    new_k, new_v = list(k_pool), list(v_pool)
+    write_at = jnp.where(write, positions, tables.shape[1] * k_pool[0].shape[2])
+    all_tokens, all_pos = tokens, positions
+    if chunk is not None:
+        all_tokens = jnp.concatenate([tokens, chunk.tokens])
+        all_pos = jnp.concatenate([positions, chunk.start + jnp.arange(chunk.tokens.shape[0])])
+
+    def layer_attention(i: int, h: jax.Array) -> jax.Array:
+        qkv = _pack_rope((h @ params["layers"][i]["wqkv"]).reshape(h.shape[0], heads, hd), all_pos, shape, cfg)
+        out, new_k[i], new_v[i] = cfg.paged_decode_attention(qkv[:n], new_k[i], new_v[i], tables, positions,
+                                                             write_at)
+        if chunk is not None:
+            c_out, new_k[i], new_v[i] = _chunk_layer_attention(qkv[n:], new_k[i], new_v[i], chunk, cfg)
+            out = jnp.concatenate([out.astype(h.dtype), c_out.astype(h.dtype)])
+        return out.reshape(h.shape[0], shape.q_heads * hd).astype(h.dtype)
+
+    h = _layer_loop(params["embed"][all_tokens], params, cfg, layer_attention)
+    if chunk is not None:
+        last = jax.lax.dynamic_index_in_dim(h, n + jnp.maximum(chunk.length, 1) - 1, axis=0, keepdims=True)
+        h = jnp.concatenate([h[:n], last])
+    logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits, new_k, new_v

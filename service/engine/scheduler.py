@@ -1,8 +1,17 @@
 """Continuous batching: admits requests into engine slots, steps the engine, streams tokens.
 
 One thread runs :meth:`Scheduler.run`; any thread may :meth:`submit` and :meth:`cancel`. Between two
-engine steps the scheduler retires finished, cancelled and expired requests (freeing their slots),
-prefills queued ones into free slots, then runs one step that makes a token for every active slot.
+engine steps the scheduler retires finished, cancelled and expired requests (freeing their slots and
+KV blocks), admits queued ones, then launches one step.
+
+With a token-budget engine (paged KV pool) a request is admitted, first come first served, when a
+slot is free and the pool has blocks for its prompt; each step carries one token for every decoding
+request plus the next chunk of the oldest prompt not yet computed, so no prompt waits behind a later
+one and no decoding stream waits for a whole prompt. When the pool runs short for the decoding
+requests' next tokens, the request admitted last is preempted: its blocks go back, and it returns
+to the head of the queue to be recomputed (prompt and tokens so far) and continue where it stopped.
+With a slot engine, queued prompts are prefilled whole into free slots between two steps.
+
 Per-token timings go into preallocated arrays (no object per token) for tracing.
 """
 
@@ -11,12 +20,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
-from switchyard.service.engine.contract import DecodeEngine, PendingStep, StepResult
+from switchyard.service.engine.contract import DecodeEngine, PendingStep, StepResult, TokenBudgetEngine
 from switchyard.service.engine.sampling import SamplingParams
 from switchyard.service.engine.tokenizer import IncrementalDecoder, Tokenizer
 from switchyard.service.errors import (
@@ -117,12 +127,22 @@ class _Live:
         self.pending = ""  # text held back because it may begin a stop string
         self.stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(tokenizer.eos_token_ids))
         self.done = False
+        self.chunk_steps: list[int] = []
+        self.chunk_times: list[float] = []
+        self.chunk_tokens: list[int] = []
+        self.cached_tokens = 0
+        self.preemptions = 0
+
+    def engine_prompt(self) -> list[int]:
+        """What the engine computes before the next token: the prompt, and after a preemption the
+        tokens made so far."""
+        return list(self.req.prompt_ids) + [int(t) for t in self.ids[: self.n]]
 
 
 class Scheduler:
     def __init__(
         self,
-        engine: DecodeEngine,
+        engine: DecodeEngine | TokenBudgetEngine,
         tokenizer: Tokenizer,
         *,
         max_queue: int = 64,
@@ -141,6 +161,8 @@ class Scheduler:
         self._slots: dict[int, _Live] = {}
         self._cancel: set[str] = set()
         self._in_flight: PendingStep | None = None  # the step launched last, not yet collected
+        self.budget = isinstance(engine, TokenBudgetEngine)
+        self._admitted: list[_Live] = []  # requests holding a slot, in admission order (token-budget engines)
 
     # ---- properties ------------------------------------------------------------------------------
     @property
@@ -177,6 +199,8 @@ class Scheduler:
             raise OutOfRangeError(
                 f"max_tokens {req.max_tokens} does not fit: the prompt has {len(req.prompt_ids)} tokens and the "
                 f"context is {self.engine.max_seq_len}, leaving room for {room}")
+        if self.budget:
+            self.engine.check_fits(len(req.prompt_ids), req.max_tokens)
         req.sampling.validate()
         if len(req.stop_strings) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop_strings)}")
@@ -228,9 +252,13 @@ class Scheduler:
         streams; a request that finishes at step n gets one extra token at n+1, which is dropped.
         """
         worked = self._retire()
-        worked |= self._admit()
         previous = self._in_flight
-        self._in_flight = self._dispatch() if self._slots else None
+        if self.budget:
+            worked |= self._admit_budget()
+            self._in_flight = self._dispatch_budget() if self._slots else None
+        else:
+            worked |= self._admit()
+            self._in_flight = self._dispatch() if self._slots else None
         if previous is not None:
             self._stream(previous)
             worked = True
@@ -275,10 +303,92 @@ class Scheduler:
             live.generation = self.engine.slot_generation(slot)
             self._slots[slot] = live
             now = time.monotonic()
-            live.t_first = now
+            live.chunk_steps.append(-1)
+            live.chunk_times.append(live.t_admit)
+            live.chunk_tokens.append(len(live.req.prompt_ids))
             self._emit_token(live, prefix.first_token, step=-1, batch=len(self._slots), now=now)
             admitted = True
         return admitted
+
+    def _admit_budget(self) -> bool:
+        """Begin queued requests, in order, while a slot is free and the pool has their blocks
+        (keeping a reserve for the decoding requests' growth)."""
+        engine: TokenBudgetEngine = self.engine  # type: ignore[assignment]
+        admitted = False
+        free = engine.free_slots()
+        reserve = max(1, engine.kv_tokens // engine.kv_block_size // 100)
+        while free:
+            with self._lock:
+                if not self._queue:
+                    break
+                live = self._queue[0]
+            prompt = live.engine_prompt()
+            reuse = live.req.reuse_prefix
+            if self._admitted and engine.blocks_to_begin(prompt, reuse) + reserve > self._available_blocks():
+                break  # first come, first served: later requests wait behind this one
+            slot = free[0]
+            try:
+                cached = engine.begin(slot, prompt, live.req.sampling, counter=live.n, reuse_prefix=reuse)
+            except Exception as err:
+                with self._lock:
+                    self._queue.popleft()
+                log.exception("admission failed for %s", live.req.request_id)
+                self._finish(live, "error", time.monotonic(), token_id=None)
+                if isinstance(err, FatalEngineError):
+                    self._fail_all(err)
+                continue
+            if cached is None:
+                break
+            with self._lock:
+                self._queue.popleft()
+            free.pop(0)
+            if math.isnan(live.t_admit):
+                live.t_admit = time.monotonic()
+                live.cached_tokens = cached
+            live.slot = slot
+            live.generation = engine.slot_generation(slot)
+            self._slots[slot] = live
+            self._admitted.append(live)
+            admitted = True
+        return admitted
+
+    def _available_blocks(self) -> int:
+        return self.engine.free_blocks()  # type: ignore[union-attr]
+
+    def _dispatch_budget(self) -> PendingStep | None:
+        """Room for the decoding requests' next tokens (preempting the latest admitted when short),
+        then one step with the oldest unfinished prompt's next chunk."""
+        engine: TokenBudgetEngine = self.engine  # type: ignore[assignment]
+        while not engine.ensure_decode_blocks():
+            self._preempt(self._admitted[-1])
+        prefilling = set(engine.prefilling())
+        owner = next((live for live in self._admitted if live.slot in prefilling), None)
+        chunk = engine.next_chunk(owner.slot) if owner is not None else None
+        if chunk is None and not engine.decoding():
+            return None
+        try:
+            pending = engine.dispatch(chunk)
+        except Exception as err:
+            self._fail_active("engine step failed")
+            if isinstance(err, FatalEngineError):
+                self._fail_all(err)
+            return None
+        if owner is not None:
+            owner.chunk_steps.append(pending.step)
+            owner.chunk_times.append(time.monotonic())
+            owner.chunk_tokens.append(chunk.length)
+        return pending
+
+    def _preempt(self, live: _Live) -> None:
+        """Take a request's slot and blocks back; it waits at the head of the queue to be recomputed."""
+        log.info("preempting %s (KV pool full): it will be recomputed", live.req.request_id)
+        self.engine.evict(live.slot)
+        self._slots.pop(live.slot, None)
+        self._admitted.remove(live)
+        live.slot = None
+        live.preemptions += 1
+        with self._lock:
+            self._queue.appendleft(live)
 
     def _dispatch(self) -> PendingStep | None:
         try:
@@ -302,6 +412,11 @@ class Scheduler:
         for slot, live in list(self._slots.items()):
             if slot < result.batch and result.active[slot] and result.generations[slot] == live.generation:
                 self._emit_token(live, int(result.tokens[slot]), step=result.step, batch=batch, now=now)
+        chunk = getattr(result, "chunk", None)
+        if chunk is not None and chunk.completes:
+            live = self._slots.get(chunk.slot)
+            if live is not None and live.generation == result.chunk_generation and not live.done:
+                self._emit_token(live, int(result.chunk_token), step=result.step, batch=batch + 1, now=now)
 
     def _fail_all(self, err: FatalEngineError) -> None:
         """The engine is gone for good: fail everything queued too, then stop the loop (the server
@@ -322,6 +437,8 @@ class Scheduler:
     # ---- per token -------------------------------------------------------------------------------
     def _emit_token(self, live: _Live, token: int, step: int, batch: int, now: float) -> None:
         i = live.n
+        if i == 0:
+            live.t_first = now
         live.ids[i], live.times[i], live.steps[i], live.batches[i] = token, now, step, batch
         live.n += 1
         if token in live.stop_ids:
@@ -363,6 +480,8 @@ class Scheduler:
         if live.slot is not None:
             self.engine.evict(live.slot)
             self._slots.pop(live.slot, None)
+            if live in self._admitted:
+                self._admitted.remove(live)
         with self._lock:
             self._live.pop(live.req.request_id, None)
             self._cancel.discard(live.req.request_id)
@@ -378,7 +497,11 @@ class Scheduler:
                 token_ids=live.ids[:n].copy(), token_times=live.times[:n].copy(), token_steps=live.steps[:n].copy(),
                 token_batch_sizes=live.batches[:n].copy(), t_submit=live.t_submit, t_admit=live.t_admit,
                 t_first_token=live.t_first, t_end=now, finish_reason=reason, model=self.model_name,
-                sampling=live.req.sampling, max_tokens=live.req.max_tokens)
+                sampling=live.req.sampling, max_tokens=live.req.max_tokens,
+                chunk_steps=np.asarray(live.chunk_steps, np.int64),
+                chunk_times=np.asarray(live.chunk_times, np.float64),
+                chunk_tokens=np.asarray(live.chunk_tokens, np.int32), cached_tokens=live.cached_tokens,
+                preemptions=live.preemptions)
             try:
                 self.on_finish(record)
             except Exception:

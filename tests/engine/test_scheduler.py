@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers.engine_fixtures import tiny_engine
+from helpers.engine_fixtures import tiny_engine, tiny_paged_engine
 from switchyard.service.engine.sampling import SamplingParams
 from switchyard.service.engine.scheduler import (
     GenerationRequest,
@@ -20,9 +20,12 @@ from switchyard.service.engine.tokenizer import Tokenizer
 PROMPT = [1, 40, 41, 42, 43]
 
 
-@pytest.fixture(scope="module")
-def parts(tiny_checkpoint_dir):
-    engine = tiny_engine(tiny_checkpoint_dir, tp=1, slots=4, max_seq_len=64)
+@pytest.fixture(scope="module", params=["slots", "paged"])
+def parts(request, tiny_checkpoint_dir):
+    if request.param == "slots":
+        engine = tiny_engine(tiny_checkpoint_dir, tp=1, slots=4, max_seq_len=64)
+    else:
+        engine = tiny_paged_engine(tiny_checkpoint_dir, tp=1, slots=4, max_seq_len=64)
     engine.warmup()
     return engine, Tokenizer.from_dir(tiny_checkpoint_dir)
 
@@ -59,7 +62,7 @@ def test_max_tokens_and_single_final_event(sched):
     assert [e.finish_reason for e in ev] == [None] * 6 + ["length"]
     rec = sched.records[-1]
     assert rec.output_tokens == 7 and rec.finish_reason == "length" and rec.prompt_tokens == len(PROMPT)
-    assert (rec.token_times[1:] >= rec.token_times[:-1]).all() and rec.token_steps[0] == -1
+    assert (rec.token_times[1:] >= rec.token_times[:-1]).all() and rec.token_steps[0] == rec.chunk_steps[-1]
     assert rec.t_submit <= rec.t_admit <= rec.t_first_token <= rec.t_end
 
 

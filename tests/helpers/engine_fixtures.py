@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from switchyard.service.engine.checkpoint import write_checkpoint
-from switchyard.service.engine.tensor_parallel import Engine
-from switchyard.service.modelspec import ServingLayout, preset
+from switchyard.service.engine.checkpoint import load_params, write_checkpoint
+from switchyard.service.engine.paged import PagedEngine
+from switchyard.service.engine.tensor_parallel import Engine, make_mesh
+from switchyard.service.modelspec import ModelSpec, ServingLayout, preset
 
 
 def tiny_checkpoint(folder: Path) -> Path:
@@ -20,6 +21,17 @@ def tiny_checkpoint(folder: Path) -> Path:
 def tiny_engine(folder: Path, tp: int = 1, slots: int = 4, max_seq_len: int = 128) -> Engine:
     return Engine.from_checkpoint(folder, ServingLayout(tp=tp, batch_slots=slots, max_seq_len=max_seq_len),
                                   progress=False)
+
+
+def tiny_paged_engine(folder: Path, tp: int = 1, slots: int = 4, max_seq_len: int = 128, *, kv_tokens: int = 0,
+                      step_tokens: int = 16, block_size: int = 16) -> PagedEngine:
+    """The token-budget engine on the tiny checkpoint, with small blocks and chunks so that tests
+    cross block and chunk boundaries with short prompts."""
+    spec = ModelSpec.from_file(folder)
+    mesh = make_mesh(tp)
+    params = load_params(folder, spec, mesh, spec.dtype, progress=False)
+    return PagedEngine(spec, params, mesh, batch_slots=slots, max_seq_len=max_seq_len, kv_tokens=kv_tokens,
+                       step_tokens=step_tokens, block_size=block_size)
 
 
 def varied_checkpoint(folder: Path, tokenizer_from: Path, seed: int = 11) -> Path:

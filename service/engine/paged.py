@@ -1,0 +1,475 @@
+"""The token-budget engine: a paged KV cache and steps that carry decode tokens and a prompt chunk.
+
+Every step is ONE forward pass: a token for each decoding sequence, plus (when a prompt is waiting)
+a chunk of up to ``step_tokens`` of its tokens, so the weights are read once for both and a long
+prompt never holds the decoding streams back behind it. A prompt spreads over as many steps as its
+chunks; the step that carries its last chunk samples its first output token, and from the next step
+on it decodes.
+
+The KV cache is a pool of blocks of ``kv_block_size`` positions per layer, sharded by KV head; each
+sequence's block table maps its positions to blocks. The host keeps the books
+(:class:`~switchyard.service.engine.kv_blocks.BlockPool`: free blocks, reference counts, the prefix
+cache) and uploads the block tables when they change; per-slot decode state (last token, position,
+sampling parameters) lives on the devices and is donated to each step, as in the slot engine.
+
+Programs are compiled per shape: decode-only steps per batch bucket, steps with a chunk per bucket of
+the context the chunk attends to; each greedy-only or sampled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from switchyard import kernels
+from switchyard.kernels.selection import check_strategy
+from switchyard.service.engine.checkpoint import NP_DTYPES, load_params
+from switchyard.service.engine.contract import PendingStep, StepResult
+from switchyard.service.engine.kv_blocks import NULL_BLOCK, BlockPool, SequenceBlocks
+from switchyard.service.engine.model import (
+    AXIS,
+    Chunk,
+    ForwardConfig,
+    ShardShape,
+    budget_forward,
+    param_specs,
+)
+from switchyard.service.engine.sampling import SamplingParams, sample_sharded
+from switchyard.service.engine.tensor_parallel import (
+    MIN_BATCH_BUCKET,
+    SlotBook,
+    doubling_buckets,
+    make_mesh,
+    random_weights,
+)
+from switchyard.service.errors import OutOfRangeError
+from switchyard.service.modelspec import ModelSpec, ServingLayout
+
+POOL_SPEC = P(None, AXIS, None, None)  # [blocks, kv_heads, block_size, head_dim], sharded by KV head
+KV_BLOCK_TOKENS = 64
+DEFAULT_STEP_TOKENS = 256
+DEFAULT_KV_MEMORY_FRACTION = 0.9
+
+
+@dataclasses.dataclass
+class PlannedChunk:
+    """A prompt chunk the next step carries: ``length`` tokens of ``slot``'s prompt from ``start``."""
+
+    slot: int
+    start: int
+    length: int
+    completes: bool  # the prompt's last chunk: the step samples the sequence's first token
+
+
+@dataclasses.dataclass
+class BudgetPendingStep(PendingStep):
+    """A launched step, with the chunk it carried."""
+
+    chunk: PlannedChunk | None = None
+    chunk_generation: int = -1
+    chunk_token: jax.Array | None = None
+
+
+@dataclasses.dataclass
+class BudgetStepResult(StepResult):
+    """A step's tokens; ``chunk_token`` is the first output token of the sequence whose prompt the
+    step completed (-1 when it completed none)."""
+
+    chunk: PlannedChunk | None = None
+    chunk_generation: int = -1
+    chunk_token: int = -1
+
+
+@dataclasses.dataclass
+class _Sequence:
+    tokens: list[int]  # the prompt (for a resumed sequence: prompt and the tokens made before)
+    sampling: SamplingParams
+    counter: int  # sampling counter of the first token this prompt makes
+    blocks: SequenceBlocks
+    computed: int  # prompt positions whose K/V launched steps write
+    reuse_prefix: bool
+
+
+class PagedEngine(SlotBook):
+    """One tensor-parallel group with a paged KV pool and token-budget steps (module docstring).
+
+    A request's life: :meth:`begin` takes a free slot and the prompt's blocks (cached prefix blocks
+    first); :meth:`next_chunk` says which prompt chunk the next step carries; :meth:`ensure_decode_blocks`
+    makes room for the decoding sequences' next tokens; :meth:`dispatch` launches the step and
+    :meth:`collect` waits for its tokens; :meth:`evict` gives the slot and its blocks back.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: dict,
+        mesh: Mesh,
+        *,
+        batch_slots: int,
+        max_seq_len: int,
+        strategy: str = "xla",
+        dtype: str | None = None,
+        kv_tokens: int = 0,
+        kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
+        block_size: int = KV_BLOCK_TOKENS,
+    ) -> None:
+        check_strategy(strategy)
+        super().__init__(spec, batch_slots, max_seq_len)
+        if step_tokens < 1:
+            raise ValueError(f"step_tokens must be positive, got {step_tokens}")
+        self.params = params
+        self.mesh = mesh
+        self.tp = mesh.shape[AXIS]
+        self.strategy = strategy
+        self.dtype = dtype or spec.dtype
+        self.shape = ShardShape(spec, self.tp)
+        self._cfg = ForwardConfig.make(self.shape, strategy)
+        self._pspecs = param_specs(spec)
+        self._block_size = block_size
+        self._step_tokens = step_tokens
+        self.blocks_per_seq = -(-max_seq_len // block_size)
+        self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
+        self.kv_buckets = self._kv_buckets()
+        if strategy != "xla" and self.tp > 1:
+            kernels.init(list(mesh.devices.flat))
+        tokens = kv_tokens or self._tokens_for_memory(kv_memory_fraction)
+        if tokens < max_seq_len:
+            raise ValueError(f"the KV pool holds {tokens} tokens, fewer than one sequence of max_seq_len "
+                             f"{max_seq_len}; lower max_seq_len or give the pool more memory")
+        self.pool = BlockPool(tokens // block_size + 1, block_size)
+        self._seqs: dict[int, _Sequence] = {}
+        self._decoding = np.zeros(batch_slots, dtype=bool)
+        self._tables = np.full((batch_slots, self.blocks_per_seq), NULL_BLOCK, np.int32)
+        self._tables_dirty = True
+        self._tables_dev: tuple[jax.Array, jax.Array] | None = None
+        self._state = self._new_state()
+
+    # ---- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, layout: ServingLayout, dtype: str | None = None,
+                        devices: Sequence[jax.Device] | None = None, progress: bool = True) -> PagedEngine:
+        spec = ModelSpec.from_file(path)
+        dtype = dtype or spec.dtype
+        mesh = make_mesh(layout.tp, devices)
+        ShardShape(spec, layout.tp)
+        params = load_params(path, spec, mesh, dtype, progress=progress)
+        return cls(spec, params, mesh, dtype=dtype, **cls.layout_arguments(layout))
+
+    @classmethod
+    def from_random(cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
+                    devices: Sequence[jax.Device] | None = None) -> PagedEngine:
+        params, mesh = random_weights(spec, layout.tp, dtype, seed, devices)
+        return cls(spec, params, mesh, dtype=dtype, **cls.layout_arguments(layout))
+
+    @staticmethod
+    def layout_arguments(layout: ServingLayout) -> dict[str, Any]:
+        out: dict[str, Any] = {"batch_slots": layout.batch_slots, "max_seq_len": layout.max_seq_len,
+                               "strategy": layout.strategy}
+        for field in ("kv_tokens", "kv_memory_fraction", "step_tokens"):
+            if hasattr(layout, field):
+                out[field] = getattr(layout, field)
+        return out
+
+    def _tokens_for_memory(self, fraction: float) -> int:
+        """Tokens whose K/V fit in ``fraction`` of the memory the devices have left; off GPU (no
+        memory statistics), every slot's whole context."""
+        stats = [d.memory_stats() for d in self.mesh.devices.flat]
+        if not all(stats) or not all("bytes_limit" in s for s in stats):
+            return self.max_slots * self.blocks_per_seq * self._block_size
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+        per_token = 2 * self.spec.num_layers * self.shape.kv_heads * self.spec.head_dim * \
+            np.dtype(NP_DTYPES[self.dtype]).itemsize
+        return int(free * fraction) // per_token // self._block_size * self._block_size
+
+    def _kv_buckets(self) -> list[int]:
+        """Context lengths a chunk's attention is compiled for: doubling from the chunk size, each a
+        whole number of blocks, up to the whole table."""
+        bs, limit = self._block_size, self.blocks_per_seq * self._block_size
+        out = []
+        for b in doubling_buckets(limit, min(limit, -(-self._step_tokens // bs) * bs)):
+            b = min(-(-b // bs) * bs, limit)
+            if b not in out:
+                out.append(b)
+        return out
+
+    def _new_state(self) -> dict[str, Any]:
+        s = self.spec
+        shape = (self.pool.num_blocks, s.num_kv_heads, self._block_size, s.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(NP_DTYPES[self.dtype])),
+                        out_shardings=NamedSharding(self.mesh, POOL_SPEC))
+        rep = NamedSharding(self.mesh, P())
+        n = self.max_slots
+
+        def small(value: np.ndarray) -> jax.Array:
+            return jax.device_put(value, rep)
+
+        return {
+            "k": [zeros() for _ in range(s.num_layers)], "v": [zeros() for _ in range(s.num_layers)],
+            "tokens": small(np.zeros(n, np.int32)), "positions": small(np.zeros(n, np.int32)),
+            "counters": small(np.zeros(n, np.int32)), "temperature": small(np.zeros(n, np.float32)),
+            "top_k": small(np.zeros(n, np.int32)), "top_p": small(np.ones(n, np.float32)),
+            "seeds": small(np.zeros(n, np.int32)),
+        }
+
+    @functools.cached_property
+    def _state_shardings(self) -> dict[str, Any]:
+        pool = NamedSharding(self.mesh, POOL_SPEC)
+        rep = NamedSharding(self.mesh, P())
+        return {key: ([pool] * self.spec.num_layers if key in ("k", "v") else rep) for key in self._state}
+
+    # ---- the contract's sizes --------------------------------------------------------------------
+    @property
+    def kv_tokens(self) -> int:
+        return self.pool.usable_blocks * self._block_size
+
+    @property
+    def kv_block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def step_tokens(self) -> int:
+        return self._step_tokens
+
+    # ---- host-side books -------------------------------------------------------------------------
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise OutOfRangeError when one sequence alone could not fit the pool."""
+        need = self.pool.blocks_for(prompt_tokens + max_tokens)
+        if need > self.pool.usable_blocks:
+            raise OutOfRangeError(
+                f"the request needs {prompt_tokens + max_tokens} tokens of KV cache; this deployment's pool "
+                f"holds {self.kv_tokens}")
+
+    def free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, or cached and unheld)."""
+        return self.pool.available()
+
+    def blocks_to_begin(self, tokens: Sequence[int], reuse_prefix: bool = True) -> int:
+        """Fresh blocks :meth:`begin` would take for this prompt (after cached prefix blocks)."""
+        cached = len(self.pool.cached_prefix(tokens)[0]) if reuse_prefix else 0
+        return self.pool.blocks_for(len(tokens)) - cached
+
+    def begin(self, slot: int, tokens: Sequence[int], sampling: SamplingParams, *, counter: int = 0,
+              reuse_prefix: bool = True) -> int | None:
+        """Take a free slot for a prompt, with its blocks; returns the prompt tokens found in the
+        prefix cache, or None (nothing taken) when the pool has too few blocks."""
+        self.check_free(slot)
+        sampling.validate()
+        self.validate_prompt(tokens)
+        seq = _Sequence(list(tokens), sampling, counter, SequenceBlocks(), 0, reuse_prefix)
+        if reuse_prefix:
+            self.pool.take_cached(seq.blocks, *self.pool.cached_prefix(tokens))
+        if not self.pool.grow(seq.blocks, len(tokens)):
+            self.pool.release(seq.blocks)
+            return None
+        seq.computed = len(seq.blocks.hashes) * self._block_size
+        self._seqs[slot] = seq
+        self.active[slot] = True
+        self.generation[slot] += 1
+        self.greedy[slot] = sampling.greedy
+        self.positions[slot] = 0
+        self._set_table(slot)
+        return seq.computed
+
+    def prefilling(self) -> list[int]:
+        """Slots whose prompt is not all launched yet."""
+        return [slot for slot, seq in self._seqs.items() if seq.computed < len(seq.tokens)]
+
+    def decoding(self) -> list[int]:
+        return [int(s) for s in np.flatnonzero(self._decoding)]
+
+    def next_chunk(self, slot: int) -> PlannedChunk:
+        """The next chunk of ``slot``'s prompt: up to ``step_tokens`` tokens."""
+        seq = self._seqs[slot]
+        length = min(self._step_tokens, len(seq.tokens) - seq.computed)
+        return PlannedChunk(slot, seq.computed, length, seq.computed + length == len(seq.tokens))
+
+    def decode_blocks_needed(self) -> int:
+        """Fresh blocks the decoding sequences need for their next token."""
+        return sum(1 for s in self.decoding()
+                   if int(self.positions[s]) >= len(self._seqs[s].blocks.blocks) * self._block_size)
+
+    def ensure_decode_blocks(self) -> bool:
+        """Give every decoding sequence the block its next token goes into; False when the pool is
+        short (then nothing was taken: preempt a sequence and try again)."""
+        if self.decode_blocks_needed() > self.pool.available():
+            return False
+        for s in self.decoding():
+            seq = self._seqs[s]
+            if int(self.positions[s]) >= len(seq.blocks.blocks) * self._block_size:
+                self.pool.grow(seq.blocks, int(self.positions[s]) + 1)
+                self._set_table(s)
+        return True
+
+    def held_tokens(self, slot: int) -> int:
+        return len(self._seqs[slot].blocks.blocks) * self._block_size
+
+    def evict(self, slot: int) -> None:
+        """Free a slot and give back its blocks (cached prefix blocks stay in the prefix cache)."""
+        seq = self._seqs.pop(slot, None)
+        if seq is not None:
+            self.pool.release(seq.blocks)
+        self.active[slot] = False
+        self._decoding[slot] = False
+        self._tables[slot] = NULL_BLOCK
+        self._tables_dirty = True
+
+    def _set_table(self, slot: int) -> None:
+        blocks = self._seqs[slot].blocks.blocks
+        self._tables[slot] = NULL_BLOCK
+        self._tables[slot, : len(blocks)] = blocks
+        self._tables_dirty = True
+
+    def _device_tables(self) -> tuple[jax.Array, jax.Array]:
+        if self._tables_dirty or self._tables_dev is None:
+            rep = NamedSharding(self.mesh, P())
+            # Copies: a host device may alias the numpy buffer, which the books keep changing.
+            self._tables_dev = (jax.device_put(self._tables.copy(), rep), jax.device_put(self._decoding.copy(), rep))
+            self._tables_dirty = False
+        return self._tables_dev
+
+    # ---- compiled steps --------------------------------------------------------------------------
+    def _step_fn(self, batch: int, kv_len: int, greedy_only: bool):
+        return self._compiled(("step", batch, kv_len, greedy_only),
+                              lambda: self._build_step(batch, kv_len, greedy_only))
+
+    def _build_step(self, batch: int, kv_len: int, greedy_only: bool):
+        """A step over decode rows [0, batch) and, when kv_len > 0, one chunk attending to kv_len positions."""
+        cfg, vocab = self._cfg, self.spec.vocab_size
+        pools = [POOL_SPEC] * self.spec.num_layers
+        with_chunk = kv_len > 0
+        last = self.max_seq_len - 1
+
+        def shard_fn(params, k, v, tokens, positions, tables, write, temp, top_k, top_p, seeds, counters,
+                     c_tokens, c_start, c_len, c_table):
+            chunk = Chunk(c_tokens, c_start, c_len, c_table, kv_len) if with_chunk else None
+            logits, k, v = budget_forward(params, k, v, tokens, positions, tables, write, chunk, cfg)
+            tok = sample_sharded(logits, vocab, AXIS, greedy_only=greedy_only, temperature=temp, top_k=top_k,
+                                 top_p=top_p, seeds=seeds, counters=counters)
+            return tok, k, v
+
+        rep = P()
+        mapped = jax.shard_map(
+            shard_fn, mesh=self.mesh,
+            in_specs=(self._pspecs, pools, pools) + (rep,) * 13,
+            out_specs=(rep, pools, pools), check_vma=False)
+
+        def step(params, state, tables, decoding, c_tokens, c_slot, c_start, c_len, c_completes, c_sampling):
+            b = slice(0, batch)
+            write = decoding[b]
+            samp = [state[key][b] for key in ("temperature", "top_k", "top_p", "seeds", "counters")]
+            if with_chunk:
+                samp = [jnp.concatenate([a, jnp.asarray(c)[None].astype(a.dtype)]) for a, c in zip(samp, c_sampling,
+                                                                                                  strict=True)]
+            c_table = tables[c_slot]
+            tok, k, v = mapped(params, state["k"], state["v"], state["tokens"][b], state["positions"][b],
+                               tables[b], write, *samp, c_tokens, c_start, c_len, c_table)
+            new = dict(state, k=k, v=v)
+            step_tok = tok[:batch]
+            new["tokens"] = state["tokens"].at[b].set(jnp.where(write, step_tok, state["tokens"][b]))
+            new["positions"] = state["positions"].at[b].set(
+                jnp.minimum(state["positions"][b] + write.astype(jnp.int32), last))
+            new["counters"] = state["counters"].at[b].add(write.astype(jnp.int32))
+            chunk_tok = jnp.int32(-1)
+            if with_chunk:
+                chunk_tok = tok[batch]
+                temp, top_k, top_p, seed, counter = c_sampling
+                for key, value in (("tokens", chunk_tok), ("positions", c_start + c_len), ("counters", counter + 1),
+                                   ("temperature", temp), ("top_k", top_k), ("top_p", top_p), ("seeds", seed)):
+                    old = new[key][c_slot]
+                    new[key] = new[key].at[c_slot].set(jnp.where(c_completes, jnp.asarray(value, old.dtype), old))
+            return new, step_tok, chunk_tok
+
+        return jax.jit(step, donate_argnums=(1,), out_shardings=(self._state_shardings, None, None))
+
+    # ---- the step --------------------------------------------------------------------------------
+    def dispatch(self, chunk: PlannedChunk | None = None) -> BudgetPendingStep:
+        """Launch one step: a token for every decoding slot, and ``chunk`` when given. The decoding
+        slots' blocks must be in place (:meth:`ensure_decode_blocks`)."""
+        decoding = np.flatnonzero(self._decoding)
+        if decoding.size == 0 and chunk is None:
+            raise RuntimeError("dispatch() with nothing to do")
+        # Steps with a chunk run every slot's row (one program per context bucket, not per batch too):
+        # beside a chunk's tokens, the rows of idle slots cost little.
+        batch = (self.batch_buckets[-1] if chunk is not None or not decoding.size
+                 else next(b for b in self.batch_buckets if b > decoding[-1]))
+        kv_len = 0
+        c_args: tuple[Any, ...]
+        if chunk is None:
+            zero = np.int32(0)
+            c_args = (np.zeros(0, np.int32), zero, zero, zero, np.bool_(False),
+                      (np.float32(0), zero, np.float32(1), zero, zero))
+            greedy = bool(self.greedy[decoding].all()) if decoding.size else True
+        else:
+            seq = self._seqs[chunk.slot]
+            end = chunk.start + chunk.length
+            kv_len = next(b for b in self.kv_buckets if b >= end)
+            padded = np.zeros(self._step_tokens, np.int32)
+            padded[: chunk.length] = seq.tokens[chunk.start:end]
+            s = seq.sampling
+            c_args = (padded, np.int32(chunk.slot), np.int32(chunk.start), np.int32(chunk.length),
+                      np.bool_(chunk.completes),
+                      (np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p), np.int32(s.seed),
+                       np.int32(seq.counter)))
+            greedy = bool(self.greedy[decoding].all()) and s.greedy
+        tables, writing = self._device_tables()
+        fn = self._step_fn(batch, kv_len, greedy)
+        self._state, tok, chunk_tok = fn(self.params, self._state, tables, writing, *c_args)
+        tok.copy_to_host_async()
+        self.positions[decoding] += 1
+        self.step_count += 1
+        pending = BudgetPendingStep(step=self.step_count, batch=batch, tokens=tok, active=self._decoding[:batch].copy(),
+                                    generations=self.generation[:batch].copy(), logits=None, chunk=chunk)
+        if chunk is not None:
+            seq = self._seqs[chunk.slot]
+            seq.computed = chunk.start + chunk.length
+            if seq.reuse_prefix:
+                self.pool.register(seq.blocks, seq.tokens, seq.computed)
+            pending.chunk_generation = int(self.generation[chunk.slot])
+            pending.chunk_token = chunk_tok
+            chunk_tok.copy_to_host_async()
+            if chunk.completes:
+                self._decoding[chunk.slot] = True
+                self._tables_dirty = True
+                self.positions[chunk.slot] = len(seq.tokens)
+        return pending
+
+    def collect(self, pending: PendingStep) -> BudgetStepResult:
+        assert isinstance(pending, BudgetPendingStep)
+        chunk_token = -1
+        if pending.chunk is not None and pending.chunk.completes:
+            chunk_token = int(np.asarray(pending.chunk_token))
+        return BudgetStepResult(step=pending.step, batch=pending.batch, tokens=np.asarray(pending.tokens),
+                                active=pending.active, generations=pending.generations, chunk=pending.chunk,
+                                chunk_generation=pending.chunk_generation, chunk_token=chunk_token)
+
+    def warmup(self) -> float:
+        """Compile and run every step shape once (no slot is in use, so nothing is written)."""
+        import time
+
+        if self.active.any():
+            raise RuntimeError("warm up before beginning requests")
+        t0 = time.perf_counter()
+        tables, writing = self._device_tables()
+        zero = np.int32(0)
+        for greedy in (True, False):
+            samp = (np.float32(0 if greedy else 1), zero, np.float32(1), zero, zero)
+            for batch in self.batch_buckets:
+                self._state, _, _ = self._step_fn(batch, 0, greedy)(
+                    self.params, self._state, tables, writing, np.zeros(0, np.int32), zero, zero, zero,
+                    np.bool_(False), samp)
+            for kv_len in self.kv_buckets:
+                self._state, _, _ = self._step_fn(self.batch_buckets[-1], kv_len, greedy)(
+                    self.params, self._state, tables, writing, np.zeros(self._step_tokens, np.int32), zero, zero,
+                    zero, np.bool_(False), samp)
+        jax.block_until_ready(self._state)
+        return time.perf_counter() - t0
+
