@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--request-id", default="")
+    parser.add_argument(
+        "--no-prefix-cache", action="store_true", help="compute the whole prompt afresh, reusing no cached prefix"
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of the call in seconds")
     parser.add_argument("--rows", type=int, default=32, help="per-token rows to print (0 = all)")
 
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         request_id=args.request_id,
+        no_prefix_cache=args.no_prefix_cache,
     )
 
     def show(text: str) -> None:

@@ -1,7 +1,9 @@
 """``switchyard trace``: per-token traces from an OTLP-JSON file or a running service.
 
-Prints a per-token table (one request) or a per-request table, TTFT and inter-token p50/p90/p99,
-the slowest tokens with the engine step that made them, and writes a PNG timeline.
+Prints a per-token table (one request, with the prefill chunks of its prompt) or a per-request table
+(prompt tokens, those from the prefix cache, prefill chunks), TTFT and inter-token p50/p90/p99, the
+slowest tokens with the engine step that made them, and writes a PNG timeline that marks the steps
+which carried each prompt.
 """
 
 from __future__ import annotations

@@ -29,12 +29,15 @@ def make_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     request_id: str = "",
+    no_prefix_cache: bool = False,
 ) -> Any:
+    """``no_prefix_cache``: compute the prompt's KV afresh, reusing no cached prompt prefix."""
     request = decode_pb2.GenerateRequest(
         request_id=request_id,
         max_tokens=max_tokens,
         stop_strings=list(stop),
         stop_token_ids=list(stop_token_ids),
+        no_prefix_cache=no_prefix_cache,
     )
     if isinstance(prompt, str):
         request.text = prompt

@@ -7,7 +7,9 @@ Speaks the tensors of Triton's TensorRT-LLM ensemble: inputs ``text_input`` (BYT
 only when ``exclude_input_in_output`` is false. ``ModelStreamInfer`` is decoupled: with ``stream`` true, one
 response per token carrying the text delta; otherwise one response with the whole text. Every
 streamed response carries the ``triton_final_response`` parameter as Triton's does, and a request
-with ``triton_enable_empty_final_response`` gets an empty final response.
+with ``triton_enable_empty_final_response`` gets an empty final response. The request parameter
+``reuse_prefix`` (bool, default true) set false computes the whole prompt's KV afresh instead of
+reusing the cached KV of a shared prompt prefix.
 
 The messages come from a private descriptor pool (see ``proto/grpc_service.proto`` for why).
 """
@@ -41,6 +43,7 @@ from switchyard.service.proto import kserve_descriptor
 SERVICE = "inference.GRPCInferenceService"
 FINAL = "triton_final_response"
 ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"
+REUSE_PREFIX = "reuse_prefix"
 
 _pool = descriptor_pool.DescriptorPool()
 FILE = _pool.AddSerializedFile(kserve_descriptor.SERIALIZED)
@@ -209,6 +212,19 @@ def _text(value: Any, name: str) -> str:
         raise InvalidRequestError(f"input {quoted(name)} is not valid UTF-8: {err}") from err
 
 
+def bool_parameter(request: Any, name: str, default: bool) -> bool:
+    """The request parameter ``name``, which must be a ``bool_param`` when given."""
+    if name not in request.parameters:
+        return default
+    param = request.parameters[name]
+    which = param.WhichOneof("parameter_choice")
+    if which != "bool_param":
+        value = getattr(param, which) if which else None
+        got = f"{which} {quoted(value) if isinstance(value, str) else value}" if which else "no value"
+        raise InvalidRequestError(f"parameter {quoted(name)} must be a bool (bool_param), got {got}")
+    return bool(param.bool_param)
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     stream: bool = False  # one response per token (else one with the whole text)
@@ -225,6 +241,7 @@ def request_spec(
     missing = [n for n in REQUIRED if n not in tensors]
     if missing:
         raise InvalidRequestError(f"missing required input(s) {', '.join(missing)}")
+    reuse_prefix = bool_parameter(request, REUSE_PREFIX, True)
     text = _text(_scalar(tensors, "text_input", lambda v: v), "text_input")
     if not text:
         raise InvalidRequestError("text_input is empty")
@@ -250,6 +267,7 @@ def request_spec(
         sampling=sampling,
         stop_token_ids=stop_ids,
         stop_strings=stops,
+        reuse_prefix=reuse_prefix,
     )
     exclude_input = _scalar(tensors, "exclude_input_in_output", bool)
     options = Options(

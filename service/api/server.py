@@ -257,6 +257,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             response.queue_depth = s.queue_depth
             response.vocab_size = app.tokenizer.vocab_size
             response.eos_token_ids.extend(app.tokenizer.eos_token_ids)
+            response.kv_tokens = s.engine.kv_tokens
+            response.kv_block_size = s.engine.kv_block_size
+            response.step_tokens = s.engine.step_tokens
         return response
 
     async def GetTraces(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -267,6 +270,19 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 f"no finished request {quoted(request.request_id)} among the last ones kept by this server",
             )
         return decode_pb2.GetTracesResponse(traces=[trace_to_proto(t) for t in found])
+
+
+def engine_summary(engine: Any) -> str:
+    """What the start-up log says of the engine: slots, context, the KV pool and how prompts go in."""
+    prompts = (
+        f"prompts in chunks of up to {engine.step_tokens} tokens per step"
+        if engine.step_tokens
+        else "prompts prefilled whole"
+    )
+    return (
+        f"{engine.max_slots} slots, context {engine.max_seq_len} tokens, KV pool {engine.kv_tokens} tokens "
+        f"in blocks of {engine.kv_block_size}, {prompts}"
+    )
 
 
 def trace_to_proto(t: RequestTrace) -> Any:
@@ -283,6 +299,11 @@ def trace_to_proto(t: RequestTrace) -> Any:
         token_steps=t.steps.tolist(),
         token_batch_sizes=t.batch_sizes.tolist(),
         max_tokens=t.max_tokens,
+        chunk_seconds=t.chunk_s.tolist(),
+        chunk_steps=t.chunk_steps.tolist(),
+        chunk_tokens=t.chunk_tokens.tolist(),
+        cached_tokens=t.cached_tokens,
+        preemptions=t.preemptions,
     )
 
 
@@ -302,6 +323,11 @@ def trace_from_proto(m: Any) -> RequestTrace:
         steps=np.asarray(m.token_steps, np.int64),
         batch_sizes=np.asarray(m.token_batch_sizes, np.int32),
         max_tokens=m.max_tokens,
+        chunk_s=np.asarray(m.chunk_seconds, np.float64),
+        chunk_steps=np.asarray(m.chunk_steps, np.int64),
+        chunk_tokens=np.asarray(m.chunk_tokens, np.int32),
+        cached_tokens=m.cached_tokens,
+        preemptions=m.preemptions,
     )
 
 
@@ -399,7 +425,7 @@ async def serve(
         await server.stop(0)
         return 1
     await app.attach(scheduler, tokenizer)
-    log.info("serving %s", app.model_name)
+    log.info("serving %s: %s", app.model_name, engine_summary(scheduler.engine))
     assert app.failed is not None
     failure = asyncio.ensure_future(app.failed.wait())
     await asyncio.wait({waiter, failure}, return_when=asyncio.FIRST_COMPLETED)

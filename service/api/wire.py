@@ -102,6 +102,7 @@ class RequestSpec:
     sampling: Any
     stop_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
+    reuse_prefix: bool = True  # may reuse the cached KV of a prompt prefix
 
     def to_generation_request(self, *, deadline: float | None, on_event: Any) -> Any:
         from switchyard.service.engine.scheduler import GenerationRequest
@@ -115,6 +116,7 @@ class RequestSpec:
             stop_strings=self.stop_strings,
             deadline=deadline,
             on_event=on_event,
+            reuse_prefix=self.reuse_prefix,
         )
 
 
@@ -148,6 +150,7 @@ def from_generate_request(
         sampling=sampling,
         stop_token_ids=stop_ids,
         stop_strings=tuple(msg.stop_strings),
+        reuse_prefix=not msg.no_prefix_cache,
     )
 
 

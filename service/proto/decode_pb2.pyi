@@ -35,7 +35,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "stop_strings", "stop_token_ids")
+    __slots__ = ("request_id", "text", "token_ids", "max_tokens", "sampling", "stop_strings", "stop_token_ids", "no_prefix_cache")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NO_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -50,7 +51,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    no_prefix_cache: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., no_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("input_tokens", "output_tokens")
@@ -111,7 +113,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_seq_len", "batch_slots", "max_queue", "vocab_size", "eos_token_ids", "default_max_tokens", "tensor_parallel", "allreduce_strategy", "ready", "active_slots", "queue_depth")
+    __slots__ = ("model_name", "max_seq_len", "batch_slots", "max_queue", "vocab_size", "eos_token_ids", "default_max_tokens", "tensor_parallel", "allreduce_strategy", "ready", "active_slots", "queue_depth", "kv_tokens", "kv_block_size", "step_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,9 @@ class ModelInfoResponse(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_seq_len: int
     batch_slots: int
@@ -136,7 +141,10 @@ class ModelInfoResponse(_message.Message):
     ready: bool
     active_slots: int
     queue_depth: int
-    def __init__(self, model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., batch_slots: _Optional[int] = ..., max_queue: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_tokens: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., allreduce_strategy: _Optional[str] = ..., ready: _Optional[bool] = ..., active_slots: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    kv_tokens: int
+    kv_block_size: int
+    step_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., batch_slots: _Optional[int] = ..., max_queue: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_tokens: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., allreduce_strategy: _Optional[str] = ..., ready: _Optional[bool] = ..., active_slots: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., step_tokens: _Optional[int] = ...) -> None: ...
 
 class GetTracesRequest(_message.Message):
     __slots__ = ("request_id", "limit")
@@ -147,7 +155,7 @@ class GetTracesRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class RequestTrace(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "finish_reason", "start_unix_nano", "queue_seconds", "prefill_seconds", "duration_seconds", "token_seconds", "token_steps", "token_batch_sizes", "max_tokens")
+    __slots__ = ("request_id", "model", "prompt_tokens", "finish_reason", "start_unix_nano", "queue_seconds", "prefill_seconds", "duration_seconds", "token_seconds", "token_steps", "token_batch_sizes", "max_tokens", "chunk_seconds", "chunk_steps", "chunk_tokens", "cached_tokens", "preemptions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +168,11 @@ class RequestTrace(_message.Message):
     TOKEN_STEPS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_tokens: int
@@ -172,7 +185,12 @@ class RequestTrace(_message.Message):
     token_steps: _containers.RepeatedScalarFieldContainer[int]
     token_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., start_unix_nano: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., duration_seconds: _Optional[float] = ..., token_seconds: _Optional[_Iterable[float]] = ..., token_steps: _Optional[_Iterable[int]] = ..., token_batch_sizes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    chunk_seconds: _containers.RepeatedScalarFieldContainer[float]
+    chunk_steps: _containers.RepeatedScalarFieldContainer[int]
+    chunk_tokens: _containers.RepeatedScalarFieldContainer[int]
+    cached_tokens: int
+    preemptions: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., start_unix_nano: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., duration_seconds: _Optional[float] = ..., token_seconds: _Optional[_Iterable[float]] = ..., token_steps: _Optional[_Iterable[int]] = ..., token_batch_sizes: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., chunk_seconds: _Optional[_Iterable[float]] = ..., chunk_steps: _Optional[_Iterable[int]] = ..., chunk_tokens: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class GetTracesResponse(_message.Message):
     __slots__ = ("traces",)

@@ -16,6 +16,8 @@ import numpy as np
 from switchyard.service.telemetry.traces import RequestTrace, summarize
 
 _QUEUE, _PREFILL, _DECODE, _TOKEN, _MARK = "#6e6e6e", "#e69f00", "#9ecae1", "#08306b", "#d62728"
+_CHUNK = "#8c4b00"  # a prefill chunk's step, on the prefill bar
+_MAX_CHUNK_LABELS = 12  # one request: each chunk's step number written up to this many chunks
 _MIN_BAR = 0.005  # axis fraction: the narrowest bar drawn, so a sub-millisecond queue still shows
 _BREAK_WIDTH = 0.04  # axis fraction given to each cut in the time axis
 _MAX_BREAKS = 8
@@ -230,6 +232,19 @@ def timeline_figure(traces: Sequence[RequestTrace]) -> Any:
         ax_req.plot(
             tx, ty, linestyle="none", marker="|", color=_TOKEN, markersize=marker_size * 1.2, zorder=5, gid="tokens"
         )
+    chunked = [(y, a, t) for y, (a, t) in enumerate(zip(arrive, rows, strict=True)) if t.prefill_chunks]
+    if chunked and n <= _MAX_TOKEN_ROWS:
+        # Which steps carried each prompt: a mark where each chunk's step was launched.
+        ax_req.plot(
+            np.concatenate([axis(a + t.chunk_s) for _, a, t in chunked]),
+            np.concatenate([np.full(t.prefill_chunks, y) for y, _, t in chunked]),
+            linestyle="none",
+            marker="D",
+            color=_CHUNK,
+            markersize=max(1.5, marker_size * 0.6),
+            zorder=5.5,
+            gid="prefill-chunks",
+        )
     ax_req.plot(
         xf[has_tokens],
         ys[has_tokens],
@@ -252,6 +267,11 @@ def timeline_figure(traces: Sequence[RequestTrace]) -> Any:
         Patch(color=_PREFILL, label="prefill"),
         Patch(color=_DECODE, label="decode"),
         *([Line2D([], [], linestyle="none", marker="|", color=_TOKEN, label="token")] if n <= _MAX_TOKEN_ROWS else []),
+        *(
+            [Line2D([], [], linestyle="none", marker="D", markersize=4, color=_CHUNK, label="prefill chunk's step")]
+            if chunked and n <= _MAX_TOKEN_ROWS
+            else []
+        ),
         Line2D([], [], linestyle="none", marker="|", markeredgewidth=2, color=_MARK, label="first token (TTFT)"),
     ]
     if n == 1:
@@ -399,7 +419,7 @@ def _mark_one_request(ax: Any, axis: _TimeAxis, t: RequestTrace, arrive: float, 
 
     phases = [f"queue {_fmt_duration(t.queue_s)}"]
     if t.output_tokens or t.prefill_s > 0:
-        phases.append(f"prefill {_fmt_duration(t.prefill_s)}")
+        phases.append(f"prefill {_fmt_duration(t.prefill_s)}{_prefill_words(t)}")
     if t.output_tokens:
         ttft = f"TTFT {_fmt_duration(t.token_s[0])}"
         phases.append(f"first token: {ttft}")
@@ -417,6 +437,20 @@ def _mark_one_request(ax: Any, axis: _TimeAxis, t: RequestTrace, arrive: float, 
         zorder=8,  # over a cut's hatching
         bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0},
     )
+    if 0 < t.prefill_chunks <= _MAX_CHUNK_LABELS:
+        for at, step in zip(t.chunk_s, t.chunk_steps, strict=True):
+            ax.text(
+                float(axis(arrive + at)),
+                0.33,
+                f"step {int(step)}",
+                fontsize=7,
+                color=_CHUNK,
+                rotation=90,
+                ha="center",
+                va="top",
+                gid="chunk-step",
+                zorder=8,
+            )
     if t.output_tokens > 1:
         gaps = t.inter_token_s
         slow = np.argsort(gaps, kind="stable")[::-1][: min(3, len(gaps))]
@@ -436,6 +470,18 @@ def _mark_one_request(ax: Any, axis: _TimeAxis, t: RequestTrace, arrive: float, 
                     gid="slowest-gap",
                 )
         legend.append(Line2D([], [], color=_MARK, linewidth=4, label=f"{len(slow)} slowest gaps"))
+
+
+def _prefill_words(t: RequestTrace) -> str:
+    """' (3 chunks, 256 of 300 prompt tokens cached)', or what of it the trace records."""
+    parts = []
+    if t.prefill_chunks:
+        parts.append(f"{t.prefill_chunks} chunk{'' if t.prefill_chunks == 1 else 's'}")
+    if t.cached_tokens:
+        parts.append(f"{t.cached_tokens} of {t.prompt_tokens} prompt tokens cached")
+    if t.preemptions:
+        parts.append(f"preempted {t.preemptions}x")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def plot_timeline(traces: Sequence[RequestTrace], path: str | Path) -> Path:

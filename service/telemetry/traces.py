@@ -39,7 +39,27 @@ TTFT_MS = "switchyard.request.time_to_first_token_ms"
 TOKEN_GAP_MS = "switchyard.token.gap_ms"  # since the previous token; the first: since arrival
 TOKEN_STEP = "switchyard.token.step"  # engine step that made the token, -1 = prefill
 TOKEN_BATCH = "switchyard.token.batch_size"  # requests in that step
+# The prompt's prefill, chunk by chunk, as parallel arrays for the same reason (a long prompt in small
+# chunks would pass the event limit); the span also has one event per chunk, for trace viewers.
+CHUNK_MS = "switchyard.prefill.chunk_ms"  # when the step carrying the chunk was launched, since arrival
+CHUNK_STEP = "switchyard.prefill.chunk_step"  # engine step that carried the chunk
+CHUNK_TOKENS = "switchyard.prefill.chunk_tokens"  # prompt tokens in the chunk
+CHUNK_EVENT = "prefill_chunk"
+CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"  # prompt tokens whose KV came from the prefix cache
+PREEMPTIONS = "switchyard.request.preemptions"  # times the request lost its KV blocks and was recomputed
 OPERATION_NAME = "text_completion"
+
+
+def _int64s(values: Any = ()) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _int32s(values: Any = ()) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32).reshape(-1)
+
+
+def _float64s(values: Any = ()) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64).reshape(-1)
 
 
 @dataclasses.dataclass
@@ -57,6 +77,24 @@ class RequestTrace:
     batch_sizes: np.ndarray  # int32 [n]
     max_tokens: int = 0
     trace_id: str = ""
+    # The prompt's prefill: one entry per engine step that carried a chunk of it (one for a
+    # whole-prompt prefill; none in traces from before chunked prefill).
+    chunk_s: np.ndarray = dataclasses.field(default_factory=_float64s)  # float64 [k]: step launch since arrival
+    chunk_steps: np.ndarray = dataclasses.field(default_factory=_int64s)  # int64 [k]
+    chunk_tokens: np.ndarray = dataclasses.field(default_factory=_int32s)  # int32 [k]
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not len(self.chunk_s) == len(self.chunk_steps) == len(self.chunk_tokens):
+            raise ValueError(
+                f"request {self.request_id!r}: prefill chunk arrays differ in length "
+                f"({len(self.chunk_s)} times, {len(self.chunk_steps)} steps, {len(self.chunk_tokens)} token counts)"
+            )
+
+    @property
+    def prefill_chunks(self) -> int:
+        return len(self.chunk_steps)
 
     @property
     def output_tokens(self) -> int:
@@ -98,10 +136,16 @@ class RequestTrace:
             steps=np.asarray(record.token_steps[:n], dtype=np.int64),
             batch_sizes=np.asarray(record.token_batch_sizes[:n], dtype=np.int32),
             max_tokens=int(record.max_tokens),
+            chunk_s=_float64s(record.chunk_times) - t0,
+            chunk_steps=_int64s(record.chunk_steps),
+            chunk_tokens=_int32s(record.chunk_tokens),
+            cached_tokens=int(record.cached_tokens),
+            preemptions=int(record.preemptions),
         )
 
     def span_attributes(self) -> dict[str, Any]:
-        """The timing part of the request span's attributes (compact arrays, ms rounded to 0.1 µs)."""
+        """The timing part of the request span's attributes (compact arrays, ms rounded to 0.1 µs; no
+        chunk arrays when the record has no prefill chunks)."""
         return {
             REQUEST_ID: self.request_id,
             QUEUE_MS: round(self.queue_s * 1e3, 4),
@@ -110,6 +154,17 @@ class RequestTrace:
             TOKEN_GAP_MS: np.round(self.gaps_s * 1e3, 4).tolist(),
             TOKEN_STEP: self.steps.tolist(),
             TOKEN_BATCH: self.batch_sizes.tolist(),
+            **(
+                {
+                    CHUNK_MS: np.round(self.chunk_s * 1e3, 4).tolist(),
+                    CHUNK_STEP: self.chunk_steps.tolist(),
+                    CHUNK_TOKENS: self.chunk_tokens.tolist(),
+                }
+                if self.prefill_chunks
+                else {}
+            ),
+            CACHED_TOKENS: self.cached_tokens,
+            PREEMPTIONS: self.preemptions,
         }
 
     @classmethod
@@ -132,6 +187,11 @@ class RequestTrace:
             batch_sizes=np.asarray(attrs.get(TOKEN_BATCH, []), dtype=np.int32),
             max_tokens=int(attrs.get(MAX_TOKENS, 0)),
             trace_id=trace_id,
+            chunk_s=_float64s(attrs.get(CHUNK_MS, [])) / 1e3,
+            chunk_steps=_int64s(attrs.get(CHUNK_STEP, [])),
+            chunk_tokens=_int32s(attrs.get(CHUNK_TOKENS, [])),
+            cached_tokens=int(attrs.get(CACHED_TOKENS, 0)),
+            preemptions=int(attrs.get(PREEMPTIONS, 0)),
         )
 
 
@@ -204,6 +264,12 @@ class Summary:
     inter_token_ms: dict[int, float]  # percentile -> ms, over every gap after a first token
     queue_ms: dict[int, float]
     prefill_ms: dict[int, float]
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, from the prefix cache
+    prefill_chunks: dict[int, float] = dataclasses.field(default_factory=dict)  # percentile -> chunks, over
+    # the requests whose trace records its chunks
+    preempted_requests: int = 0
+    preemptions: int = 0
 
 
 def _percentiles(values: np.ndarray) -> dict[int, float]:
@@ -222,6 +288,11 @@ def summarize(traces: Sequence[RequestTrace]) -> Summary:
         inter_token_ms=_percentiles(gaps),
         queue_ms=_percentiles(np.array([t.queue_s for t in traces]) * 1e3),
         prefill_ms=_percentiles(np.array([t.prefill_s for t in traces]) * 1e3),
+        prompt_tokens=sum(t.prompt_tokens for t in traces),
+        cached_tokens=sum(t.cached_tokens for t in traces),
+        prefill_chunks=_percentiles(np.array([t.prefill_chunks for t in traces if t.prefill_chunks], dtype=float)),
+        preempted_requests=sum(1 for t in traces if t.preemptions),
+        preemptions=sum(t.preemptions for t in traces),
     )
 
 
@@ -270,6 +341,29 @@ def token_table(trace: RequestTrace, max_rows: int = 0) -> str:
     return "\n".join(lines)
 
 
+def chunk_table(trace: RequestTrace, max_rows: int = 0) -> str:
+    """The prompt's prefill chunks: when each step carrying one was launched, the step, its tokens."""
+    lines = [f"{'chunk':>6} {'at ms':>10} {'step':>7} {'tokens':>7}"]
+    k = trace.prefill_chunks
+    indices: Sequence[int] = range(k)
+    if max_rows and k > max_rows:
+        half = max_rows // 2
+        indices = [*range(half), -1, *range(k - half, k)]
+    for i in indices:
+        if i < 0:
+            lines.append(f"{'...':>6}")
+            continue
+        lines.append(
+            f"{i:>6} {trace.chunk_s[i] * 1e3:>10.3f} {int(trace.chunk_steps[i]):>7} {int(trace.chunk_tokens[i]):>7}"
+        )
+    return "\n".join(lines)
+
+
+def _prompt_words(t: RequestTrace) -> str:
+    """'prompt 300 tokens (256 cached)'; the cached part only when there is one."""
+    return f"prompt {t.prompt_tokens} tokens" + (f" ({t.cached_tokens} cached)" if t.cached_tokens else "")
+
+
 def format_report(traces: Sequence[RequestTrace], *, table_rows: int = 40, top: int = 5) -> str:
     if not traces:
         return "no request traces found"
@@ -277,24 +371,31 @@ def format_report(traces: Sequence[RequestTrace], *, table_rows: int = 40, top: 
     if len(traces) == 1:
         t = traces[0]
         out.append(
-            f"request {t.request_id}  model {t.model}  prompt {t.prompt_tokens} tokens  "
+            f"request {t.request_id}  model {t.model}  {_prompt_words(t)}  "
             f"output {t.output_tokens} tokens  finish {t.finish_reason}"
         )
+        chunks = f" in {t.prefill_chunks} chunk{'' if t.prefill_chunks == 1 else 's'}" if t.prefill_chunks else ""
+        preempted = f"  preempted {t.preemptions} time{'' if t.preemptions == 1 else 's'}" if t.preemptions else ""
         out.append(
-            f"queue {t.queue_s * 1e3:.3f} ms  prefill {t.prefill_s * 1e3:.3f} ms  "
-            f"duration {t.duration_s * 1e3:.3f} ms"
+            f"queue {t.queue_s * 1e3:.3f} ms  prefill {t.prefill_s * 1e3:.3f} ms{chunks}  "
+            f"duration {t.duration_s * 1e3:.3f} ms{preempted}"
         )
+        if t.prefill_chunks:
+            out.append(chunk_table(t, table_rows))
         out.append(token_table(t, table_rows))
     else:
         out.append(
-            f"{'request':<34} {'in':>5} {'out':>5} {'queue ms':>9} {'ttft ms':>9} {'ms/tok':>8} finish"
+            f"{'request':<34} {'in':>5} {'cached':>6} {'chunks':>6} {'out':>5} {'queue ms':>9} {'ttft ms':>9} "
+            f"{'ms/tok':>8} finish"
         )
         for t in traces:
             ttft = f"{t.ttft_s * 1e3:9.3f}" if t.ttft_s is not None else f"{'-':>9}"
             tpot = f"{np.mean(t.inter_token_s) * 1e3:8.3f}" if t.output_tokens > 1 else f"{'-':>8}"
+            chunks = str(t.prefill_chunks) if t.prefill_chunks else "-"  # '-': a trace without chunk records
+            preempted = f" (preempted {t.preemptions}x)" if t.preemptions else ""
             out.append(
-                f"{t.request_id[:34]:<34} {t.prompt_tokens:>5} {t.output_tokens:>5} "
-                f"{t.queue_s * 1e3:>9.3f} {ttft} {tpot} {t.finish_reason}"
+                f"{t.request_id[:34]:<34} {t.prompt_tokens:>5} {t.cached_tokens:>6} {chunks:>6} {t.output_tokens:>5} "
+                f"{t.queue_s * 1e3:>9.3f} {ttft} {tpot} {t.finish_reason}{preempted}"
             )
     s = summarize(traces)
     out.append("")
@@ -302,6 +403,13 @@ def format_report(traces: Sequence[RequestTrace], *, table_rows: int = 40, top: 
     out.append(f"time to first token ms   {_fmt_pcts(s.ttft_ms)}")
     out.append(f"inter-token ms           {_fmt_pcts(s.inter_token_ms)}")
     out.append(f"queue ms                 {_fmt_pcts(s.queue_ms)}")
+    if s.prefill_chunks:
+        out.append(f"prefill chunks/request   {_fmt_pcts(s.prefill_chunks)}")
+    if s.prompt_tokens and (s.cached_tokens or s.prefill_chunks):  # a trace from a server that records them
+        share = 100.0 * s.cached_tokens / s.prompt_tokens
+        out.append(f"prefix cache             {s.cached_tokens} of {s.prompt_tokens} prompt tokens ({share:.1f}%)")
+    if s.preemptions:
+        out.append(f"preempted                {s.preempted_requests} request(s), {s.preemptions} time(s)")
     slow = slowest_tokens(traces, top)
     if slow:
         out.append("slowest tokens (after the first):")

@@ -255,6 +255,14 @@ class Telemetry:
             start_time=start,
         )
         span.add_event("admitted", timestamp=start + int(trace.queue_s * 1e9))
+        # Trace viewers show events on the span's time line; the SDK keeps the first 128 events of a
+        # span, so a prompt in more chunks loses the last ones here but never in the chunk arrays.
+        for at, step, tokens in zip(trace.chunk_s, trace.chunk_steps, trace.chunk_tokens, strict=True):
+            span.add_event(
+                T.CHUNK_EVENT,
+                {T.CHUNK_STEP: int(step), T.CHUNK_TOKENS: int(tokens)},
+                timestamp=start + int(at * 1e9),
+            )
         if trace.ttft_s is not None:
             span.add_event("first_token", timestamp=start + int(trace.ttft_s * 1e9))
         if failed:
