@@ -1,0 +1,186 @@
+"""The token-budget engine under the scheduler: greedy tokens identical to whole-prompt prefill into
+contiguous slots, whatever the chunking, paging, preemption and prefix sharing; blocks all given back;
+no prompt starved."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from helpers.engine_fixtures import tiny_engine, tiny_paged_engine, varied_checkpoint
+from switchyard.service.engine.kv_blocks import BlockPool, SequenceBlocks
+from switchyard.service.engine.scheduler import GenerationRequest, RequestRecord, Scheduler
+from switchyard.service.engine.tokenizer import Tokenizer
+
+BLOCK = 16  # positions per block in these engines; chunks are 16 tokens too
+# Around block and chunk boundaries: one token, one short of a block, exactly one, one past, and
+# prompts several budgets long.
+PROMPT_LENGTHS = (1, 15, 16, 17, 32, 33, 50, 70)
+OUT = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint_dir, tmp_path_factory):
+    return varied_checkpoint(tmp_path_factory.mktemp("varied"), tiny_checkpoint_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    return Tokenizer.from_dir(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1234)
+    return [[int(t) for t in rng.integers(3, 512, n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts):
+    """Greedy tokens of each prompt alone: prefilled whole into a contiguous slot, then decoded."""
+    engine = tiny_engine(checkpoint, tp=1, slots=1, max_seq_len=128)
+    out = []
+    for prompt in prompts:
+        prefix = engine.prefill(prompt)
+        engine.insert(prefix, 0)
+        tokens = [prefix.first_token] + [int(engine.generate().tokens[0]) for _ in range(OUT - 1)]
+        engine.evict(0)
+        out.append(tokens)
+    return out
+
+
+def serve_all(engine, tokenizer, requests: list[GenerationRequest], *, cancel: dict[str, int] | None = None,
+              limit: int = 5000) -> tuple[dict[str, list[int]], dict[str, RequestRecord]]:
+    """Submit every request at once and step until all finish; ``cancel`` maps an id to the number of
+    its tokens after which it is cancelled."""
+    records: dict[str, RequestRecord] = {}
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    sched = Scheduler(engine, tokenizer, max_queue=len(requests) + 1,
+                      on_finish=lambda rec: records.__setitem__(rec.request_id, rec))
+    for r in requests:
+        def on_event(e, rid=r.request_id):
+            if e.token_id is not None:
+                tokens[rid].append(e.token_id)
+            if cancel and rid in cancel and len(tokens[rid]) == cancel[rid] and e.finish_reason is None:
+                sched.cancel(rid)
+        r.on_event = on_event
+        sched.submit(r)
+    for _ in range(limit):
+        if not sched.step() and sched.in_flight == 0:
+            break
+    assert sched.in_flight == 0, "requests left unfinished"
+    return tokens, records
+
+
+def greedy_requests(prompts, **kw) -> list[GenerationRequest]:
+    return [GenerationRequest(f"r{i}", list(p), OUT, ignore_eos=True, **kw) for i, p in enumerate(prompts)]
+
+
+def assert_pool_empty(engine) -> None:
+    assert engine.pool.held() == 0, "blocks still held after every request finished"
+    assert engine.free_blocks() == engine.pool.usable_blocks
+    assert engine.free_slots() == list(range(engine.max_slots))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_chunked_paged_greedy_tokens_match_whole_prompt_prefill(checkpoint, tokenizer, prompts, reference, tp):
+    engine = tiny_paged_engine(checkpoint, tp=tp, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    tokens, records = serve_all(engine, tokenizer, greedy_requests(prompts))
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"] == reference[i], f"prompt of {len(prompt)} tokens"
+        rec = records[f"r{i}"]
+        assert rec.chunk_tokens.sum() == len(prompt) and (rec.chunk_tokens <= BLOCK).all()
+        assert len(rec.chunk_steps) == -(-len(prompt) // BLOCK)
+        assert rec.token_steps[0] == rec.chunk_steps[-1], "the first token comes from the last chunk's step"
+    assert_pool_empty(engine)
+
+
+def test_preemption_recomputes_and_keeps_greedy_tokens(checkpoint, tokenizer, prompts, reference):
+    # Prompts of 16, 17, 32 and 33 tokens take 8 blocks to begin and 10 to finish: a pool of 6
+    # admits three of them, whose growth then runs it dry.
+    engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=96, kv_tokens=6 * BLOCK, step_tokens=BLOCK,
+                               block_size=BLOCK)
+    chosen = [i for i, p in enumerate(prompts) if len(p) in (16, 17, 32, 33)]
+    tokens, records = serve_all(engine, tokenizer, greedy_requests([prompts[i] for i in chosen]))
+    for j, i in enumerate(chosen):
+        assert tokens[f"r{j}"] == reference[i]
+    assert sum(r.preemptions for r in records.values()) > 0, "the pool was meant to run short"
+    assert_pool_empty(engine)
+
+
+def test_shared_prefix_blocks_are_reused_and_tokens_unchanged(checkpoint, tokenizer, reference, prompts):
+    engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    base = prompts[-1]  # 70 tokens: 4 full blocks, and the 5th partly
+    first_tokens, first = serve_all(engine, tokenizer, greedy_requests([base]))
+    assert first["r0"].cached_tokens == 0 and first_tokens["r0"] == reference[-1]
+    again, records = serve_all(engine, tokenizer, greedy_requests([base]))
+    assert records["r0"].cached_tokens == 4 * BLOCK and again["r0"] == reference[-1]
+    assert records["r0"].chunk_tokens.sum() == len(base) - 4 * BLOCK
+    # Opting out computes the whole prompt again.
+    _, opted_out = serve_all(engine, tokenizer, greedy_requests([base], reuse_prefix=False))
+    assert opted_out["r0"].cached_tokens == 0
+    # A prompt on exactly a block boundary keeps its last block computed (its logits give the first token).
+    exact = base[: 4 * BLOCK]
+    _, rec = serve_all(engine, tokenizer, greedy_requests([exact]))
+    assert rec["r0"].cached_tokens == 3 * BLOCK
+    assert_pool_empty(engine)
+
+
+def test_blocks_all_free_after_cancels_and_deadlines(checkpoint, tokenizer, prompts):
+    engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, kv_tokens=16 * BLOCK, step_tokens=BLOCK,
+                               block_size=BLOCK)
+    requests = [GenerationRequest(f"r{i}", list(p), 40 if len(p) < 80 else 20, ignore_eos=True)
+                for i, p in enumerate(prompts)]
+    requests[1].deadline = time.monotonic() - 1  # expired before it starts
+    requests[5].deadline = time.monotonic() + 0.05
+    cancel = {"r0": 1, "r3": 5, "r6": 2}
+    tokens, records = serve_all(engine, tokenizer, requests, cancel=cancel)
+    assert records["r1"].finish_reason == "deadline"
+    assert {rid: records[rid].finish_reason for rid in cancel} == dict.fromkeys(cancel, "cancelled")
+    assert_pool_empty(engine)
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(checkpoint, tokenizer):
+    engine = tiny_paged_engine(checkpoint, slots=2, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    first_token: dict[str, float] = {}
+    sched = Scheduler(engine, tokenizer, max_queue=64)
+
+    def submit(rid: str, length: int) -> None:
+        def on_event(e):
+            first_token.setdefault(rid, e.time)
+        sched.submit(GenerationRequest(rid, [5] * length, 4, ignore_eos=True, on_event=on_event))
+
+    submit("short-0", 3)
+    submit("long", 100)
+    for i in range(1, 40):  # a new short request every step
+        submit(f"short-{i}", 3)
+        sched.step()
+    for _ in range(500):
+        if not sched.step() and sched.in_flight == 0:
+            break
+    later = [t for rid, t in first_token.items() if rid.startswith("short-") and rid != "short-0"]
+    assert first_token["long"] < min(later), "a request submitted after the long prompt went first"
+
+
+def test_block_pool_books():
+    pool = BlockPool(num_blocks=5, block_size=4)
+    a, b = SequenceBlocks(), SequenceBlocks()
+    assert pool.grow(a, 9) and a.blocks == [1, 2, 3] and pool.available() == 1
+    assert not pool.grow(b, 8) and b.blocks == [], "nothing is taken when the pool is short"
+    pool.register(a, list(range(9)), computed=9)  # two full blocks
+    pool.release(a)
+    assert pool.available() == 4 and pool.held() == 0
+    blocks, hashes = pool.cached_prefix(list(range(9)) + [99])
+    assert blocks == [1, 2]
+    assert pool.cached_prefix([0, 1, 2, 3, 5, 5, 6, 7, 8])[0] == [1], "the second block's hash covers its prefix"
+    pool.take_cached(b, blocks, hashes)
+    assert pool.grow(b, 12) and len(b.blocks) == 3 and pool.held() == 3
+    c = SequenceBlocks()
+    assert pool.grow(c, 4) and pool.available() == 0
+    pool.release(b)
+    pool.release(c)
+    assert pool.available() == 4
+    # Fresh blocks evict the least recently used cached block first; its hash goes with it.
+    d = SequenceBlocks()
+    assert pool.grow(d, 16) and pool.cached_prefix(list(range(9)) + [99])[0] == []
