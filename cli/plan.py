@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, choices=(1, 2, 4, 8))
     parser.add_argument("--pp", type=int)
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
+    parser.add_argument("--kv-memory-fraction", type=float,
+                        help="share of the memory after the weights the KV cache takes (default: the CRD's)")
+    parser.add_argument("--step-tokens", type=int, help="prompt tokens per engine step (default: the planner's)")
     parser.add_argument("--calibration", type=Path, help="calibration JSON (default: the packaged one)")
     parser.add_argument("--json", action="store_true", help="print the status the operator would write")
 
@@ -74,17 +77,28 @@ def run(args: argparse.Namespace) -> int:
     pods = load_objects(existing_file(args.pods, "--pods file")) if args.pods else []
     if args.calibration:
         existing_file(args.calibration, "--calibration file")
-    request = planner.Request(
-        objective=args.objective, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
-        concurrency=args.concurrency, max_tpot_ms=args.max_tpot_ms, max_ttft_ms=args.max_ttft_ms,
-        target_tokens_per_s=args.target_tokens_per_s, replicas=args.replicas, tp=args.tp, pp=args.pp,
-        strategy=args.strategy)
+    kv_settings = {} if args.kv_memory_fraction is None else {"kv_memory_fraction": args.kv_memory_fraction}
+    try:
+        request = planner.Request(
+            objective=args.objective, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+            concurrency=args.concurrency, max_tpot_ms=args.max_tpot_ms, max_ttft_ms=args.max_ttft_ms,
+            target_tokens_per_s=args.target_tokens_per_s, replicas=args.replicas, tp=args.tp, pp=args.pp,
+            strategy=args.strategy, step_tokens=args.step_tokens, **kv_settings)
+    except ValueError as err:  # the Request names its fields; say which flag set them
+        message = str(err)
+        for field in ("kv_memory_fraction", "step_tokens"):
+            message = message.replace(field, "--" + field.replace("_", "-"))
+        raise UsageError(message) from None
     result = planner.plan(model, inventory.build(nodes, pods), request, calibration.load(args.calibration))
     if args.json:
         owner = render.Owner(name=model.name.replace("/", "-").lower(), namespace="default", uid="")
         print(json.dumps(render.plan_status(result, owner), indent=2))
     else:
         print(f"{result.status}: {result.message}")
+        lay = result.layout
+        if lay is not None:
+            print(f"KV budget: {lay.kv_tokens} tokens per replica ({lay.kv_bytes_per_gpu / 2**30:.1f} GiB per GPU), "
+                  f"{lay.batch_slots} batch slots, {lay.step_tokens} prompt tokens per step")
         for reason in result.reasons:
             print(f"  - {reason}")
         if result.alternatives:

@@ -24,6 +24,9 @@ LAYOUT_FLAGS = {  # ServingLayout field -> flag dest
     "max_seq_len": "max_seq_len",
     "model_name": "model_name",
     "model_path": "model_path",
+    "kv_tokens": "kv_tokens",
+    "kv_memory_fraction": "kv_memory_fraction",
+    "step_tokens": "step_tokens",
 }
 
 
@@ -76,6 +79,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_env("MAX_SEQ_LEN", 2048, int),
         help="prompt + output tokens per request (KV budget) [SWITCHYARD_MAX_SEQ_LEN]",
+    )
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=_env("KV_TOKENS", None, int),
+        help="tokens the paged KV cache holds, a multiple of 64 and at least --max-seq-len "
+        "(default 0: size it at start-up from the memory left after the weights) [SWITCHYARD_KV_TOKENS]",
+    )
+    parser.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=_env("KV_MEMORY_FRACTION", None, float),
+        help="share of the memory left after the weights the KV cache takes when --kv-tokens is 0, "
+        "in (0, 0.95] (default 0.9) [SWITCHYARD_KV_MEMORY_FRACTION]",
+    )
+    parser.add_argument(
+        "--step-tokens",
+        type=int,
+        default=_env("STEP_TOKENS", None, int),
+        help="prompt tokens one step carries next to a token for each decoding sequence, a multiple "
+        "of 16 (default 256) [SWITCHYARD_STEP_TOKENS]",
     )
     parser.add_argument(
         "--dtype", default=_env("DTYPE", None), help="weights dtype (default: the checkpoint's)"
@@ -140,14 +164,20 @@ def resolve_layout(args: argparse.Namespace) -> Any:
         raise UsageError(f"--grace-period must be zero or more seconds, got {args.grace_period}")
     if args.strategy not in STRATEGIES:
         raise UsageError(f"--strategy {args.strategy!r} is not one of {', '.join(STRATEGIES)}")
-    layout = ServingLayout(
-        tp=args.tp,
-        strategy=args.strategy,
-        batch_slots=args.batch_slots,
-        max_seq_len=args.max_seq_len,
-        model_name=args.model_name or "",
-        model_path=args.model_path or "",
-    )
+    # The KV and step flags default to the layout's own defaults (one place: ServingLayout).
+    kv_and_step = {f: getattr(args, f) for f in ("kv_tokens", "kv_memory_fraction", "step_tokens")}
+    try:
+        layout = ServingLayout(
+            tp=args.tp,
+            strategy=args.strategy,
+            batch_slots=args.batch_slots,
+            max_seq_len=args.max_seq_len,
+            model_name=args.model_name or "",
+            model_path=args.model_path or "",
+            **{k: v for k, v in kv_and_step.items() if v is not None},
+        )
+    except ModelSpecError as err:
+        raise UsageError(_in_flag_words(str(err))) from None
     if args.layout:
         text = existing_file(args.layout, "layout file").read_text()
         try:
@@ -155,7 +185,10 @@ def resolve_layout(args: argparse.Namespace) -> Any:
         except (ModelSpecError, TypeError) as err:
             raise UsageError(f"layout file {args.layout!r}: {err}") from None
         given = json.loads(text)
-        layout = dataclasses.replace(layout, **{k: getattr(from_file, k) for k in given})
+        try:
+            layout = dataclasses.replace(layout, **{k: getattr(from_file, k) for k in given})
+        except ModelSpecError as err:  # a file field against a flag left to it (kv_tokens vs max_seq_len)
+            raise UsageError(f"layout file {args.layout!r} with the flags: {_in_flag_words(str(err))}") from None
     if layout.pp > 1:
         # One layout file serves a whole pipeline group; each pod learns its stage from its environment
         # (the operator maps the StatefulSet pod index into it).
@@ -166,6 +199,13 @@ def resolve_layout(args: argparse.Namespace) -> Any:
             except (ValueError, ModelSpecError) as err:
                 raise UsageError(f"{variable}={os.environ[variable]!r}: {err}") from None
     return layout
+
+
+def _in_flag_words(message: str) -> str:
+    """A ServingLayout error about ``layout.<field>`` as one about the flag that sets the field."""
+    for field, dest in LAYOUT_FLAGS.items():
+        message = message.replace(f"layout.{field}", "--" + dest.replace("_", "-"))
+    return message
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -14,6 +14,12 @@ whose statement is printed in the reasons):
 * plus a hop to the next stage when ``pp > 1``. With ``pp`` micro-batches in flight one token of every
   sequence takes ``pp`` stage times, and a group emits ``batch`` tokens in that time.
 
+The KV cache is a pool of 64-token blocks shared by a replica's sequences, sized in tokens: of each GPU's
+usable memory (``(1 - memory_headroom_fraction) x memory - runtime_reserve_bytes``, the runtime's
+headroom and its workspace and activations) less the weights, the pool takes ``kvMemoryFraction``. A
+layout fits when its pool holds one full-length sequence; batch slots go up to the sequences of the
+expected length (prompt + half the output, whole blocks) the pool holds.
+
 Tensor parallelism stays inside one NVSwitch domain (one HGX node); pipeline stages are separate pods
 and may sit on other nodes. A pipeline group is placed whole or not at all (gang safety).
 """
@@ -25,7 +31,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from switchyard.service.modelspec import ModelSpec
+from switchyard.service.modelspec import (
+    DEFAULT_STEP_TOKENS,
+    KV_BLOCK_TOKENS,
+    MAX_KV_MEMORY_FRACTION,
+    STEP_TOKENS_MULTIPLE,
+    ModelSpec,
+    kv_tokens_for_memory,
+)
 
 from . import calibration as calibration_mod
 from . import crd
@@ -63,12 +76,23 @@ class Request:
     tp: int | None = None
     pp: int | None = None
     strategy: str = crd.spec_default("allReduce")
+    kv_memory_fraction: float = crd.spec_default("kvMemoryFraction")
+    step_tokens: int | None = None  # prompt tokens per step; None = DEFAULT_STEP_TOKENS
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if isinstance(self.kv_memory_fraction, bool) or not isinstance(self.kv_memory_fraction, (int, float)) \
+                or not 0 < self.kv_memory_fraction <= MAX_KV_MEMORY_FRACTION:
+            raise ValueError(f"kv_memory_fraction must be in (0, {MAX_KV_MEMORY_FRACTION}], "
+                             f"got {self.kv_memory_fraction!r}")
+        step = self.step_tokens
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < STEP_TOKENS_MULTIPLE
+                                 or step % STEP_TOKENS_MULTIPLE):
+            raise ValueError(f"step_tokens must be a multiple of {STEP_TOKENS_MULTIPLE} and at least "
+                             f"{STEP_TOKENS_MULTIPLE}, got {step!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +105,13 @@ class Layout:
     nvswitch: bool
     strategy: str  # what the pods are told: auto/xla/oneshot/twoshot
     allreduce_impl: str  # what the estimate assumed
-    batch_slots: int  # decode slots per replica
+    batch_slots: int  # sequences decoded at once per replica
     active_batch: int  # sequences per replica the estimate is for
     max_seq_len: int
-    kv_budget_tokens: int  # KV tokens one replica holds
-    kv_bytes_per_gpu: int
+    kv_tokens: int  # tokens the replica's KV pool holds (every GPU holds its share of each)
+    kv_bytes_per_gpu: int  # the pool's bytes on each GPU
+    kv_memory_fraction: float  # share of the memory after the weights the pool takes
+    step_tokens: int  # prompt tokens one step carries
     weight_bytes_per_gpu: int
     ms_per_token: float
     tokens_per_s: float  # all replicas
@@ -95,6 +121,10 @@ class Layout:
     @property
     def gpus_per_replica(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.kv_tokens // KV_BLOCK_TOKENS
 
     @property
     def memory_per_gpu_bytes(self) -> int:
@@ -166,6 +196,9 @@ class _Candidate:
     ar_us: float
     ar_bytes: int
     usable_bytes: int
+    expected_tokens: int  # KV tokens a sequence of the expected length takes (whole blocks)
+    seqs_at_expected: int  # such sequences the pool holds
+    max_slots: int  # the batch slots the pool and the engine allow
 
     @property
     def gpus(self) -> int:
@@ -275,9 +308,16 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         f"{lay.ms_per_token:.2f} ms/token, {lay.tokens_per_s:.0f} tokens/s at {lay.active_batch} sequence(s) per "
         f"replica ({_why(chosen, request.objective)})",
         f"memory per GPU: {lay.weight_bytes_per_gpu / GiB:.1f} GiB weights + {lay.kv_bytes_per_gpu / GiB:.1f} GiB KV "
-        f"({lay.batch_slots} slots x {lay.max_seq_len} tokens) of {chosen.usable_bytes / GiB:.1f} GiB usable "
+        f"cache of {chosen.usable_bytes / GiB:.1f} GiB usable "
         f"({1 - float(m['memory_headroom_fraction']):.0%} of {lay.memory_bytes / GiB:.0f} GiB less "
-        f"{int(m['runtime_reserve_bytes']) / GiB:.0f} GiB reserve, stated model)",
+        f"{int(m['runtime_reserve_bytes']) / GiB:.0f} GiB reserve for the runtime's workspace and activations, "
+        f"stated model); the cache takes {lay.kv_memory_fraction:.0%} of the "
+        f"{(chosen.usable_bytes - lay.weight_bytes_per_gpu) / GiB:.1f} GiB after the weights",
+        f"KV budget {lay.kv_tokens} tokens per replica ({lay.kv_blocks} blocks of {KV_BLOCK_TOKENS}): "
+        f"{lay.kv_tokens // lay.max_seq_len} sequence(s) at the full {lay.max_seq_len} tokens, "
+        f"{chosen.seqs_at_expected} at the expected {chosen.expected_tokens} (prompt + half the output, whole "
+        f"blocks); {lay.batch_slots} batch slot(s) of at most {chosen.max_slots}; steps carry up to "
+        f"{lay.step_tokens} prompt tokens next to one token per decoding sequence",
         f"HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s ({device.kind}: {device.source.split(': ', 1)[0]}); "
         f"decode efficiency "
         f"{eff:.3f} ({chosen.efficiency_note})",
@@ -362,11 +402,16 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
         return None, Rejected(LayoutRejection.WEIGHTS_TOO_LARGE,
                               f"weights {weights / GiB:.1f} GiB per GPU exceed the {usable / GiB:.1f} GiB usable "
                               f"on {pool.product}")
-    kv_token_gpu = model.kv_bytes_per_token / gpus
-    mem_slots = int((usable - weights) // (kv_token_gpu * max_seq))
-    if mem_slots < 1:
+    fraction = float(request.kv_memory_fraction)
+    kv_tokens = kv_tokens_for_memory(model, tp, pp, int((usable - weights) * fraction))
+    if kv_tokens < max_seq:
         return None, Rejected(LayoutRejection.NO_KV_ROOM,
-                              f"no room for the KV cache of one {max_seq}-token sequence after the weights")
+                              f"no room for the KV cache of one {max_seq}-token sequence after the weights: "
+                              f"{fraction:.0%} of the {(usable - weights) / GiB:.1f} GiB left holds {kv_tokens} "
+                              f"tokens")
+    # Sequences are at every point of their decode at once: on average a prompt and half the output.
+    expected = -(-ctx_avg // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    mem_slots = kv_tokens // expected  # >= 1: the pool holds max_seq >= ctx_avg, in whole blocks
     if len(pool.nodes) * max(n.gpus for n in pool.nodes) < gpus or not place(pool.nodes, tp, pp, 1, use_free=False):
         return None, Rejected(LayoutRejection.GROUP_NEVER_FITS,
                               f"a group of {pp} pod(s) x {tp} GPUs does not fit these nodes even when empty")
@@ -470,12 +515,15 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
         tp=tp, pp=pp, dp=len(placed), product=pool.product, memory_bytes=pool.memory_bytes,
         nvswitch=pool.nvswitch, strategy=strategy, allreduce_impl=impl if tp > 1 else "none",
         batch_slots=slots, active_batch=batch, max_seq_len=max_seq,
-        kv_budget_tokens=slots * max_seq,
-        kv_bytes_per_gpu=math.ceil(slots * max_seq * kv_token_gpu), weight_bytes_per_gpu=weights,
+        kv_tokens=kv_tokens, kv_bytes_per_gpu=kv_tokens * model.kv_bytes_per_token_per_gpu(tp, pp),
+        kv_memory_fraction=fraction,
+        step_tokens=request.step_tokens if request.step_tokens is not None else DEFAULT_STEP_TOKENS,
+        weight_bytes_per_gpu=weights,
         ms_per_token=max(round(ms, 3), MIN_MS_PER_TOKEN), tokens_per_s=round(group_tps * len(placed), 1),
         ttft_ms=round(ttft, 1), placement=tuple(placed),
     )
-    return _Candidate(layout, slo_ok, slo_note, groups_free, dp, eff_note, ar_us, ar_bytes, usable), None
+    return _Candidate(layout, slo_ok, slo_note, groups_free, dp, eff_note, ar_us, ar_bytes, usable,
+                      expected, mem_slots, max_slots), None
 
 
 # ---- choice --------------------------------------------------------------------------------------------

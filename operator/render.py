@@ -121,11 +121,11 @@ def serving_layout(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mo
     return ServingLayout(
         tp=lay.tp, pp=lay.pp, dp=max(lay.dp, 1), strategy=lay.strategy, batch_slots=lay.batch_slots,
         max_seq_len=lay.max_seq_len, model_name=spec["model"]["name"], model_path=source.path,
-        pipeline_stage=0, coordinator=coordinator,
+        pipeline_stage=0, coordinator=coordinator, kv_tokens=lay.kv_tokens,
+        kv_memory_fraction=lay.kv_memory_fraction, step_tokens=lay.step_tokens,
         extra={
             "engine": spec["engine"],
             "objective": spec["objective"],
-            "kv_budget_tokens": lay.kv_budget_tokens,
             "gpu_product": lay.product,
             # With pp > 1 every stage reads this one file; its stage comes from the pod ordinal.
             "pipeline_stage_env": STAGE_ENV if lay.pp > 1 else "",
@@ -161,7 +161,7 @@ def _configmap(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     if spec.get("engine") == "tensorrt-llm":
         data[TRTLLM_OPTIONS] = yaml.safe_dump({
             "allreduce_strategy": TRTLLM_ALLREDUCE[lay.strategy],
-            "kv_cache_config": {"free_gpu_memory_fraction": 0.9},
+            "kv_cache_config": {"free_gpu_memory_fraction": lay.kv_memory_fraction},
         }, sort_keys=True)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(owner, f"{group}-layout"), "data": data}
 
@@ -353,7 +353,8 @@ def plan_status(plan: Plan, owner: Owner, config: RenderConfig = RenderConfig())
         "layout": {
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "gpusPerReplica": lay.gpus_per_replica,
             "strategy": lay.strategy, "batchSlots": lay.batch_slots, "maxSeqLen": lay.max_seq_len,
-            "kvBudgetTokens": lay.kv_budget_tokens, "kvBudgetBytesPerGPU": lay.kv_bytes_per_gpu,
+            "kvTokens": lay.kv_tokens, "kvBytesPerGPU": lay.kv_bytes_per_gpu,
+            "kvMemoryFraction": lay.kv_memory_fraction, "stepTokens": lay.step_tokens,
             "gpuProduct": lay.product, "domain": "nvswitch" if lay.nvswitch else "pcie",
             "placement": [list(g) for g in lay.placement],
         },

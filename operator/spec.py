@@ -124,6 +124,8 @@ def request(spec: Mapping[str, Any]) -> Request:
         tp=par.get("tp"),
         pp=pp,
         strategy=spec["allReduce"],
+        kv_memory_fraction=float(spec["kvMemoryFraction"]),
+        step_tokens=spec.get("stepTokens"),
         node_selector=dict(spec.get("nodeSelector", {})),
         tolerations=tuple(spec.get("tolerations", [])),
     )

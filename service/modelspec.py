@@ -17,6 +17,15 @@ from typing import Any
 from switchyard.kernels.selection import STRATEGIES  # JAX-free, as this module
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Positions per block of the paged KV cache: pools are sized, and sequences take room, in whole blocks.
+KV_BLOCK_TOKENS = 64
+# Prompt tokens one step carries next to a token for each decoding sequence (chunked prefill).
+DEFAULT_STEP_TOKENS = 256
+# Step token counts are multiples of this (the shapes the engine compiles stay few and aligned).
+STEP_TOKENS_MULTIPLE = 16
+# The share of the memory left after the weights a pool sized at start-up takes, by default and at most.
+DEFAULT_KV_MEMORY_FRACTION = 0.9
+MAX_KV_MEMORY_FRACTION = 0.95
 SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -123,7 +132,21 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V cache one token occupies across all layers."""
-        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+        return self.kv_bytes_per_token_per_gpu(1, 1)
+
+    def kv_bytes_per_token_per_gpu(self, tp: int, pp: int, dtype: str | None = None) -> int:
+        """Bytes of K and V one token occupies on one GPU of a ``tp`` x ``pp`` layout: its share of the
+        KV heads (``num_kv_heads / tp``) in its share of the layers (``num_layers / pp``), in ``dtype``
+        (default: the model's)."""
+        if not isinstance(tp, int) or isinstance(tp, bool) or not self.valid_tp(tp):
+            raise ModelSpecError(f"tp must be a positive integer dividing the {self.num_heads} heads and "
+                                 f"{self.num_kv_heads} KV heads, got {tp!r}")
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp <= 0 or self.num_layers % pp:
+            raise ModelSpecError(f"pp must be a positive integer dividing the {self.num_layers} layers, got {pp!r}")
+        dtype = self.dtype if dtype is None else dtype
+        if dtype not in DTYPE_BYTES:
+            raise ModelSpecError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        return 2 * (self.num_layers // pp) * (self.num_kv_heads // tp) * self.head_dim * DTYPE_BYTES[dtype]
 
     def decode_bytes_per_step(self, batch: int, context: int) -> int:
         """Bytes one decode step must read from HBM at the least: every weight a step uses once
@@ -296,6 +319,22 @@ def preset(name: str) -> ModelSpec:
     return PRESETS[found]
 
 
+def kv_tokens_for_memory(spec: ModelSpec, tp: int, pp: int, free_bytes_per_gpu: int | float,
+                         dtype: str | None = None) -> int:
+    """KV pool size in tokens whose K and V, for one GPU's share of a ``tp`` x ``pp`` layout, fit in
+    ``free_bytes_per_gpu`` (the bytes that GPU gives the pool), in whole blocks of
+    :data:`KV_BLOCK_TOKENS`. Every GPU of a replica holds the same positions, so this is the replica's
+    pool too. No room (zero or negative bytes) is 0 tokens."""
+    per_token = spec.kv_bytes_per_token_per_gpu(tp, pp, dtype)
+    if isinstance(free_bytes_per_gpu, bool) or not isinstance(free_bytes_per_gpu, (int, float)) \
+            or not math.isfinite(free_bytes_per_gpu):
+        raise ModelSpecError(f"free_bytes_per_gpu must be a finite number of bytes, got {free_bytes_per_gpu!r}")
+    if free_bytes_per_gpu <= 0:
+        return 0
+    blocks = int(free_bytes_per_gpu // (per_token * KV_BLOCK_TOKENS))
+    return blocks * KV_BLOCK_TOKENS
+
+
 def format_count(n: int) -> str:
     """1234 -> '1.23 thousand', 8_030_261_248 -> '8.03 billion': parameter counts of any size."""
     for scale, word in ((1e12, "trillion"), (1e9, "billion"), (1e6, "million"), (1e3, "thousand")):
@@ -311,6 +350,11 @@ def format_count(n: int) -> str:
 class ServingLayout:
     """How one pod serves: its tensor-parallel size, collective strategy and KV budget.
 
+    ``batch_slots`` is the sequences decoded at once (decode rows); ``kv_tokens`` the positions the
+    pod's paged KV pool holds, shared by all of them (0: sized at start-up as ``kv_memory_fraction`` of
+    the memory left after the weights); ``step_tokens`` the prompt tokens one step carries next to a
+    token for each decoding sequence.
+
     Written by the operator as JSON into a ConfigMap; read by ``switchyard serve --layout``.
     """
 
@@ -324,13 +368,33 @@ class ServingLayout:
     model_path: str = ""
     pipeline_stage: int = 0
     coordinator: str = ""
+    kv_tokens: int = 0
+    kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
+    step_tokens: int = DEFAULT_STEP_TOKENS
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for field in ("tp", "pp", "dp", "batch_slots", "max_seq_len"):
+        for field in ("tp", "pp", "dp", "batch_slots", "max_seq_len", "step_tokens"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelSpecError(f"layout.{field} must be a positive integer, got {value!r}")
+        if self.step_tokens < STEP_TOKENS_MULTIPLE or self.step_tokens % STEP_TOKENS_MULTIPLE:
+            raise ModelSpecError(f"layout.step_tokens must be a multiple of {STEP_TOKENS_MULTIPLE} and at least "
+                                 f"{STEP_TOKENS_MULTIPLE}, got {self.step_tokens}")
+        if not isinstance(self.kv_tokens, int) or isinstance(self.kv_tokens, bool) or self.kv_tokens < 0:
+            raise ModelSpecError(f"layout.kv_tokens must be a whole number of tokens, 0 or more (0: size the "
+                                 f"pool at start-up), got {self.kv_tokens!r}")
+        if self.kv_tokens % KV_BLOCK_TOKENS:
+            raise ModelSpecError(f"layout.kv_tokens must be a multiple of {KV_BLOCK_TOKENS} (positions per KV "
+                                 f"block), got {self.kv_tokens}")
+        if 0 < self.kv_tokens < self.max_seq_len:
+            raise ModelSpecError(f"layout.kv_tokens ({self.kv_tokens}) must hold one full-length sequence: at "
+                                 f"least layout.max_seq_len ({self.max_seq_len})")
+        fraction = self.kv_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+                or not 0 < fraction <= MAX_KV_MEMORY_FRACTION:
+            raise ModelSpecError(f"layout.kv_memory_fraction must be a number in (0, {MAX_KV_MEMORY_FRACTION}], "
+                                 f"got {fraction!r}")
         if self.strategy not in STRATEGIES:
             raise ModelSpecError(f"layout.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if not 0 <= self.pipeline_stage < self.pp:

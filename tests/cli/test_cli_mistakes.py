@@ -61,6 +61,13 @@ def _busy_port() -> tuple[socket.socket, int]:
     (["serve", "--tiny", "--max-seq-len", "100000"], ["--max-seq-len 100000", "2048"]),
     (["serve", "--tiny", "--trace-file", "/no/such/folder/t.jsonl"], ["--trace-file", "does not exist"]),
     (["serve", "--tiny", "--port", "70000"], ["--port"]),
+    (["serve", "--tiny", "--kv-tokens", "100"], ["--kv-tokens", "multiple of 64", "got 100"]),
+    (["serve", "--tiny", "--kv-tokens", "1024"], ["--kv-tokens (1024)", "full-length", "--max-seq-len (2048)"]),
+    (["serve", "--tiny", "--kv-memory-fraction", "1.5"], ["--kv-memory-fraction", "(0, 0.95]", "1.5"]),
+    (["serve", "--tiny", "--step-tokens", "250"], ["--step-tokens", "multiple of 16", "250"]),
+    (["plan", "--model", "llama3-8b", "--nodes", str(NODES), "--step-tokens", "8"], ["--step-tokens", "got 8"]),
+    (["plan", "--model", "llama3-8b", "--nodes", str(NODES), "--kv-memory-fraction", "0"],
+     ["--kv-memory-fraction", "(0, 0.95]"]),
     (["plan", "--model", "llama3-8b", "--nodes", "/no/such/nodes.yaml"], ["--nodes file", "does not exist"]),
     (["plan", "--model", "llama-3-9b", "--nodes", str(NODES)], ["llama-3-9b", "llama3-8b"]),
     (["make-checkpoint", "--preset", "llama3-9b", "--out", "/tmp/x"], ["--preset", "tiny"]),
@@ -91,6 +98,44 @@ def test_a_layout_file_with_a_bad_value_names_it(tmp_path: Path) -> None:
     layout = tmp_path / "layout.json"
     layout.write_text(json.dumps({"batch_slots": -1}))
     assert_one_line(switchyard("serve", "--tiny", "--layout", str(layout)), "layout file", "batch_slots")
+
+
+def test_a_layout_file_and_the_kv_flags_are_checked_together(tmp_path: Path) -> None:
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps({"kv_tokens": 1000}))
+    assert_one_line(switchyard("serve", "--tiny", "--layout", str(layout)), "layout file", "kv_tokens",
+                    "multiple of 64")
+    # The file's context is longer than the pool the flag sets.
+    layout.write_text(json.dumps({"max_seq_len": 4096}))
+    assert_one_line(switchyard("serve", "--tiny", "--layout", str(layout), "--kv-tokens", "2048"),
+                    "layout file", "--kv-tokens (2048)", "(4096)")
+    assert_one_line(switchyard("serve", "--tiny", env={"SWITCHYARD_STEP_TOKENS": "24"}), "--step-tokens", "24")
+
+
+def test_kv_and_step_flags_set_the_layout_and_the_layout_file_wins(monkeypatch, tmp_path: Path) -> None:
+    import argparse
+
+    from switchyard.cli import serve as serve_cli
+    from switchyard.service.modelspec import ServingLayout
+
+    def resolve(*argv: str) -> ServingLayout:
+        parser = argparse.ArgumentParser()
+        serve_cli.add_arguments(parser)
+        return serve_cli.resolve_layout(parser.parse_args(list(argv)))
+
+    for name in ("KV_TOKENS", "KV_MEMORY_FRACTION", "STEP_TOKENS"):
+        monkeypatch.delenv(f"SWITCHYARD_{name}", raising=False)
+    default = resolve()
+    assert (default.kv_tokens, default.kv_memory_fraction, default.step_tokens) == (
+        ServingLayout.kv_tokens, ServingLayout.kv_memory_fraction, ServingLayout.step_tokens)
+    flags = resolve("--kv-tokens", "4096", "--kv-memory-fraction", "0.5", "--step-tokens", "512")
+    assert (flags.kv_tokens, flags.kv_memory_fraction, flags.step_tokens) == (4096, 0.5, 512)
+    monkeypatch.setenv("SWITCHYARD_STEP_TOKENS", "128")
+    assert resolve().step_tokens == 128
+    file = tmp_path / "layout.json"
+    file.write_text(json.dumps({"kv_tokens": 8192, "step_tokens": 64}))
+    both = resolve("--layout", str(file), "--kv-tokens", "4096", "--kv-memory-fraction", "0.5")
+    assert (both.kv_tokens, both.kv_memory_fraction, both.step_tokens) == (8192, 0.5, 64)
 
 
 def test_a_pipeline_stage_that_cannot_listen_exits_before_joining(tmp_path: Path) -> None:

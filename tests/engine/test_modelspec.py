@@ -1,7 +1,15 @@
 import json
 
 import pytest
-from switchyard.service.modelspec import PRESETS, ModelSpec, ModelSpecError, ServingLayout, preset
+from switchyard.service.modelspec import (
+    KV_BLOCK_TOKENS,
+    PRESETS,
+    ModelSpec,
+    ModelSpecError,
+    ServingLayout,
+    kv_tokens_for_memory,
+    preset,
+)
 
 
 def test_llama3_8b_sizes_match_the_published_parameter_count():
@@ -84,3 +92,83 @@ def test_serving_layout_round_trip_and_errors():
         ServingLayout(strategy="nccl")
     with pytest.raises(ModelSpecError, match="tp must be a positive integer"):
         ServingLayout(tp=0)
+
+
+def test_serving_layout_kv_pool_and_step_fields():
+    default = ServingLayout()
+    assert (default.kv_tokens, default.kv_memory_fraction, default.step_tokens) == (0, 0.9, 256)
+    layout = ServingLayout(max_seq_len=2048, kv_tokens=40 * KV_BLOCK_TOKENS, kv_memory_fraction=0.5,
+                           step_tokens=512)
+    again = ServingLayout.from_json(layout.to_json())
+    assert again == layout and (again.kv_tokens, again.kv_memory_fraction, again.step_tokens) == (2560, 0.5, 512)
+    assert ServingLayout(max_seq_len=100, kv_tokens=128).kv_tokens == 128  # one sequence of 100 fits
+    assert ServingLayout(kv_memory_fraction=0.95).kv_memory_fraction == 0.95
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"kv_tokens": -64}, "kv_tokens must be a whole number of tokens, 0 or more"),
+    ({"kv_tokens": 1.5}, "kv_tokens must be a whole number"),
+    ({"kv_tokens": True}, "kv_tokens must be a whole number"),
+    ({"kv_tokens": 4100}, "kv_tokens must be a multiple of 64"),
+    ({"kv_tokens": 1024, "max_seq_len": 2048}, r"kv_tokens \(1024\) must hold one full-length sequence: at least "
+                                                r"layout.max_seq_len \(2048\)"),
+    ({"kv_memory_fraction": 0}, r"kv_memory_fraction must be a number in \(0, 0.95\], got 0"),
+    ({"kv_memory_fraction": 0.96}, "kv_memory_fraction must be a number in"),
+    ({"kv_memory_fraction": float("nan")}, "kv_memory_fraction must be a number in"),
+    ({"kv_memory_fraction": "0.5"}, "kv_memory_fraction must be a number in"),
+    ({"step_tokens": 8}, "step_tokens must be a multiple of 16 and at least 16, got 8"),
+    ({"step_tokens": 100}, "step_tokens must be a multiple of 16"),
+    ({"step_tokens": 0}, "step_tokens must be a positive integer"),
+])
+def test_serving_layout_rejects_bad_kv_and_step_fields(fields, message):
+    with pytest.raises(ModelSpecError, match=message):
+        ServingLayout(**fields)
+    with pytest.raises(ModelSpecError, match=message):
+        ServingLayout.from_json(json.dumps({"max_seq_len": 2048, **fields}))
+
+
+def test_kv_bytes_per_gpu_are_the_gpus_share_of_heads_and_layers():
+    spec = preset("llama3-70b")  # 80 layers, 8 KV heads of 128, bfloat16
+    assert spec.kv_bytes_per_token_per_gpu(1, 1) == spec.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
+    assert spec.kv_bytes_per_token_per_gpu(8, 1) == 2 * 80 * 1 * 128 * 2
+    assert spec.kv_bytes_per_token_per_gpu(2, 4) == 2 * 20 * 4 * 128 * 2
+    assert spec.kv_bytes_per_token_per_gpu(1, 1, "float32") == 2 * spec.kv_bytes_per_token
+    for tp, pp in ((3, 1), (16, 1), (0, 1), (1, 3), (1, 0)):
+        with pytest.raises(ModelSpecError, match="must be a positive integer dividing"):
+            spec.kv_bytes_per_token_per_gpu(tp, pp)
+    with pytest.raises(ModelSpecError, match="dtype must be one of"):
+        spec.kv_bytes_per_token_per_gpu(1, 1, "int4")
+
+
+def test_kv_tokens_for_memory_counts_whole_blocks_of_the_gpus_share():
+    spec = preset("llama3-8b")  # 32 layers, 8 KV heads of 128: 128 KiB per token in bfloat16
+    per_token = spec.kv_bytes_per_token
+    block = per_token * KV_BLOCK_TOKENS
+    assert kv_tokens_for_memory(spec, 1, 1, 10 * block, "bfloat16") == 10 * KV_BLOCK_TOKENS
+    assert kv_tokens_for_memory(spec, 1, 1, 10 * block - 1, "bfloat16") == 9 * KV_BLOCK_TOKENS
+    assert kv_tokens_for_memory(spec, 1, 1, block - 1, "bfloat16") == 0  # less than one block
+    # A GPU holding a quarter of the heads and half of the layers fits 8x the tokens in the same bytes.
+    assert kv_tokens_for_memory(spec, 4, 2, 10 * block, "bfloat16") == 80 * KV_BLOCK_TOKENS
+    # float32 entries take twice the room; the model's own dtype is the default.
+    assert kv_tokens_for_memory(spec, 1, 1, 10 * block, "float32") == 5 * KV_BLOCK_TOKENS
+    assert kv_tokens_for_memory(spec, 1, 1, 10 * block) == 10 * KV_BLOCK_TOKENS
+    gib80 = 80 * 2**30
+    assert kv_tokens_for_memory(spec, 1, 1, gib80, "bfloat16") == gib80 // per_token // 64 * 64 == 655360
+    for free in (0, -1, -(10**12)):
+        assert kv_tokens_for_memory(spec, 1, 1, free, "bfloat16") == 0
+    for tokens in (kv_tokens_for_memory(spec, tp, pp, 12345678901, "bfloat16") for tp in (1, 2, 4, 8)
+                   for pp in (1, 2, 4, 8, 16, 32)):
+        assert tokens % KV_BLOCK_TOKENS == 0 and tokens > 0
+
+
+def test_kv_tokens_for_memory_rejects_what_no_gpu_can_hold():
+    spec = preset("llama3-8b")
+    with pytest.raises(ModelSpecError, match="tp must be"):
+        kv_tokens_for_memory(spec, 3, 1, 2**30, "bfloat16")
+    with pytest.raises(ModelSpecError, match="pp must be"):
+        kv_tokens_for_memory(spec, 1, 5, 2**30, "bfloat16")
+    with pytest.raises(ModelSpecError, match="dtype must be one of"):
+        kv_tokens_for_memory(spec, 1, 1, 2**30, "fp8")
+    for free in (float("inf"), float("nan"), "1GiB", None, True):
+        with pytest.raises(ModelSpecError, match="free_bytes_per_gpu must be a finite number"):
+            kv_tokens_for_memory(spec, 1, 1, free, "bfloat16")

@@ -95,6 +95,7 @@ def test_defaults_are_applied_by_the_schema_and_by_the_operator_alike():
     assert errors == []
     assert (stored["spec"]["objective"], stored["spec"]["engine"], stored["spec"]["allReduce"]) == \
         ("balanced", "switchyard", "auto")
+    assert stored["spec"]["kvMemoryFraction"] == 0.9 and "stepTokens" not in stored["spec"]
     assert crd.spec_defaults(GOOD["spec"]) == stored["spec"]
     with_workload = with_spec(workload={"concurrency": 3})
     stored, _ = admit(with_workload)
@@ -115,6 +116,8 @@ GOOD_VARIANTS = {
                             tolerations=[{"key": "k", "operator": "Exists", "effect": "NoExecute",
                                           "tolerationSeconds": 30}],
                             otlpEndpoint="https://otel.example.com:4318", image="registry/x:1"),
+    "kv and step": with_spec(kvMemoryFraction=0.95, stepTokens=8192),
+    "smallest step": with_spec(kvMemoryFraction=0.01, stepTokens=16),
 }
 
 
@@ -156,6 +159,11 @@ BAD = {
     "toleration op": (with_spec(tolerations=[{"key": "k", "operator": "Matches"}]),
                       "spec.tolerations.0.operator: 'Matches' is not one of"),
     "model name": (with_spec(model__name="Llama 3"), "spec.model.name: 'Llama 3' does not match"),
+    "kv fraction 0": (with_spec(kvMemoryFraction=0), "spec.kvMemoryFraction: 0 is less than or equal to the minimum"),
+    "kv fraction 1": (with_spec(kvMemoryFraction=1), "spec.kvMemoryFraction: 1 is greater than the maximum of 0.95"),
+    "step tokens 8": (with_spec(stepTokens=8), "spec.stepTokens: 8 is less than the minimum of 16"),
+    "step tokens 100": (with_spec(stepTokens=100), "spec.stepTokens: 100 is not a multiple of 16"),
+    "step tokens big": (with_spec(stepTokens=16384), "spec.stepTokens: 16384 is greater than the maximum of 8192"),
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from switchyard.operator import crd, planner
 from switchyard.operator import spec as specmod
+from switchyard.service import modelspec
 
 MINIMAL = {"model": {"name": "m", "preset": "tiny", "source": {"pvc": {"claimName": "c"}}}}
 # Every spec field the schema gives a default, and the Request field that carries it ("" where the
@@ -20,6 +21,7 @@ DEFAULTED = {
     "workload.outputTokens": "output_tokens",
     "workload.concurrency": "concurrency",
     "allReduce": "strategy",
+    "kvMemoryFraction": "kv_memory_fraction",
     "engine": "",
     "model.configMapRef.key": "",
 }
@@ -88,9 +90,11 @@ def test_a_default_changed_in_the_schema_changes_what_the_spec_reader_asks_for(m
     spec_props["allReduce"]["default"] = "twoshot"
     spec_props["workload"]["properties"]["concurrency"]["default"] = 64
     spec_props["model"]["properties"]["configMapRef"]["properties"]["key"]["default"] = "shape.json"
+    spec_props["kvMemoryFraction"]["default"] = 0.7
     monkeypatch.setattr(crd, "openapi_schema", lambda version=crd.VERSION: copy.deepcopy(changed))
     req = specmod.request(MINIMAL)
     assert (req.objective, req.strategy, req.concurrency, req.input_tokens) == ("throughput", "twoshot", 64, 1024)
+    assert req.kv_memory_fraction == 0.7 and req.step_tokens is None
     assert specmod.normalized(MINIMAL)["objective"] == "throughput"
     spec = {"model": {"name": "m", "configMapRef": {"name": "cfg"}, "source": {"pvc": {"claimName": "c"}}}}
     assert specmod.config_map_ref(spec) == ("cfg", "shape.json")
@@ -101,3 +105,15 @@ def test_planner_limits_match_the_schema():
     assert tuple(crd.spec_schema("parallelism.tp")["enum"]) == planner.TP_SIZES
     assert crd.spec_schema("parallelism.pp")["maximum"] == planner.MAX_PP
     assert crd.spec_schema("replicas")["maximum"] == planner.MAX_REPLICAS
+    # The KV and step settings: the schema's bounds are the layout file's, and a pod started without
+    # a layout file sizes its KV pool with the schema's default share.
+    fraction = crd.spec_schema("kvMemoryFraction")
+    assert (fraction["minimum"], fraction["exclusiveMinimum"], fraction["maximum"]) == (
+        0, True, modelspec.MAX_KV_MEMORY_FRACTION)
+    assert fraction["default"] == modelspec.ServingLayout().kv_memory_fraction == modelspec.DEFAULT_KV_MEMORY_FRACTION
+    step = crd.spec_schema("stepTokens")
+    assert step["minimum"] == step["multipleOf"] == modelspec.STEP_TOKENS_MULTIPLE
+    assert "default" not in step  # unset: the planner's choice, DEFAULT_STEP_TOKENS
+    assert step["minimum"] <= modelspec.DEFAULT_STEP_TOKENS <= step["maximum"]
+    assert specmod.request({**MINIMAL, "stepTokens": 512, "kvMemoryFraction": 0.5}) == planner.Request(
+        step_tokens=512, kv_memory_fraction=0.5)

@@ -215,13 +215,14 @@ async def test_kubectl_apply_examples(tmp_path):
         assert trt["spec"]["template"]["spec"]["containers"][0]["command"][0] == "trtllm-serve"
         pinned = c.ds("llama-3-8b-pinned")["status"]["layout"]
         assert (pinned["tp"], pinned["dp"], pinned["strategy"]) == (2, 2, "twoshot")
-        # The printer columns: layout, readiness, estimated ms/token, age.
+        # The printer columns: layout, readiness, estimated ms/token, KV cache tokens per replica, age.
         rc, out = await kubectl(c, "get", "decodeservices")
         header, *rows = out.splitlines()
-        assert header.split() == ["NAME", "LAYOUT", "READY", "MS/TOKEN", "AGE"], out
+        assert header.split() == ["NAME", "LAYOUT", "READY", "MS/TOKEN", "KV", "TOKENS", "AGE"], out
         row = next(r for r in rows if r.startswith("llama-3-8b-pinned "))
         lay = c.ds("llama-3-8b-pinned")["status"]
         assert lay["layoutSummary"] in row and f"{lay['estimate']['msPerToken']:g}" in row and " 0/2 " in row
+        assert f" {lay['layout']['kvTokens']} " in row and lay["layout"]["kvTokens"] >= lay["layout"]["maxSeqLen"]
         # Re-applying changes nothing; kubectl scale goes through the scale subresource.
         rc, out = await kubectl(c, "apply", "--validate=false", "-f", str(examples[0]))
         assert rc == 0 and "unchanged" in out, out

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import random
 import statistics
 import time
 
 import pytest
-from helpers.kube.harness import H100_MIB, gpu_node
+from helpers.kube.harness import H100_MIB, H200_MIB, gpu_node
 from switchyard.kernels import selection
 from switchyard.operator import calibration, inventory, planner
-from switchyard.service.modelspec import preset
+from switchyard.operator.rejections import LayoutRejection
+from switchyard.service.modelspec import DEFAULT_STEP_TOKENS, KV_BLOCK_TOKENS, preset
 
 
 def h200(n: int, prefix: str = "h200") -> list[dict]:
@@ -236,7 +239,96 @@ def test_pipeline_layouts_get_whole_micro_batches_of_two_rows_or_more(concurrenc
     assert lay is not None and lay.pp == 4
     assert lay.batch_slots % lay.pp == 0 and lay.batch_slots >= 2 * lay.pp
     assert lay.batch_slots >= lay.active_batch
-    assert lay.kv_budget_tokens == lay.batch_slots * lay.max_seq_len
+    # Every slot's sequence of the expected length (1024 in + 128 out, whole blocks) fits the pool.
+    assert lay.kv_tokens % KV_BLOCK_TOKENS == 0 and lay.batch_slots * 1152 <= lay.kv_tokens
+
+
+
+# ---- the KV token budget ------------------------------------------------------------------------------
+def kv_pool_by_hand(mem_mib: int, weights_bytes: float, kv_bytes_per_token_gpu: int, fraction: float) -> int:
+    """The pool the stated memory model gives, worked out from the calibration's two constants."""
+    m = calibration.load().models
+    usable = mem_mib * 2**20 * (1 - float(m["memory_headroom_fraction"])) - int(m["runtime_reserve_bytes"])
+    pool_bytes = (usable - math.ceil(weights_bytes)) * fraction
+    return int(pool_bytes // (kv_bytes_per_token_gpu * KV_BLOCK_TOKENS)) * KV_BLOCK_TOKENS
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.5, 0.05])
+def test_kv_budget_is_a_share_of_the_memory_after_the_weights(fraction):
+    model = preset("llama3-8b")
+    p = plan("llama3-8b", h200(1), objective="latency", tp=8, kv_memory_fraction=fraction)
+    lay = p.layout
+    per_token = 2 * 32 * (8 // 8) * 128 * 2  # K and V of one KV head per GPU, 32 layers, bfloat16
+    want = kv_pool_by_hand(H200_MIB, model.param_bytes / 8, per_token, fraction)
+    assert abs(lay.kv_tokens - want) <= KV_BLOCK_TOKENS  # int rounding of the byte counts aside
+    assert lay.kv_tokens % KV_BLOCK_TOKENS == 0 and lay.kv_memory_fraction == fraction
+    assert lay.kv_bytes_per_gpu == lay.kv_tokens * per_token
+    assert lay.memory_per_gpu_bytes <= H200_MIB * 2**20
+    assert any(f"KV budget {lay.kv_tokens} tokens per replica" in r for r in p.reasons)
+    assert any(f"the cache takes {fraction:.0%} of the" in r for r in p.reasons)
+    assert not any("slots x" in r for r in p.reasons)
+
+
+def test_kv_budget_per_gpu_share_grows_with_tensor_and_pipeline_splits():
+    one = plan("llama3-70b", h200(1), objective="latency", tp=4, pp=1).layout
+    two = plan("llama3-70b", h200(1), objective="latency", tp=4, pp=2).layout
+    # Half the layers per GPU and half the weights: more than twice the tokens in the same memory.
+    assert two.kv_tokens > 2 * one.kv_tokens
+    assert two.kv_bytes_per_gpu == two.kv_tokens * 2 * 40 * 2 * 128 * 2
+
+
+def test_fit_check_is_one_full_length_sequence_in_the_pool():
+    model = dataclasses.replace(preset("llama3-8b"), max_position_embeddings=2**24)
+    nodes = h100(1)
+    pin = {"objective": "latency", "tp": 1, "pp": 1, "replicas": 1}
+    budget = planner.plan(model, inventory.build(nodes), planner.Request(**pin)).layout.kv_tokens
+    # A pool of exactly one sequence fits, with one batch slot; one token more does not.
+    fits = planner.plan(model, inventory.build(nodes), planner.Request(input_tokens=budget - 1, output_tokens=1, **pin))
+    assert fits.layout is not None and fits.layout.kv_tokens == budget == fits.layout.max_seq_len
+    assert fits.layout.batch_slots == 1
+    over = planner.plan(model, inventory.build(nodes), planner.Request(input_tokens=budget, output_tokens=1, **pin))
+    assert over.layout is None and over.status == "DoesNotFit"
+    (miss,) = [a for a in over.alternatives if a.layout == "TP1xPP1 NVIDIA-H100-80GB-HBM3"]
+    assert miss.kind is LayoutRejection.NO_KV_ROOM and f"holds {budget} tokens" in miss.rejected
+    # A smaller share of the memory leaves no room where the default share had some.
+    half = planner.plan(model, inventory.build(nodes), planner.Request(input_tokens=budget - 1, output_tokens=1,
+                                                                       kv_memory_fraction=0.45, **pin))
+    assert half.layout is None and half.status == "DoesNotFit"
+
+
+def test_batch_slots_go_up_to_the_sequences_of_the_expected_length_the_pool_holds():
+    # Throughput fills the replica: the slots are what the pool holds at input + half the output.
+    for input_tokens, output_tokens in ((1024, 256), (4000, 2000), (100, 7000)):
+        p = plan("llama3-8b", h100(1), objective="throughput", tp=1, pp=1, input_tokens=input_tokens,
+                 output_tokens=output_tokens)
+        lay = p.layout
+        expected = -(-(input_tokens + output_tokens // 2) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+        assert lay.batch_slots == min(lay.kv_tokens // expected, 1024), (input_tokens, output_tokens)
+        # More sequences than would fit at full length: the pool is shared, not reserved per slot.
+        assert lay.batch_slots > lay.kv_tokens // lay.max_seq_len
+        assert any(f"{lay.kv_tokens // expected} at the expected {expected}" in r for r in p.reasons)
+    # A small model's pool holds more than the engine's slot limit.
+    assert plan("tiny", h100(1), objective="throughput").layout.batch_slots == 1024
+
+
+def test_step_tokens_default_and_pinned():
+    assert plan("llama3-8b", h200(1)).layout.step_tokens == DEFAULT_STEP_TOKENS
+    lay = plan("llama3-8b", h200(1), step_tokens=1024).layout
+    assert lay.step_tokens == 1024
+    assert any("steps carry up to 1024 prompt tokens" in r for r in plan("llama3-8b", h200(1),
+                                                                          step_tokens=1024).reasons)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("kv_memory_fraction", 0, r"kv_memory_fraction must be in \(0, 0.95\]"),
+    ("kv_memory_fraction", 0.99, "kv_memory_fraction must be in"),
+    ("kv_memory_fraction", float("nan"), "kv_memory_fraction must be in"),
+    ("step_tokens", 8, "step_tokens must be a multiple of 16 and at least 16"),
+    ("step_tokens", 250, "step_tokens must be a multiple of 16"),
+])
+def test_request_rejects_bad_kv_and_step_settings(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        planner.Request(**{field: value})
 
 
 def test_calibration_reproduces_the_measured_pipeline():

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from switchyard.operator import crd, inventory, planner
 from switchyard.operator import spec as specmod
+from switchyard.service.modelspec import KV_BLOCK_TOKENS, ServingLayout
 
 PLAN_SECONDS = 1.0
 SETTINGS = settings(derandomize=True, max_examples=150, deadline=None, database=None,
@@ -26,7 +27,8 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
         return st.sampled_from(schema["enum"])
     kind = schema.get("type")
     if kind == "integer":
-        return st.integers(schema.get("minimum"), schema["maximum"])
+        step = schema.get("multipleOf", 1)
+        return st.integers(-(-schema.get("minimum", 0) // step), schema["maximum"] // step).map(lambda n: n * step)
     if kind == "number":
         return st.floats(schema.get("minimum"), schema["maximum"], allow_nan=False, allow_infinity=False,
                          exclude_min=bool(schema.get("exclusiveMinimum")))
@@ -53,7 +55,8 @@ models = st.one_of(
 @st.composite
 def decode_services(draw: st.DrawFn) -> dict[str, Any]:
     spec: dict[str, Any] = {"model": {"name": "m", "source": {"pvc": {"claimName": "models"}}, **draw(models)}}
-    for field in ("replicas", "objective", "slo", "workload", "parallelism", "allReduce", "engine"):
+    for field in ("replicas", "objective", "slo", "workload", "parallelism", "allReduce", "engine",
+                  "kvMemoryFraction", "stepTokens"):
         if draw(st.booleans()):
             spec[field] = draw(spec_part(field))
     return spec
@@ -96,7 +99,13 @@ def test_planning_a_schema_valid_service_never_raises_and_is_quick(spec, node_li
     assert elapsed < PLAN_SECONDS, f"planning took {elapsed:.2f} s"
     assert plan.message
     if plan.layout is not None:
-        assert plan.layout.ms_per_token > 0 and plan.layout.max_seq_len >= planner.MIN_SEQ_LEN
+        lay = plan.layout
+        assert lay.ms_per_token > 0 and lay.max_seq_len >= planner.MIN_SEQ_LEN
+        # The pool holds a full-length sequence in whole blocks: a layout file the engine accepts.
+        assert lay.kv_tokens >= lay.max_seq_len and lay.kv_tokens % KV_BLOCK_TOKENS == 0
+        ServingLayout(tp=lay.tp, pp=lay.pp, batch_slots=lay.batch_slots, max_seq_len=lay.max_seq_len,
+                      kv_tokens=lay.kv_tokens, kv_memory_fraction=lay.kv_memory_fraction,
+                      step_tokens=lay.step_tokens)
 
 
 @SETTINGS

@@ -74,7 +74,14 @@ def test_latency_llama3_8b_renders_valid_objects_with_the_service_command():
     layout = ServingLayout.from_json(cm["data"]["layout.json"])
     assert (layout.tp, layout.pp, layout.dp, layout.strategy) == (8, 1, 1, "auto")
     assert layout.batch_slots == p.layout.batch_slots and layout.max_seq_len == 1280
-    assert layout.model_path == "/models/llama-3-8b" and layout.extra["kv_budget_tokens"] == p.layout.kv_budget_tokens
+    assert layout.model_path == "/models/llama-3-8b"
+    # The planned KV pool and step size reach the engine through the file, and the status shows them.
+    assert layout.kv_tokens == p.layout.kv_tokens >= layout.max_seq_len and layout.kv_tokens % 64 == 0
+    assert (layout.kv_memory_fraction, layout.step_tokens) == (0.9, 256)
+    status = render.plan_status(p, render.owner_from_body({"metadata": {"name": "llama", "namespace": "d",
+                                                                        "uid": "u"}}))["layout"]
+    assert (status["kvTokens"], status["stepTokens"], status["kvMemoryFraction"]) == (layout.kv_tokens, 256, 0.9)
+    assert status["kvBytesPerGPU"] == layout.kv_tokens * 2 * 32 * 1 * 128 * 2  # one KV head per GPU at TP8
     svc = next(o for o in objs if o["metadata"]["name"] == "llama" and o["kind"] == "Service")
     assert svc["spec"]["ports"][0]["appProtocol"] == "grpc"
     assert svc["spec"]["selector"] == {"switchyard.dev/service": "llama"}
@@ -144,8 +151,25 @@ def test_tensorrt_llm_engine_renders_trtllm_serve_with_the_same_layout():
     assert c["image"].startswith("nvcr.io/nvidia/tensorrt-llm/")
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8001}
     (cm,) = by_kind(objs, "ConfigMap")
-    assert yaml.safe_load(cm["data"]["trtllm-options.yaml"])["allreduce_strategy"] == "ONESHOT"
+    options = yaml.safe_load(cm["data"]["trtllm-options.yaml"])
+    assert options["allreduce_strategy"] == "ONESHOT"
+    assert options["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9}
     assert "model" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_spec_kv_memory_fraction_and_step_tokens_reach_the_layout_file():
+    body = decode_service(kvMemoryFraction=0.5, stepTokens=1024)
+    p, objs = build(body, [gpu_node("h200-0")])
+    default, _ = build(decode_service(), [gpu_node("h200-0")])
+    (cm,) = by_kind(objs, "ConfigMap")
+    layout = ServingLayout.from_json(cm["data"]["layout.json"])
+    assert (layout.kv_memory_fraction, layout.step_tokens) == (0.5, 1024)
+    # Same layout, a pool of about half the tokens (block rounding aside).
+    assert (p.layout.tp, p.layout.pp) == (default.layout.tp, default.layout.pp)
+    assert abs(layout.kv_tokens - default.layout.kv_tokens * 0.5 / 0.9) <= 64
+    _, objs = build({**body, "spec": {**body["spec"], "engine": "tensorrt-llm"}}, [gpu_node("h200-0")])
+    (cm,) = by_kind(objs, "ConfigMap")
+    assert yaml.safe_load(cm["data"]["trtllm-options.yaml"])["kv_cache_config"] == {"free_gpu_memory_fraction": 0.5}
 
 
 def test_spec_changes_roll_the_pods():

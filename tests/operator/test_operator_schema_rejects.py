@@ -75,6 +75,8 @@ REJECTED = {
     "too many tolerations": ({"tolerations": [{"key": "k", "operator": "Exists"}] * 33},
                              "spec.tolerations: "),
     "slo": ({"slo": {"maxTimePerOutputTokenMs": 1e12}}, "spec.slo.maxTimePerOutputTokenMs: 1000000000000.0 is "),
+    "kv fraction": ({"kvMemoryFraction": 0.99}, "spec.kvMemoryFraction: 0.99 is greater than the maximum of 0.95"),
+    "step tokens": ({"stepTokens": 100}, "spec.stepTokens: 100 is not a multiple of 16"),
 }
 
 ADMITTED = {
@@ -87,6 +89,7 @@ ADMITTED = {
     "exists without value": {"tolerations": [{"operator": "Exists"}, {"key": "a/b", "operator": "Exists"}]},
     "prefixed selector": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200", "pool": ""}},
     "image with digest": {"image": "registry.example.com:5000/switchyard/llama-3-8b:0.1.0@sha256:" + "a" * 64},
+    "kv and step": {"kvMemoryFraction": 0.5, "stepTokens": 512},
 }
 
 
