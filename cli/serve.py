@@ -382,7 +382,7 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from switchyard.service.engine.pipeline import PipelineEngine
-    from switchyard.service.engine.pipeline_group import CommandChannel, exit_now, follow, join
+    from switchyard.service.engine.pipeline_group import CommandChannel, GroupFormationError, exit_now, follow, join
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
@@ -403,6 +403,9 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         follow(engine, channel)
         log.info("stage 0 released the group")
         return 0
+    except GroupFormationError as err:  # nothing joined yet: one line, and a plain exit
+        log.error("%s", err)
+        return 1
     except Exception:
         log.exception("pipeline stage %d failed: stopping so that the group restarts", layout.pipeline_stage)
         exit_now(1)

@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -39,21 +40,67 @@ class GroupBrokenError(FatalEngineError):
     """A stage of the pipeline group is gone; the group must be restarted as a unit."""
 
 
+class GroupFormationError(RuntimeError):
+    """This stage cannot join its pipeline group: its coordinator (stage 0) does not answer."""
+
+
 HEADER = 10  # op, a, b, c, d, temperature bits, top_k, top_p bits, seed, greedy
 
+# How long a later stage waits for stage 0's coordinator port to accept a connection before it gives up.
+# Long enough for a stage 0 started at the same time to import, check its model folder and open the
+# port; short enough that a stage whose group cannot form exits in seconds (and is restarted) instead of
+# waiting out the distributed runtime's initialization timeout, which ends in a C++ abort.
+JOIN_TIMEOUT_S = 30.0
+_PROBE_INTERVAL_S = 0.5
 
-def join(layout: ServingLayout, heartbeat_timeout_s: int = 10, initialization_timeout_s: int = 300) -> None:
-    """Connect this process to its pipeline group (no-op for a single-stage layout)."""
+
+def join(layout: ServingLayout, heartbeat_timeout_s: int = 10, initialization_timeout_s: int = 300,
+         coordinator_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+    """Connect this process to its pipeline group (no-op for a single-stage layout).
+
+    A later stage first waits up to ``coordinator_timeout_s`` for the coordinator's port
+    (:class:`GroupFormationError` if it never answers); stage 0 is the coordinator and waits up to
+    ``initialization_timeout_s`` for the others to register."""
     if layout.pp == 1:
         return
     if not layout.coordinator:
         raise ValueError("a pipeline layout (pp > 1) needs layout.coordinator (host:port of stage 0)")
+    if layout.pipeline_stage > 0:
+        wait_for_coordinator(layout, coordinator_timeout_s)
     if jax.config.jax_platforms in (None, "", "cpu") and not _has_gpu_plugin():
         # Cross-process collectives on CPU (tests, CI) go through gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(layout.coordinator, num_processes=layout.pp, process_id=layout.pipeline_stage,
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
                                initialization_timeout=initialization_timeout_s)
+
+
+def coordinator_address(coordinator: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as (host, port); ValueError if it is not one."""
+    host, colon, port = coordinator.rpartition(":")
+    host = host.strip("[]")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"layout.coordinator {coordinator!r} is not host:port")
+    return host, int(port)
+
+
+def wait_for_coordinator(layout: ServingLayout, timeout_s: float) -> None:
+    """Return once the coordinator's port accepts a TCP connection; GroupFormationError after
+    ``timeout_s`` of refusals, unresolvable names (a pod not created yet has no DNS record) or silence."""
+    host, port = coordinator_address(layout.coordinator)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as err:
+            reason = err.strerror or str(err) or type(err).__name__
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GroupFormationError(
+                f"pipeline stage {layout.pipeline_stage} of {layout.pp}: the group's coordinator "
+                f"{layout.coordinator} (stage 0) did not answer within {timeout_s:g} s ({reason})")
+        time.sleep(min(_PROBE_INTERVAL_S, left))
 
 
 def _has_gpu_plugin() -> bool:

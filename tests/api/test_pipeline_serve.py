@@ -79,3 +79,26 @@ def test_two_stage_group_serves_generate_like_one_device(checkpoint, tmp_path):
             out = p.communicate()[0]
             if p.returncode not in (0, None):
                 print(out[-3000:])
+
+
+def test_a_later_stage_whose_stage_0_never_comes_exits_with_one_line(tmp_path):
+    from switchyard.service.engine.pipeline_group import JOIN_TIMEOUT_S
+
+    coordinator = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    (tmp_path / "layout.json").write_text(json.dumps(
+        {"tp": 1, "pp": 2, "batch_slots": 2, "max_seq_len": 256, "coordinator": coordinator}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    env.update(SWITCHYARD_PIPELINE_STAGE="1", XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--layout", str(tmp_path / "layout.json"),
+         "--host", "127.0.0.1", "--port", str(_free_port())],
+        env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S + 120)
+    took = time.monotonic() - started
+    assert done.returncode > 0, (done.returncode, done.stderr[-3000:])  # an exit status, not a signal
+    # The runtime's own wait would be 300 s and end in a C++ abort (a signal, a stack dump).
+    assert took < JOIN_TIMEOUT_S + 60, took
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and coordinator in errors[0] and "stage 1 of 2" in errors[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Check failure" not in done.stderr, done.stderr[-3000:]
+    assert len(done.stderr.strip().splitlines()) <= 2, done.stderr[-3000:]  # the "joining" line and the error

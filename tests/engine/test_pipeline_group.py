@@ -146,3 +146,53 @@ def test_a_failed_call_on_stage_0_breaks_the_group_and_nothing_more_is_announced
     with pytest.raises(GroupBrokenError, match="broken"):
         leader.dispatch()
     assert channel.ops == [PREFILL]
+
+
+def _stage_1_of(coordinator: str) -> ServingLayout:
+    return ServingLayout(tp=1, pp=2, batch_slots=2, max_seq_len=64, pipeline_stage=1, coordinator=coordinator)
+
+
+def test_a_later_stage_whose_coordinator_never_answers_gives_up_at_its_bound():
+    from switchyard.service.engine.pipeline_group import GroupFormationError, join
+
+    coordinator = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(GroupFormationError, match=rf"stage 1 of 2: .*{coordinator} .*within 1.5 s") as caught:
+        join(_stage_1_of(coordinator), coordinator_timeout_s=1.5)
+    assert 1.5 <= time.monotonic() - started < 10
+    assert "\n" not in str(caught.value)
+
+
+def test_a_later_stage_joins_a_coordinator_that_starts_after_it():
+    import threading
+
+    from switchyard.service.engine.pipeline_group import wait_for_coordinator
+
+    port = _free_port()
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def open_late() -> None:
+        time.sleep(1.0)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+
+    opener = threading.Thread(target=open_late)
+    opener.start()
+    try:
+        started = time.monotonic()
+        wait_for_coordinator(_stage_1_of(f"127.0.0.1:{port}"), timeout_s=20)
+        assert 1.0 <= time.monotonic() - started < 10
+    finally:
+        opener.join()
+        listener.close()
+
+
+@pytest.mark.parametrize("coordinator", ["stage-0", "stage-0:", ":8476", "stage-0:port", "stage-0:70000"])
+def test_a_coordinator_that_is_not_host_and_port_is_refused(coordinator):
+    from switchyard.service.engine.pipeline_group import coordinator_address
+
+    with pytest.raises(ValueError, match="not host:port"):
+        coordinator_address(coordinator)
+    assert coordinator_address("[::1]:8476") == ("::1", 8476)
+    assert coordinator_address("g-0.svc:8476") == ("g-0.svc", 8476)
