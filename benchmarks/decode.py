@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from switchyard.kernels import K_SPLITS
 from switchyard.service.engine.tensor_parallel import Engine
-from switchyard.service.modelspec import ServingLayout, preset
+from switchyard.service.modelspec import KV_BLOCK_TOKENS, ModelSpec, ServingLayout, preset
 
 # benchmarks/variants.py (engines that are not the product), loaded on first use.
 variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
@@ -231,6 +231,39 @@ def comparison(rows: list[dict], peer_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paged_rows(args: argparse.Namespace, spec: ModelSpec, tp: int, bandwidth: float) -> list[dict]:
+    """The token-budget engine's decode step (paged KV pool, block tables), timed as the slot engine's."""
+    from switchyard.service.engine.paged import PagedEngine
+
+    rows, params = [], None
+    for context in args.context:
+        for batch in args.batch:
+            max_seq = context + args.steps + args.warmup + 4
+            blocks = -(-max_seq // KV_BLOCK_TOKENS)
+            layout = ServingLayout(tp=tp, strategy="auto" if tp > 1 else "xla", batch_slots=batch,
+                                   max_seq_len=max_seq, kv_tokens=batch * blocks * KV_BLOCK_TOKENS)
+            if params is None:
+                engine = PagedEngine.from_random(spec, layout, devices=jax.devices()[:tp])
+                params = engine.params, engine.mesh
+            else:
+                engine = PagedEngine(spec, *params, dtype="bfloat16", **PagedEngine.layout_arguments(layout))
+            engine.warmup()
+            variants().occupy_paged(engine, context, batch)
+            times = time_serving_loop(engine, args.steps, args.warmup)
+            ms = 1000 * statistics.median(times)
+            roofline_ms = 1000 * spec.decode_bytes_per_step(batch, context) / tp / bandwidth
+            rows.append({"model": args.model, "tp": tp, "batch": batch, "context": context, "engine": "paged",
+                         "strategy": layout.strategy, "attention": "kernel", "ms_per_token": round(ms, 4),
+                         "tokens_per_s": round(batch * 1000 / ms, 1), "roofline_ms": round(roofline_ms, 4),
+                         "fraction_of_roofline": round(roofline_ms / ms, 4),
+                         "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4)})
+            print(f"tp={tp} batch={batch:3d} ctx={context:5d} paged {ms:8.3f} ms/token "
+                  f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%)", flush=True)
+            del engine
+            gc.collect()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3-8b")
@@ -244,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
     parser.add_argument("--k-splits", type=int, nargs="+", default=[K_SPLITS],
                         help="row-parallel products as this many partial products for the fused kernel (1: plain dot)")
+    parser.add_argument("--engine", nargs="+", default=["slots"], choices=["slots", "paged"],
+                        help="the slot engine (its variants), or the token-budget engine with its paged KV pool")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--out", help="result JSON path")
@@ -270,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     for tp in args.tp:
         mesh_devices = jax.devices()[:tp]
         base = None
-        for strategy, min_bucket, attn, k_splits in itertools.product(
-                args.strategy, args.min_batch_bucket, args.attention, args.k_splits):
+        slot_configs = itertools.product(args.strategy, args.min_batch_bucket, args.attention, args.k_splits)
+        for strategy, min_bucket, attn, k_splits in (slot_configs if "slots" in args.engine else ()):
             # "none": the row-parallel products are not summed (the engine's strategy is then moot)
             engine_strategy = "xla" if strategy == "none" else strategy
             variant = variants().Variant(attention=attn, k_splits=k_splits, communication=strategy != "none",
@@ -330,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)
                     del engine
                     gc.collect()
+        if "paged" in args.engine:
+            rows += paged_rows(args, spec, tp, bandwidth)
         del base
         gc.collect()
 

@@ -189,6 +189,8 @@ def overhead(value: float, base: float, *, higher_is_better: bool) -> float:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, max_seq_len: int) -> None:
     """The flags of the engine a serving benchmark runs (``variants.serving_engine`` reads them)."""
+    from switchyard.service.modelspec import DEFAULT_KV_MEMORY_FRACTION, DEFAULT_STEP_TOKENS
+
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model-path", help="a Hugging Face checkpoint folder")
     source.add_argument("--preset", default="llama3-8b", help="random weights of a preset shape (default)")
@@ -197,6 +199,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_seq_len: int) -> N
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--batch-slots", type=int, default=64)
     parser.add_argument("--max-seq-len", type=int, default=max_seq_len)
+    parser.add_argument("--engine", choices=["paged", "slots"], default="paged",
+                        help="the token-budget engine with its paged KV pool (what serve runs), or the slot engine")
+    parser.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
+                        help="prompt tokens a step carries (paged engine)")
+    parser.add_argument("--kv-tokens", type=int, default=0,
+                        help="KV pool size in tokens (paged engine; 0: from the memory left after the weights)")
+    parser.add_argument("--kv-memory-fraction", type=float, default=DEFAULT_KV_MEMORY_FRACTION)
 
 
 def main(argv: list[str] | None = None) -> int:

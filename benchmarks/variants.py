@@ -33,10 +33,11 @@ from switchyard import kernels
 from switchyard.kernels.collectives import MAX_PARTIALS
 from switchyard.service.engine.checkpoint import NP_DTYPES
 from switchyard.service.engine.model import ForwardConfig
+from switchyard.service.engine.paged import PagedEngine
 from switchyard.service.engine.pipeline import PipelineEngine, random_stage_weights
 from switchyard.service.engine.sampling import SamplingParams
 from switchyard.service.engine.tensor_parallel import MIN_BATCH_BUCKET, Engine, doubling_buckets, random_weights
-from switchyard.service.modelspec import ModelSpec, ServingLayout
+from switchyard.service.modelspec import DEFAULT_KV_MEMORY_FRACTION, DEFAULT_STEP_TOKENS, ModelSpec, ServingLayout
 
 ATTENTIONS = ("kernel", "xla")
 CACHES = ("random", "zeros")
@@ -193,13 +194,51 @@ def serving_engine(args) -> tuple:
     from switchyard.service.modelspec import preset
 
     layout = ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
-                           max_seq_len=args.max_seq_len)
+                           max_seq_len=args.max_seq_len, kv_tokens=getattr(args, "kv_tokens", 0),
+                           kv_memory_fraction=getattr(args, "kv_memory_fraction", DEFAULT_KV_MEMORY_FRACTION),
+                           step_tokens=getattr(args, "step_tokens", DEFAULT_STEP_TOKENS))
+    paged = getattr(args, "engine", "paged") == "paged"
     if args.model_path:
-        engine = Engine.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
+        cls = PagedEngine if paged else Engine
+        engine = cls.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
         tokenizer = Tokenizer.from_dir(args.model_path)
     else:
         spec = preset(args.preset)
-        engine = VariantEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype)
+        cls = PagedEngine if paged else VariantEngine
+        engine = cls.from_random(spec, layout, dtype=args.dtype or spec.dtype)
         tokenizer = Tokenizer(build_tokenizer(spec), spec.eos_token_ids, spec.vocab_size)
+    if paged:
+        print(f"KV pool: {engine.kv_tokens} tokens in blocks of {engine.kv_block_size} "
+              f"({engine.kv_tokens / layout.max_seq_len:.1f} sequences at the full context); "
+              f"steps carry up to {engine.step_tokens} prompt tokens", flush=True)
     print(f"warm-up: {engine.warmup():.1f} s", flush=True)
     return engine, tokenizer
+
+
+def occupy_paged(engine: PagedEngine, context: int, count: int, seed: int = 0) -> None:
+    """Mark slots ``[0, count)`` of a paged engine decoding at ``context`` without running prompts:
+    each gets the blocks its context and every later position need (so timed steps take none), the
+    pool gets random values, and the device state the positions. For decode-step benchmarks."""
+    from switchyard.service.engine.kv_blocks import SequenceBlocks
+    from switchyard.service.engine.paged import _Sequence
+
+    room = engine.max_seq_len
+    for slot in range(count):
+        seq = _Sequence([0] * context, SamplingParams(), 0, SequenceBlocks(), context, reuse_prefix=False)
+        if not engine.pool.grow(seq.blocks, room):
+            raise ValueError(f"the pool has too few blocks for {count} sequences of {room} tokens")
+        engine._seqs[slot] = seq
+        engine.active[slot] = True
+        engine._decoding[slot] = True
+        engine.positions[slot] = context
+        engine._set_table(slot)
+    state = dict(engine._state)
+    key = jax.random.PRNGKey(seed)
+    for name in ("k", "v"):
+        state[name] = [
+            jax.jit(lambda k, shape=c.shape, dtype=c.dtype: jax.random.normal(k, shape, jnp.float32).astype(dtype),
+                    out_shardings=c.sharding)(jax.random.fold_in(key, i + (0 if name == "k" else 10_000)))
+            for i, c in enumerate(engine._state[name])]
+    state["positions"] = jax.device_put(np.where(np.arange(engine.max_slots) < count, context, 0).astype(np.int32),
+                                        engine._state["positions"].sharding)
+    engine._state = state

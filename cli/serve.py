@@ -310,11 +310,11 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def load() -> tuple[Any, Any]:
+        from switchyard.service.engine.paged import PagedEngine
         from switchyard.service.engine.scheduler import Scheduler
-        from switchyard.service.engine.tensor_parallel import Engine
 
         log.info(
-            "loading %s from %s (tp=%d, strategy=%s, %d slots, context %d)",
+            "loading %s from %s (tp=%d, strategy=%s, %d sequences at once, context %d)",
             model_name,
             model_path,
             layout.tp,
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_warmup:
                 log.info("warm-up: compiled every program on every stage in %.1f s", engine.warmup())
         else:
-            engine = Engine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+            engine = PagedEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
             if not args.no_warmup:
                 log.info("warm-up: compiled every step in %.1f s", engine.warmup())
         scheduler = Scheduler(

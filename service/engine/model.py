@@ -159,16 +159,15 @@ class ForwardConfig:
     decode_attention: DecodeAttention = attention.decode_attention_packed
     # The same over a paged KV pool (block tables).
     paged_decode_attention: PagedDecodeAttention = attention.paged_decode_attention_packed
-    # A prompt chunk's queries against its sequence's keys so far: cuDNN's flash attention on GPUs.
-    chunk_attention: ChunkAttention = None  # type: ignore[assignment]  # set in __post_init__
-
-    def __post_init__(self) -> None:
-        if self.chunk_attention is None:
-            object.__setattr__(self, "chunk_attention", chunk_attention)
+    # A prompt chunk's queries against its sequence's keys so far (see make()).
+    chunk_attention: ChunkAttention | None = None
 
     @classmethod
-    def make(cls, shape: ShardShape, strategy: str) -> ForwardConfig:
-        return cls(shape, strategy, tuple(float(f) for f in rope_inv_freq(shape.spec)))
+    def make(cls, shape: ShardShape, strategy: str, platform: str = "cpu") -> ForwardConfig:
+        """The product's configuration; on CUDA devices prompt chunks attend through cuDNN's flash
+        attention (chosen here: tracing the cuDNN call needs cuDNN present)."""
+        return cls(shape, strategy, tuple(float(f) for f in rope_inv_freq(shape.spec)),
+                   chunk_attention=cudnn_chunk_attention if platform in ("gpu", "cuda") else chunk_attention)
 
 
 def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -332,16 +331,15 @@ def _chunk_attention_with(q: jax.Array, k: jax.Array, v: jax.Array, q_positions:
 
 def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
     """q [C, H, D] at ``q_positions`` against keys k, v [S, kv, D] at positions 0..S-1, causal:
-    query i sees keys at positions <= q_positions[i]. cuDNN's flash attention on CUDA, XLA's elsewhere."""
-    def cudnn(*args: jax.Array) -> jax.Array:
-        return _chunk_attention_with(*args, implementation="cudnn")
+    query i sees keys at positions <= q_positions[i]. XLA's attention (any platform)."""
+    return _chunk_attention_with(q, k, v, q_positions, implementation="xla")
 
-    def xla(*args: jax.Array) -> jax.Array:
-        return _chunk_attention_with(*args, implementation="xla")
 
+def cudnn_chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
+    """As :func:`chunk_attention`, through cuDNN's flash attention (CUDA, 16-bit inputs)."""
     if jnp.dtype(q.dtype).name not in ("bfloat16", "float16"):
-        return xla(q, k, v, q_positions)
-    return jax.lax.platform_dependent(q, k, v, q_positions, default=xla, cuda=cudnn)
+        return chunk_attention(q, k, v, q_positions)
+    return _chunk_attention_with(q, k, v, q_positions, implementation="cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,7 +384,8 @@ def _chunk_layer_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     v = jnp.swapaxes(v_pool[blocks], 1, 2).reshape(chunk.kv_len, kv, hd)
     written = (jnp.arange(chunk.kv_len) < chunk.start + chunk.length)[:, None, None]
     k, v = jnp.where(written, k, 0), jnp.where(written, v, 0)  # positions not written may hold anything
-    out = cfg.chunk_attention(q, k.astype(q.dtype), v.astype(q.dtype), pos)
+    attend = cfg.chunk_attention or chunk_attention
+    out = attend(q, k.astype(q.dtype), v.astype(q.dtype), pos)
     return out, k_pool, v_pool
 
 

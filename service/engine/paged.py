@@ -51,12 +51,16 @@ from switchyard.service.engine.tensor_parallel import (
     random_weights,
 )
 from switchyard.service.errors import OutOfRangeError
-from switchyard.service.modelspec import ModelSpec, ServingLayout
+from switchyard.service.modelspec import (
+    DEFAULT_KV_MEMORY_FRACTION,
+    DEFAULT_STEP_TOKENS,
+    KV_BLOCK_TOKENS,
+    ModelSpec,
+    ServingLayout,
+    kv_tokens_for_memory,
+)
 
 POOL_SPEC = P(None, AXIS, None, None)  # [blocks, kv_heads, block_size, head_dim], sharded by KV head
-KV_BLOCK_TOKENS = 64
-DEFAULT_STEP_TOKENS = 256
-DEFAULT_KV_MEMORY_FRACTION = 0.9
 
 
 @dataclasses.dataclass
@@ -132,7 +136,7 @@ class PagedEngine(SlotBook):
         self.strategy = strategy
         self.dtype = dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp)
-        self._cfg = ForwardConfig.make(self.shape, strategy)
+        self._cfg = ForwardConfig.make(self.shape, strategy, platform=mesh.devices.flat[0].platform)
         self._pspecs = param_specs(spec)
         self._block_size = block_size
         self._step_tokens = step_tokens
@@ -142,6 +146,8 @@ class PagedEngine(SlotBook):
         if strategy != "xla" and self.tp > 1:
             kernels.init(list(mesh.devices.flat))
         tokens = kv_tokens or self._tokens_for_memory(kv_memory_fraction)
+        if tokens % block_size:
+            raise ValueError(f"kv_tokens {tokens} is not a whole number of {block_size}-token blocks")
         if tokens < max_seq_len:
             raise ValueError(f"the KV pool holds {tokens} tokens, fewer than one sequence of max_seq_len "
                              f"{max_seq_len}; lower max_seq_len or give the pool more memory")
@@ -172,12 +178,9 @@ class PagedEngine(SlotBook):
 
     @staticmethod
     def layout_arguments(layout: ServingLayout) -> dict[str, Any]:
-        out: dict[str, Any] = {"batch_slots": layout.batch_slots, "max_seq_len": layout.max_seq_len,
-                               "strategy": layout.strategy}
-        for field in ("kv_tokens", "kv_memory_fraction", "step_tokens"):
-            if hasattr(layout, field):
-                out[field] = getattr(layout, field)
-        return out
+        return {"batch_slots": layout.batch_slots, "max_seq_len": layout.max_seq_len, "strategy": layout.strategy,
+                "kv_tokens": layout.kv_tokens, "kv_memory_fraction": layout.kv_memory_fraction,
+                "step_tokens": layout.step_tokens}
 
     def _tokens_for_memory(self, fraction: float) -> int:
         """Tokens whose K/V fit in ``fraction`` of the memory the devices have left; off GPU (no
@@ -186,9 +189,8 @@ class PagedEngine(SlotBook):
         if not all(stats) or not all("bytes_limit" in s for s in stats):
             return self.max_slots * self.blocks_per_seq * self._block_size
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-        per_token = 2 * self.spec.num_layers * self.shape.kv_heads * self.spec.head_dim * \
-            np.dtype(NP_DTYPES[self.dtype]).itemsize
-        return int(free * fraction) // per_token // self._block_size * self._block_size
+        tokens = kv_tokens_for_memory(self.spec, self.tp, 1, int(free * fraction), self.dtype)
+        return tokens // self._block_size * self._block_size
 
     def _kv_buckets(self) -> list[int]:
         """Context lengths a chunk's attention is compiled for: doubling from the chunk size, each a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 import time
 
@@ -32,8 +33,9 @@ def test_generate_streams_tokens_then_a_final_message(client, served) -> None:
     tokens = [t for m in messages for t in m.token_ids]
     assert 1 <= len(tokens) <= 12
     assert [m.index for m in messages if m.token_ids] == list(range(len(tokens)))
-    assert messages[0].step == -1, "the first token comes from the prefill"
-    assert all(m.step >= 0 for m in messages[1:] if m.token_ids)
+    steps = [m.step for m in messages if m.token_ids]
+    assert steps[0] >= 1, "the first token comes from the step that carried the prompt's last chunk"
+    assert all(b > a for a, b in itertools.pairwise(steps)), "one token per step"
     assert all(m.batch_size >= 1 for m in messages if m.token_ids)
     final = messages[-1]
     assert final.finish_reason in (decode_pb2.FINISH_REASON_LENGTH, decode_pb2.FINISH_REASON_STOP)

@@ -135,7 +135,7 @@ def test_blocks_all_free_after_cancels_and_deadlines(checkpoint, tokenizer, prom
     requests[1].deadline = time.monotonic() - 1  # expired before it starts
     requests[5].deadline = time.monotonic() + 0.05
     cancel = {"r0": 1, "r3": 5, "r6": 2}
-    tokens, records = serve_all(engine, tokenizer, requests, cancel=cancel)
+    _, records = serve_all(engine, tokenizer, requests, cancel=cancel)
     assert records["r1"].finish_reason == "deadline"
     assert {rid: records[rid].finish_reason for rid in cancel} == dict.fromkeys(cancel, "cancelled")
     assert_pool_empty(engine)
@@ -171,7 +171,7 @@ def test_block_pool_books():
     pool.register(a, list(range(9)), computed=9)  # two full blocks
     pool.release(a)
     assert pool.available() == 4 and pool.held() == 0
-    blocks, hashes = pool.cached_prefix(list(range(9)) + [99])
+    blocks, hashes = pool.cached_prefix([*range(9), 99])
     assert blocks == [1, 2]
     assert pool.cached_prefix([0, 1, 2, 3, 5, 5, 6, 7, 8])[0] == [1], "the second block's hash covers its prefix"
     pool.take_cached(b, blocks, hashes)
@@ -183,4 +183,4 @@ def test_block_pool_books():
     assert pool.available() == 4
     # Fresh blocks evict the least recently used cached block first; its hash goes with it.
     d = SequenceBlocks()
-    assert pool.grow(d, 16) and pool.cached_prefix(list(range(9)) + [99])[0] == []
+    assert pool.grow(d, 16) and pool.cached_prefix([*range(9), 99])[0] == []

@@ -34,11 +34,11 @@ def tiny_dir() -> Path:
 
 @functools.cache
 def tiny_engine() -> Any:
-    from switchyard.service.engine.tensor_parallel import Engine
+    from switchyard.service.engine.paged import PagedEngine
     from switchyard.service.modelspec import ServingLayout
 
     layout = ServingLayout(tp=1, batch_slots=SLOTS, max_seq_len=MAX_SEQ_LEN)
-    return Engine.from_checkpoint(tiny_dir(), layout, progress=False)
+    return PagedEngine.from_checkpoint(tiny_dir(), layout, progress=False)
 
 
 @functools.cache

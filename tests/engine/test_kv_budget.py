@@ -1,0 +1,45 @@
+"""The KV token budget the operator plans is the pool the engine allocates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers.engine_fixtures import tiny_paged_engine
+from helpers.kube.harness import decode_service, gpu_node
+from switchyard.operator import inventory, planner, render
+from switchyard.operator import spec as specmod
+from switchyard.service.engine.paged import PagedEngine
+from switchyard.service.modelspec import KV_BLOCK_TOKENS, ServingLayout
+
+
+def planned_layout(body: dict) -> tuple[planner.Plan, ServingLayout]:
+    """The layout file the operator writes into the ConfigMap, read back as ``switchyard serve`` reads it."""
+    body["metadata"].update(uid="0f1e2d3c-uid", generation=1)
+    spec = specmod.normalized(body["spec"])
+    p = planner.plan(specmod.model_spec(spec), inventory.build([gpu_node("h200-0")], []), specmod.request(spec))
+    configmap = next(o for o in render.render(body, spec, p, specmod.model_source(spec)) if o["kind"] == "ConfigMap")
+    return p, ServingLayout.from_json(configmap["data"]["layout.json"])
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.5])
+def test_the_planned_budget_is_what_the_engine_is_built_with(fraction):
+    body = decode_service(kvMemoryFraction=fraction)
+    plan, layout = planned_layout(body)
+    assert plan.layout is not None and layout.kv_tokens == plan.layout.kv_tokens > 0
+    assert layout.kv_tokens % KV_BLOCK_TOKENS == 0
+    assert render.plan_status(plan, render.owner_from_body(body))["layout"]["kvTokens"] == layout.kv_tokens
+    arguments = PagedEngine.layout_arguments(layout)
+    assert arguments["kv_tokens"] == layout.kv_tokens and arguments["step_tokens"] == layout.step_tokens
+
+
+def test_the_engine_allocates_exactly_the_budget_it_is_given(tiny_checkpoint_dir):
+    layout = dataclasses.replace(ServingLayout(batch_slots=4, max_seq_len=128), kv_tokens=5 * KV_BLOCK_TOKENS,
+                                 step_tokens=32)
+    engine = tiny_paged_engine(tiny_checkpoint_dir, slots=4, max_seq_len=128, block_size=KV_BLOCK_TOKENS,
+                               **{k: v for k, v in PagedEngine.layout_arguments(layout).items()
+                                  if k in ("kv_tokens", "step_tokens")})
+    assert engine.kv_tokens == layout.kv_tokens and engine.step_tokens == 32
+    pool = engine._state["k"][0]
+    assert pool.shape[0] == layout.kv_tokens // KV_BLOCK_TOKENS + 1  # and the null block
+    assert pool.shape[2] == KV_BLOCK_TOKENS
