@@ -339,7 +339,10 @@ def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: fl
 # ---- the two paths -------------------------------------------------------------------------------
 
 
-def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float) -> list[RequestTimes]:
+def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float,
+                   peak: dict[str, int] | None = None) -> list[RequestTimes]:
+    """Run ``plan`` through the scheduler in this process; ``peak["generating"]`` gets the most
+    requests that held a slot at once."""
     from switchyard.service.engine.sampling import SamplingParams
     from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
 
@@ -354,6 +357,8 @@ def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], time
     def on_event(i: int):
         def record(event: Any) -> None:  # scheduler thread
             nonlocal open_requests
+            if peak is not None:
+                peak["generating"] = max(peak.get("generating", 0), scheduler.active_slots)
             if event.token_id is not None:
                 results[i].token_times.append(event.time)
             if event.finish_reason is not None:
@@ -485,11 +490,12 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_requests(rate, args.duration, args.prompt_mix, args.output_mix, vocab_size=engine.spec.vocab_size,
                              avoid=avoid, shared_prefix=args.shared_prefix, seed=args.seed * 1000 + i)
         for path in args.path:
+            peak: dict[str, int] = {}
             if path == "grpc":
                 measured = run_grpc(engine, tokenizer, plan, args.timeout, clients)
             else:
-                measured = run_in_process(engine, tokenizer, plan, args.timeout)
-            row = {"path": path, "rate_rps": rate, **summarize(measured, ttft_s, itl_s)}
+                measured = run_in_process(engine, tokenizer, plan, args.timeout, peak)
+            row = {"path": path, "rate_rps": rate, **summarize(measured, ttft_s, itl_s), **peak}
             rows.append(row)
             print(f"{path} {rate:g}/s: sent {row['sent']} finished {row['finished']} failed {row['failed']} "
                   f"unfinished {row['unfinished']}", flush=True)
@@ -502,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": os.environ.get("SWITCHYARD_COMMIT", ""),  # set by whoever runs it on a copy of the tree
         "config": {
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
+            "engine": args.engine, "step_tokens": engine.step_tokens, "kv_tokens": engine.kv_tokens,
+            "kv_block_size": engine.kv_block_size,
             "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len, "rates_rps": args.rates,
             "duration_s": args.duration, "timeout_s": args.timeout, "prompt_lengths": args.prompt_lengths,
             "output_lengths": args.output_lengths, "shared_prefix": args.shared_prefix, "seed": args.seed,

@@ -234,6 +234,27 @@ def decode_one_token(model: Transformer, tokens: torch.Tensor, input_pos: torch.
     return torch.argmax(logits[:, -1], dim=-1, keepdim=True)
 
 
+def prefill_last_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """A whole prompt tokens [1, T] in one pass, eager: cuBLAS products and SDPA's causal attention
+    (flash where it runs), through the model's own weights; the last position's logits [1, vocab].
+    (The decoder's KV cache is not written: this times prefill alone.)"""
+    T = tokens.shape[1]
+    x = model.tok_embeddings(tokens)
+    cos, sin = model.rope_cos[:T, None], model.rope_sin[:T, None]  # [T, 1, head_dim]: per position, all heads
+    for layer in model.layers:
+        attn = layer.attention
+        q_size, kv_size = attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim
+        q, k, v = attn.wqkv(layer.attention_norm(x)).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(1, T, attn.heads, attn.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(1, T, attn.kv_heads, attn.head_dim), cos, sin).transpose(1, 2)
+        v = v.view(1, T, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        h = x + attn.wo(y.transpose(1, 2).reshape(1, T, q_size))
+        x = h + layer.feed_forward(layer.ffn_norm(h))
+    last = model.norm(x[:, -1:])
+    return F.linear(last, model.tok_embeddings.weight) if model.output is None else model.output(last)
+
+
 # ---- Hugging Face parity -----------------------------------------------------------------------------
 class ReferenceMismatch(AssertionError):
     """The peer's logits differ from Hugging Face's on the same weights."""

@@ -115,3 +115,14 @@ def test_main_prints_a_line_and_writes_a_row_per_config(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["batch"], r["context"], r["impl"]) for r in rows] == [
         ("tiny", 1, 8, "torch-eager"), ("tiny", 2, 8, "torch-eager")]
+
+
+def test_prefill_gives_the_last_logits_of_decoding_the_prompt_token_by_token():
+    torch.manual_seed(0)
+    model = peer.build(TINY, batch=1, max_seq=40, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(3, TINY.vocab_size, (1, 37))
+    with torch.no_grad():
+        for pos in range(tokens.shape[1]):
+            stepped = model(tokens[:, pos:pos + 1], torch.tensor([pos]))
+        whole = peer.prefill_last_logits(model, tokens)
+    assert torch.allclose(whole[:, -1], stepped[:, -1], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,164 @@
+"""Time to first token of a prompt alone, and with a cached prefix, through the token-budget engine.
+
+A prompt alone is computed in chunks of ``--step-tokens`` (one engine step each, as serving runs it;
+the last step samples the first token): its time is the wall time from the first chunk's launch to
+the first token on the host. Prefix reuse: a prompt of ``--shared-prefix`` tokens plus
+``--suffix`` new ones, first with the prefix cache empty, then a second prompt with the same prefix
+and other new tokens, whose full blocks of the prefix come from the cache.
+
+The peer (``--peer torch``): the same shape in plain PyTorch, eager, cuBLAS products and SDPA's causal
+attention (flash), one pass over the whole prompt (``torch_peer.prefill_last_logits``). It runs first,
+before JAX takes the GPU's memory.
+
+    python benchmarks/prefill.py --prompt 1024 4096 --step-tokens 256 512 --peer torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import runpy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def peer_times(args: argparse.Namespace) -> dict:
+    import torch
+
+    peer = runpy.run_path(str(Path(__file__).with_name("torch_peer.py")))
+    from switchyard.service.modelspec import preset
+
+    spec = preset(args.model)
+    model = peer["build"](spec, batch=1, max_seq=max(args.prompt), device="cuda")
+    out = {"implementation": "PyTorch eager: cuBLAS products, SDPA causal attention (flash)",
+           "torch": torch.__version__, "rows": []}
+    with torch.no_grad():
+        for length in args.prompt:
+            tokens = torch.randint(3, spec.vocab_size, (1, length), device="cuda")
+            times = []
+            for i in range(args.repeats + 2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                peer["prefill_last_logits"](model, tokens).argmax(-1).item()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            ms = 1000 * statistics.median(times)
+            out["rows"].append({"prompt": length, "ms": round(ms, 3)})
+            print(f"peer: prompt {length:5d} {ms:8.2f} ms", flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def time_to_first_token(engine, prompt: list[int], reuse_prefix: bool) -> tuple[float, int]:
+    """Seconds from the first chunk's launch to the first token on the host; the cached tokens."""
+    from switchyard.service.engine.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    cached = engine.begin(0, prompt, SamplingParams(), reuse_prefix=reuse_prefix)
+    if cached is None:
+        raise RuntimeError("the pool has too few blocks for the prompt")
+    while True:
+        chunk = engine.next_chunk(0)
+        pending = engine.dispatch(chunk)
+        if chunk.completes:
+            engine.collect(pending)
+            break
+    elapsed = time.perf_counter() - t0
+    engine.evict(0)
+    return elapsed, cached
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--prompt", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--step-tokens", type=int, nargs="+", default=[256])
+    parser.add_argument("--shared-prefix", type=int, default=2048)
+    parser.add_argument("--suffix", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peer", choices=["torch"], default=None)
+    parser.add_argument("--out", default=None, help="result JSON path")
+    args = parser.parse_args(argv)
+    peer = peer_times(args) if args.peer else None
+
+    import jax
+    import numpy as np
+    from switchyard.service.engine.paged import PagedEngine
+    from switchyard.service.modelspec import KV_BLOCK_TOKENS, ServingLayout, preset
+
+    spec = preset(args.model)
+    rng = np.random.default_rng(0)
+    longest = max(*args.prompt, args.shared_prefix + args.suffix)
+    max_seq = -(-(longest + 64) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    rows, params = [], None
+    for step_tokens in args.step_tokens:
+        layout = ServingLayout(tp=1, strategy="xla", batch_slots=8, max_seq_len=max_seq, kv_tokens=4 * max_seq,
+                               step_tokens=step_tokens)
+        if params is None:
+            engine = PagedEngine.from_random(spec, layout)
+            params = engine.params, engine.mesh
+        else:
+            engine = PagedEngine(spec, *params, dtype="bfloat16", **PagedEngine.layout_arguments(layout))
+        warm = engine.warmup()
+        print(f"step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
+        for length in args.prompt:
+            times = []
+            for i in range(args.repeats + 1):
+                prompt = [int(t) for t in rng.integers(3, spec.vocab_size, length)]
+                elapsed, _ = time_to_first_token(engine, prompt, reuse_prefix=False)
+                if i:
+                    times.append(elapsed)
+            ms = 1000 * statistics.median(times)
+            rows.append({"kind": "prompt alone", "step_tokens": step_tokens, "prompt": length, "ms": round(ms, 3),
+                         "chunks": -(-length // step_tokens)})
+            print(f"  prompt {length:5d} alone: {ms:8.2f} ms ({-(-length // step_tokens)} steps)", flush=True)
+        firsts, seconds = [], []
+        for i in range(args.repeats + 1):
+            engine.pool.clear_cache()
+            prefix = [int(t) for t in rng.integers(3, spec.vocab_size, args.shared_prefix)]
+            first, cached_first = time_to_first_token(
+                engine, prefix + [int(t) for t in rng.integers(3, spec.vocab_size, args.suffix)], True)
+            second, cached = time_to_first_token(
+                engine, prefix + [int(t) for t in rng.integers(3, spec.vocab_size, args.suffix)], True)
+            assert cached_first == 0 and cached == args.shared_prefix // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
+            if i:
+                firsts.append(first)
+                seconds.append(second)
+        f_ms, s_ms = 1000 * statistics.median(firsts), 1000 * statistics.median(seconds)
+        rows.append({"kind": "shared prefix", "step_tokens": step_tokens, "shared_prefix": args.shared_prefix,
+                     "suffix": args.suffix, "first_ms": round(f_ms, 3), "second_ms": round(s_ms, 3),
+                     "cached_tokens": cached, "second_over_first": round(s_ms / f_ms, 4)})
+        print(f"  shared prefix {args.shared_prefix} + {args.suffix}: first {f_ms:.2f} ms, second {s_ms:.2f} ms "
+              f"({100 * s_ms / f_ms:.1f}%)", flush=True)
+        del engine
+        gc.collect()
+    device = jax.devices()[0]
+    result = {
+        "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": f"{jax.device_count()}x {device.device_kind}",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": os.environ.get("SWITCHYARD_COMMIT", ""),
+        "jax": jax.__version__,
+        "model": args.model,
+        "rows": rows,
+    }
+    if peer is not None:
+        result["peer"] = peer
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
