@@ -339,11 +339,11 @@ class PagedEngine(SlotBook):
         return self._tables_dev
 
     # ---- compiled steps --------------------------------------------------------------------------
-    def _step_fn(self, batch: int, kv_len: int, greedy_only: bool):
-        return self._compiled(("step", batch, kv_len, greedy_only),
-                              lambda: self._build_step(batch, kv_len, greedy_only))
+    def _step_fn(self, batch: int, kv_len: int, greedy_only: bool, return_logits: bool = False):
+        return self._compiled(("step", batch, kv_len, greedy_only, return_logits),
+                              lambda: self._build_step(batch, kv_len, greedy_only, return_logits))
 
-    def _build_step(self, batch: int, kv_len: int, greedy_only: bool):
+    def _build_step(self, batch: int, kv_len: int, greedy_only: bool, return_logits: bool):
         """A step over decode rows [0, batch) and, when kv_len > 0, one chunk attending to kv_len positions."""
         cfg, vocab = self._cfg, self.spec.vocab_size
         pools = [POOL_SPEC] * self.spec.num_layers
@@ -356,13 +356,14 @@ class PagedEngine(SlotBook):
             logits, k, v = budget_forward(params, k, v, tokens, positions, tables, write, chunk, cfg)
             tok = sample_sharded(logits, vocab, AXIS, greedy_only=greedy_only, temperature=temp, top_k=top_k,
                                  top_p=top_p, seeds=seeds, counters=counters)
-            return tok, k, v
+            full = jax.lax.all_gather(logits, AXIS, axis=1, tiled=True) if return_logits else jnp.zeros(())
+            return tok, full, k, v
 
         rep = P()
         mapped = jax.shard_map(
             shard_fn, mesh=self.mesh,
             in_specs=(self._pspecs, pools, pools) + (rep,) * 13,
-            out_specs=(rep, pools, pools), check_vma=False)
+            out_specs=(rep, rep, pools, pools), check_vma=False)
 
         def step(params, state, tables, decoding, c_tokens, c_slot, c_start, c_len, c_completes, c_sampling):
             b = slice(0, batch)
@@ -372,7 +373,7 @@ class PagedEngine(SlotBook):
                 samp = [jnp.concatenate([a, jnp.asarray(c)[None].astype(a.dtype)]) for a, c in zip(samp, c_sampling,
                                                                                                   strict=True)]
             c_table = tables[c_slot]
-            tok, k, v = mapped(params, state["k"], state["v"], state["tokens"][b], state["positions"][b],
+            tok, logits, k, v = mapped(params, state["k"], state["v"], state["tokens"][b], state["positions"][b],
                                tables[b], write, *samp, c_tokens, c_start, c_len, c_table)
             new = dict(state, k=k, v=v)
             step_tok = tok[:batch]
@@ -388,14 +389,15 @@ class PagedEngine(SlotBook):
                                    ("temperature", temp), ("top_k", top_k), ("top_p", top_p), ("seeds", seed)):
                     old = new[key][c_slot]
                     new[key] = new[key].at[c_slot].set(jnp.where(c_completes, jnp.asarray(value, old.dtype), old))
-            return new, step_tok, chunk_tok
+            return new, step_tok, chunk_tok, logits
 
-        return jax.jit(step, donate_argnums=(1,), out_shardings=(self._state_shardings, None, None))
+        return jax.jit(step, donate_argnums=(1,), out_shardings=(self._state_shardings, None, None, None))
 
     # ---- the step --------------------------------------------------------------------------------
-    def dispatch(self, chunk: PlannedChunk | None = None) -> BudgetPendingStep:
+    def dispatch(self, chunk: PlannedChunk | None = None, return_logits: bool = False) -> BudgetPendingStep:
         """Launch one step: a token for every decoding slot, and ``chunk`` when given. The decoding
-        slots' blocks must be in place (:meth:`ensure_decode_blocks`)."""
+        slots' blocks must be in place (:meth:`ensure_decode_blocks`). With ``return_logits`` the
+        result carries the logits [batch (+ 1 for the chunk's last position), padded_vocab]."""
         decoding = np.flatnonzero(self._decoding)
         if decoding.size == 0 and chunk is None:
             raise RuntimeError("dispatch() with nothing to do")
@@ -423,13 +425,14 @@ class PagedEngine(SlotBook):
                        np.int32(seq.counter)))
             greedy = bool(self.greedy[decoding].all()) and s.greedy
         tables, writing = self._device_tables()
-        fn = self._step_fn(batch, kv_len, greedy)
-        self._state, tok, chunk_tok = fn(self.params, self._state, tables, writing, *c_args)
+        fn = self._step_fn(batch, kv_len, greedy, return_logits)
+        self._state, tok, chunk_tok, logits = fn(self.params, self._state, tables, writing, *c_args)
         tok.copy_to_host_async()
         self.positions[decoding] += 1
         self.step_count += 1
         pending = BudgetPendingStep(step=self.step_count, batch=batch, tokens=tok, active=self._decoding[:batch].copy(),
-                                    generations=self.generation[:batch].copy(), logits=None, chunk=chunk)
+                                    generations=self.generation[:batch].copy(),
+                                    logits=logits if return_logits else None, chunk=chunk)
         if chunk is not None:
             seq = self._seqs[chunk.slot]
             seq.computed = chunk.start + chunk.length
@@ -450,7 +453,8 @@ class PagedEngine(SlotBook):
         if pending.chunk is not None and pending.chunk.completes:
             chunk_token = int(np.asarray(pending.chunk_token))
         return BudgetStepResult(step=pending.step, batch=pending.batch, tokens=np.asarray(pending.tokens),
-                                active=pending.active, generations=pending.generations, chunk=pending.chunk,
+                                active=pending.active, generations=pending.generations, logits=pending.logits,
+                                chunk=pending.chunk,
                                 chunk_generation=pending.chunk_generation, chunk_token=chunk_token)
 
     def warmup(self) -> float:
@@ -465,11 +469,11 @@ class PagedEngine(SlotBook):
         for greedy in (True, False):
             samp = (np.float32(0 if greedy else 1), zero, np.float32(1), zero, zero)
             for batch in self.batch_buckets:
-                self._state, _, _ = self._step_fn(batch, 0, greedy)(
+                self._state, *_ = self._step_fn(batch, 0, greedy)(
                     self.params, self._state, tables, writing, np.zeros(0, np.int32), zero, zero, zero,
                     np.bool_(False), samp)
             for kv_len in self.kv_buckets:
-                self._state, _, _ = self._step_fn(self.batch_buckets[-1], kv_len, greedy)(
+                self._state, *_ = self._step_fn(self.batch_buckets[-1], kv_len, greedy)(
                     self.params, self._state, tables, writing, np.zeros(self._step_tokens, np.int32), zero, zero,
                     zero, np.bool_(False), samp)
         jax.block_until_ready(self._state)

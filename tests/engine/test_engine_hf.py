@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import scripts
+from helpers.engine_fixtures import tiny_paged_engine
 from helpers.hf_reference import hf_greedy, hf_logits, hf_model, save_hf
 from switchyard.service.engine.checkpoint import load_params
+from switchyard.service.engine.sampling import SamplingParams
 from switchyard.service.engine.tensor_parallel import Engine, make_mesh
 from switchyard.service.modelspec import ModelSpec, RopeScaling, ServingLayout, preset
 
@@ -49,8 +51,31 @@ def run_engine(folder, tp: int, dtype: str | None = None) -> tuple[list[int], np
     return tokens, np.stack(logits)[:, :vocab]
 
 
+def run_paged_engine(folder, tp: int, dtype: str | None = None) -> tuple[list[int], np.ndarray]:
+    """The token-budget engine, the prompt in chunks of 4 tokens over blocks of 4 positions."""
+    engine = tiny_paged_engine(folder, tp=tp, slots=2, max_seq_len=64, step_tokens=4, block_size=4, dtype=dtype)
+    assert engine.begin(0, PROMPT, SamplingParams()) == 0
+    while True:
+        chunk = engine.next_chunk(0)
+        result = engine.collect(engine.dispatch(chunk, return_logits=True))
+        if chunk.completes:
+            break
+    tokens, logits = [result.chunk_token], [np.asarray(result.logits[-1], np.float64)]
+    for _ in range(N_TOKENS - 1):
+        assert engine.ensure_decode_blocks()
+        step = engine.collect(engine.dispatch(return_logits=True))
+        tokens.append(int(step.tokens[0]))
+        logits.append(np.asarray(step.logits[0], np.float64))
+    return tokens, np.stack(logits)[:, : engine.spec.vocab_size]
+
+
+ENGINES = {"slots": run_engine, "paged": run_paged_engine}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_fp32_logits_and_greedy_tokens_match_transformers(reference, tp):
+def test_fp32_logits_and_greedy_tokens_match_transformers(reference, tp, engine):
+    run_engine = ENGINES[engine]
     _, model, folder = reference
     tokens, logits = run_engine(folder, tp)
     assert tokens == hf_greedy(model, PROMPT, N_TOKENS)
@@ -64,8 +89,10 @@ def tiny_folder(tmp_path_factory):
     return save_hf(hf_model(TINY, seed=7), tmp_path_factory.mktemp("tiny-bf16"))
 
 
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("tp", [1, 2])
-def test_bf16_logits_stay_close_to_transformers(tiny_folder, tp):
+def test_bf16_logits_stay_close_to_transformers(tiny_folder, tp, engine):
+    run_engine = ENGINES[engine]
     spec = TINY
     tokens, logits = run_engine(tiny_folder, tp, dtype="bfloat16")
     history = PROMPT + tokens[:-1]

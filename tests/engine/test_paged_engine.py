@@ -184,3 +184,12 @@ def test_block_pool_books():
     # Fresh blocks evict the least recently used cached block first; its hash goes with it.
     d = SequenceBlocks()
     assert pool.grow(d, 16) and pool.cached_prefix([*range(9), 99])[0] == []
+
+
+def test_serving_after_warm_up_compiles_nothing(checkpoint, tokenizer, prompts, reference):
+    engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    engine.warmup()
+    compiled = engine.compiled_count()
+    tokens, _ = serve_all(engine, tokenizer, greedy_requests(prompts))
+    assert engine.compiled_count() == compiled, "steady-state serving compiled a new step"
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference

@@ -24,14 +24,15 @@ def tiny_engine(folder: Path, tp: int = 1, slots: int = 4, max_seq_len: int = 12
 
 
 def tiny_paged_engine(folder: Path, tp: int = 1, slots: int = 4, max_seq_len: int = 128, *, kv_tokens: int = 0,
-                      step_tokens: int = 16, block_size: int = 16) -> PagedEngine:
+                      step_tokens: int = 16, block_size: int = 16, dtype: str | None = None) -> PagedEngine:
     """The token-budget engine on the tiny checkpoint, with small blocks and chunks so that tests
     cross block and chunk boundaries with short prompts."""
     spec = ModelSpec.from_file(folder)
     mesh = make_mesh(tp)
-    params = load_params(folder, spec, mesh, spec.dtype, progress=False)
+    dtype = dtype or spec.dtype
+    params = load_params(folder, spec, mesh, dtype, progress=False)
     return PagedEngine(spec, params, mesh, batch_slots=slots, max_seq_len=max_seq_len, kv_tokens=kv_tokens,
-                       step_tokens=step_tokens, block_size=block_size)
+                       step_tokens=step_tokens, block_size=block_size, dtype=dtype)
 
 
 def varied_checkpoint(folder: Path, tokenizer_from: Path, seed: int = 11) -> Path:
