@@ -65,11 +65,13 @@ def plan(batch: int, context: int, kv: int, d: int, block: int, itemsize: int, m
     return {"m": m, "layers": layers, "calls": calls}
 
 
-def make_layers(key, batch: int, kv: int, d: int, block: int, m: int, layers: int, dtype):
-    """Per layer a contiguous cache pair and the same K/V as pools; the shuffled block tables."""
+def make_layers(key, batch: int, kv: int, d: int, block: int, m: int, layers: int, dtype, shuffled: bool):
+    """Per layer a contiguous cache pair and the same K/V as pools; the block tables (the pool's
+    blocks in a random permutation, or in order when not ``shuffled``)."""
     rng = np.random.default_rng(batch * 1_000_003 + m)
     num_blocks = 1 + batch * m
-    tables = jnp.asarray((1 + rng.permutation(batch * m)).reshape(batch, m), jnp.int32)
+    order = rng.permutation(batch * m) if shuffled else np.arange(batch * m)
+    tables = jnp.asarray((1 + order).reshape(batch, m), jnp.int32)
 
     @jax.jit
     def layer(key):
@@ -123,7 +125,8 @@ def measure(args: argparse.Namespace, batch: int, context: int) -> dict:
     kv, group, d, block = args.kv_heads, args.q_heads // args.kv_heads, args.head_dim, args.block_size
     p = plan(batch, context, kv, d, block, jnp.dtype(dtype).itemsize, args.min_calls)
     key = jax.random.PRNGKey(batch * 7919 + context)
-    contiguous, paged, tables = make_layers(key, batch, kv, d, block, p["m"], p["layers"], dtype)
+    contiguous, paged, tables = make_layers(key, batch, kv, d, block, p["m"], p["layers"], dtype,
+                                            args.tables == "shuffled")
     qkv = jax.random.normal(jax.random.fold_in(key, 1), (batch, kv * group + 2 * kv, d), dtype)
     positions = jnp.full((batch,), context, jnp.int32)
     states = {
@@ -151,7 +154,8 @@ def measure(args: argparse.Namespace, batch: int, context: int) -> dict:
         for kind, fn in fns.items():
             per_launch[kind].append(time_chain(fn, states[kind], args.queued) / (args.queued * p["calls"]))
     kv_bytes = 2 * batch * (context + 1) * kv * d * jnp.dtype(dtype).itemsize
-    row = {"batch": batch, "context": context, "block_size": block, "table_entries": p["m"], "layers": p["layers"],
+    row = {"batch": batch, "context": context, "block_size": block, "tables": args.tables, "table_entries": p["m"],
+           "layers": p["layers"],
            "launches_per_call": p["calls"], "queued_calls": args.queued, "repeats": args.repeats,
            "splits": attention.splits_for(batch, kv, p["m"] * block), "max_abs_diff": max_diff,
            "kv_bytes_per_launch": kv_bytes}
@@ -172,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--long-context", type=int, nargs="*", default=[32768])
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--tables", choices=["shuffled", "sequential"], default="shuffled",
+                        help="the pool's blocks handed out in a random permutation, or in order")
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -203,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "jax": jax.__version__,
         "host": platform.node(),
         "shape": {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16",
-                  "block_size": args.block_size},
+                  "block_size": args.block_size, "tables": args.tables},
         "rows": rows,
     }
     if args.out:
