@@ -43,10 +43,10 @@
 // Paged caches (Paged = true). The caches are pools of blocks, k_pool / v_pool
 // [num_blocks, kv, B, D] (B a power of two), and row b's logical position p lives in block
 // tables[b, p / B] at offset p % B. Nothing else changes: each lane looks up the block of the
-// position it loads K for (table entries are requested two chunks ahead, so only the first chunk
-// waits for its entry), keeps that row's index, and the V loads take row j's index from lane j by
-// a shuffle. So any block size works and a chunk may span blocks. The next chunk's rows are also
-// prefetched into L2 while this one is computed (see `prefetch`). Row indices fit 32 bits (the host
+// position it loads K for (the chunk's table entries are requested one chunk ahead, so only the
+// first chunk waits for its entry), keeps that row's index, and the V loads take row j's index
+// from lane j by a shuffle. So any block size works, a chunk may span blocks, and the loop issues
+// as many instructions per position as the contiguous one. Row indices fit 32 bits (the host
 // checks num_blocks * kv * B < 2^32 - 1; the top value marks the new token). Table entries outside
 // [0, num_blocks) are read as block 0 (no access outside the pool); the new K/V are stored only
 // where the entry for write_at is inside it.
@@ -165,22 +165,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // the slice's end they re-read its last position (no branch around the loads); masked below.
   uint4 kraw[P16];
   VRaw vraw[kAttnChunk];
-  // Paged: the table entries of this lane's position in the next chunk to load and in the one
-  // after it, and the pool row of its position in the chunk last loaded.
-  int32_t block = 0, ahead = 0;
-  uint32_t prow = 0;
-  auto table_entry = [&](int base) { return table[min(base + lane, t1 - 1) >> a.block_shift]; };
-  // Paged: a chunk's K and V rows requested into L2 one chunk before their loads. Its rows sit in
-  // blocks anywhere in the pools, so its loads may wait on address translation as well as on HBM,
-  // and one chunk in flight per warp (the contiguous loop's depth) would leave HBM idle meanwhile.
-  auto prefetch = [&](int base, int32_t blk) {
-    const T* krow = kc + static_cast<uint64_t>(attn_pool_row(a, blk, h, min(base + lane, t1 - 1))) * D;
-    const T* vrow = vc + (krow - kc);
-#pragma unroll
-    for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 128) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(krow) + c));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(vrow) + c));
-    }
+  int32_t block = 0;  // paged: the table entry of this lane's position in the next chunk loaded
+  uint32_t prow = 0;  // paged: the pool row of this lane's position in the chunk last loaded
+  auto load_block = [&](int base) {
+    if constexpr (Paged) block = table[min(base + lane, t1 - 1) >> a.block_shift];
   };
   auto load_k = [&](int base) {
     const int t = min(base + lane, t1 - 1);
@@ -211,16 +199,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // The first chunk's loads go out before anything else (they need only pos), so the queries'
   // trip to shared memory and the barrier below overlap them. The new K/V's store into the cache
   // may land before or after these loads: the position it writes is read from k_new/v_new.
-  constexpr int kStep = kAttnWarps * kAttnChunk;  // a warp's chunks are this many positions apart
   const int first = t0 + warp * kAttnChunk;
   if (first < t1) {
-    if constexpr (Paged) {
-      block = table_entry(first);
-      if (first + kStep < t1) ahead = table_entry(first + kStep);
-    }
+    load_block(first);
     load_k(first);
     load_v(first);
-    block = ahead;
   }
   VRaw ktail, vtail;  // the new token's K and V at this lane's E elements
   if (takes_tail) {
@@ -276,13 +259,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // Software pipeline without extra registers: the next chunk's K loads go out as soon as this
   // chunk's scores have consumed kraw (they overlap the softmax and the V pass), and its V loads
   // as soon as the V pass has consumed vraw (they overlap the next chunk's scores).
-  for (int base = first; base < t1; base += kStep) {
-    const int next = base + kStep;
+  for (int base = first; base < t1; base += kAttnWarps * kAttnChunk) {
+    const int next = base + kAttnWarps * kAttnChunk;
     const bool valid = base + lane < t1;
-    if constexpr (Paged) {  // the next chunk's rows into L2; the table entries of the one after it
-      if (next < t1) prefetch(next, block);
-      if (next + kStep < t1) ahead = table_entry(next + kStep);
-    }
+    if (next < t1) load_block(next);  // paged: the next chunk's table entries, used by load_k(next)
 
     // Scores of this lane's position for the G query heads.
     float sc[G];
@@ -332,7 +312,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
       }
     }
     if (next < t1) load_v(next);
-    block = ahead;
     __syncwarp();  // sp is rewritten by the next chunk
   }
   clock.mark(3);
