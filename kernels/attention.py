@@ -6,6 +6,10 @@ library is loaded (one launch; the sequence is split across up to 8 blocks of on
 batch is small), and otherwise the pure-JAX reference below, with the same semantics.
 ``decode_attention`` takes them separately. Called inside ``jax.shard_map``
 on one device's shard: rows are the first ``n`` rows of the caches.
+
+``paged_decode_attention_packed`` is the same over a paged KV cache: per layer a pool of blocks of
+``B`` positions, and per row a block table that says which block holds each ``B`` of its positions
+(the same kernel, which finds each position's K/V through the table).
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ TARGET_BLOCKS = 264
 MIN_SLICE = 64  # positions per block below which splitting the sequence further does not pay
 MAX_SPLITS = 8  # kAttnMaxSplits in csrc/decode_attention.cuh: the slices of a (row, head) form one cluster
 MAX_PAIRS = (1 << 31) - 1  # (row, KV head) pairs: the grid's x dimension
+# Paged pools: the block sizes the kernel is built and tested for (it needs a power of two), and the
+# pool rows (blocks x KV heads x block size) must stay below NEW_ROW, the index that stands for the
+# new token.
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
+NEW_ROW = 0xFFFFFFFF  # kAttnNewRow in csrc/decode_attention.cuh
+MAX_TABLE_POSITIONS = (1 << 31) - 1  # M x B: positions are int32
 
 
 def splits_for(n: int, kv_heads: int, cache_len: int) -> int:
@@ -46,21 +56,26 @@ def reference_decode_attention(
     Writes row b's new K/V at ``write_at[b]`` (dropped when outside the cache) and attends over
     positions ``[0, positions[b]]``. Returns (out [n, H, D], k_cache, v_cache).
     """
-    n, heads, d = q.shape
-    kv = k_new.shape[1]
+    n = q.shape[0]
     rows = jnp.arange(n)
     # The scatter drops writes aimed past the cache's end; it never reads the cache (reading it would
     # make XLA copy the whole cache to scatter in place).
     k_cache = k_cache.at[rows, :, write_at, :].set(k_new.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, :, write_at, :].set(v_new.astype(v_cache.dtype), mode="drop")
-    kc, vc = k_cache[:n], v_cache[:n]
     visible = jnp.arange(k_cache.shape[2])[None, :] <= positions[:, None]
+    return _attend(q, k_cache[:n], v_cache[:n], visible), k_cache, v_cache
+
+
+def _attend(q: jax.Array, kc: jax.Array, vc: jax.Array, visible: jax.Array) -> jax.Array:
+    """q [n, H, D] against kc, vc [n, kv, S, D] where ``visible`` [n, S]; out [n, H, D]."""
+    n, heads, d = q.shape
+    kv = kc.shape[1]
     qg = q.reshape(n, kv, heads // kv, d)
     scores = jnp.einsum("bkgd,bksd->bkgs", qg, kc, preferred_element_type=jnp.float32)
     scores = jnp.where(visible[:, None, None, :], scores / math.sqrt(d), -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
     out = jnp.einsum("bkgs,bksd->bkgd", probs, vc)
-    return out.reshape(n, heads, d), k_cache, v_cache
+    return out.reshape(n, heads, d)
 
 
 def reference_decode_attention_packed(
@@ -117,40 +132,106 @@ def decode_attention(
     return decode_attention_packed(qkv, k_cache, v_cache, positions, write_at, use_kernel=use_kernel)
 
 
+# ---- paged KV cache ---------------------------------------------------------------------------------
+
+
+def paged_kernel_supports(dtype: jnp.dtype, head_dim: int, group: int, block_size: int) -> bool:
+    return kernel_supports(dtype, head_dim, group) and block_size in KERNEL_BLOCK_SIZES
+
+
+def _check_paged(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array,
+                 positions: jax.Array, write_at: jax.Array) -> None:
+    """Clear errors for shapes that do not fit together (at trace time)."""
+    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"paged attention: pools must both be [num_blocks, kv, B, D]; got {k_pool.shape} "
+                         f"and {v_pool.shape}")
+    num_blocks, kv, _, d = k_pool.shape
+    if qkv.ndim != 3 or qkv.shape[2] != d or kv == 0 or qkv.shape[1] <= 2 * kv or (qkv.shape[1] - 2 * kv) % kv:
+        raise ValueError(f"paged attention: qkv {qkv.shape} must be [n, H + 2 kv, D] with H a multiple of "
+                         f"kv = {kv} and D = {d}")
+    n = qkv.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != n or block_tables.shape[1] == 0:
+        raise ValueError(f"paged attention: block tables {block_tables.shape} must be [n = {n}, M >= 1]")
+    if positions.shape != (n,) or write_at.shape != (n,):
+        raise ValueError(f"paged attention: positions {positions.shape} and write_at {write_at.shape} must be ({n},)")
+    if num_blocks == 0:
+        raise ValueError("paged attention: the pools have no blocks")
+    for name, arr in (("block tables", block_tables), ("positions", positions), ("write_at", write_at)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"paged attention: {name} must be integers, got {arr.dtype}")
+
+
 def reference_paged_decode_attention_packed(
     qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array, positions: jax.Array,
     write_at: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """As :func:`reference_decode_attention_packed` over a paged pool: pools [NB, kv, B, D]; row b's
-    logical position p lives in block ``block_tables[b, p // B]`` at offset ``p % B``. A ``write_at``
-    outside the table's positions, or whose table entry is outside the pool, writes nothing."""
-    n, _, d = qkv.shape
-    nb, kv, bs, _ = k_pool.shape
-    m = block_tables.shape[1]
+    """Decode attention over a paged KV cache, in pure JAX.
+
+    qkv [n, H + 2 kv, D] (query heads, then K heads, then V heads; rope applied); pools
+    [num_blocks, kv, B, D]; block_tables int [n, M]: row b's logical position p lives in block
+    ``block_tables[b, p // B]`` at offset ``p % B``; positions [n]: row b attends over logical
+    positions ``[0, positions[b]]`` (at most M * B of them); write_at [n]: row b's new K/V go to
+    logical position ``write_at[b]``, not written where that is outside ``[0, M * B)`` or its table
+    entry is outside ``[0, num_blocks)``. Table entries of the attended positions must be in
+    ``[0, num_blocks)``; the others may hold anything and are never read. Returns
+    (out [n, H, D], k_pool, v_pool).
+    """
+    _check_paged(qkv, k_pool, v_pool, block_tables, positions, write_at)
+    num_blocks, kv, bs, d = k_pool.shape
+    n, m = block_tables.shape
     heads = qkv.shape[1] - 2 * kv
+    q, k_new, v_new = qkv[:, :heads], qkv[:, heads:heads + kv], qkv[:, heads + kv:]
+    tables = block_tables.astype(jnp.int32)
+    positions, write_at = positions.astype(jnp.int32), write_at.astype(jnp.int32)
     rows = jnp.arange(n)
-    inside = (write_at >= 0) & (write_at < m * bs)
-    entry = block_tables[rows, jnp.clip(write_at // bs, 0, m - 1)]
-    block = jnp.where(inside & (entry >= 0) & (entry < nb), entry, nb)
-    offset = jnp.where(inside, write_at % bs, 0)
-    k_pool = k_pool.at[block, :, offset, :].set(qkv[:, heads:heads + kv].astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[block, :, offset, :].set(qkv[:, heads + kv:].astype(v_pool.dtype), mode="drop")
-    kc = jnp.swapaxes(k_pool[block_tables], 1, 2).reshape(n, kv, m * bs, d)
-    vc = jnp.swapaxes(v_pool[block_tables], 1, 2).reshape(n, kv, m * bs, d)
+    # The write: one scatter into the pool that drops what it may not write (index num_blocks is past
+    # the pool); like the contiguous reference, it never reads the pool.
+    block = tables[rows, jnp.clip(write_at // bs, 0, m - 1)]
+    writes = (write_at >= 0) & (write_at < m * bs) & (block >= 0) & (block < num_blocks)
+    block = jnp.where(writes, block, num_blocks)
+    offset = write_at % bs
+    k_pool = k_pool.at[block, :, offset, :].set(k_new.astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[block, :, offset, :].set(v_new.astype(v_pool.dtype), mode="drop")
+    # The rows' blocks, in logical order: [n, kv, M * B, D]. Positions past a row's own are zeroed
+    # as well as masked, so whatever unused blocks hold (stale or NaN) never reaches the output.
     visible = jnp.arange(m * bs)[None, :] <= positions[:, None]
-    kc = jnp.where(visible[:, None, :, None], kc, 0)  # unwritten positions may hold anything
-    vc = jnp.where(visible[:, None, :, None], vc, 0)
-    qg = qkv[:, :heads].reshape(n, kv, heads // kv, d)
-    scores = jnp.einsum("bkgd,bksd->bkgs", qg, kc, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible[:, None, None, :], scores / math.sqrt(d), -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
-    out = jnp.einsum("bkgs,bksd->bkgd", probs, vc)
-    return out.reshape(n, heads, d), k_pool, v_pool
+
+    def gather(pool: jax.Array) -> jax.Array:
+        seq = pool[jnp.clip(tables, 0, num_blocks - 1)].transpose(0, 2, 1, 3, 4).reshape(n, kv, m * bs, d)
+        return jnp.where(visible[:, None, :, None], seq, jnp.zeros((), seq.dtype))
+
+    return _attend(q, gather(k_pool), gather(v_pool), visible), k_pool, v_pool
+
+
+def _paged_kernel(qkv, k_pool, v_pool, block_tables, positions, write_at):
+    n, total, d = qkv.shape
+    kv, bs = k_pool.shape[1], k_pool.shape[2]
+    splits = splits_for(n, kv, block_tables.shape[1] * bs)
+    out, k_pool, v_pool = jax.ffi.ffi_call(
+        "switchyard_paged_decode_attention",
+        (jax.ShapeDtypeStruct((n, total - 2 * kv, d), qkv.dtype), jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+         jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)),
+        input_output_aliases={1: 1, 2: 2},
+    )(qkv, k_pool, v_pool, block_tables.astype(jnp.int32), positions.astype(jnp.int32), write_at.astype(jnp.int32),
+      scale=np.float32(1.0 / math.sqrt(d)), splits=np.int32(splits))
+    return out, k_pool, v_pool
 
 
 def paged_decode_attention_packed(
     qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array, positions: jax.Array,
     write_at: jax.Array, *, use_kernel: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """As :func:`reference_paged_decode_attention_packed`."""
-    return reference_paged_decode_attention_packed(qkv, k_pool, v_pool, block_tables, positions, write_at)
+    """As :func:`reference_paged_decode_attention_packed`; on CUDA with the kernel library, one launch
+    of the decode-attention kernel that finds each position's K/V through the block table (the pools
+    are updated in place when donated)."""
+    _check_paged(qkv, k_pool, v_pool, block_tables, positions, write_at)
+    args = (qkv, k_pool, v_pool, block_tables, positions, write_at)
+    num_blocks, kv, bs, d = k_pool.shape
+    n, m = block_tables.shape
+    heads = qkv.shape[1] - 2 * kv
+    usable = (use_kernel and qkv.dtype == k_pool.dtype == v_pool.dtype
+              and paged_kernel_supports(qkv.dtype, d, heads // kv, bs) and n * kv <= MAX_PAIRS
+              and num_blocks * kv * bs < NEW_ROW and m * bs <= MAX_TABLE_POSITIONS and native.attention_ready())
+    if not usable:
+        return reference_paged_decode_attention_packed(*args)
+    return jax.lax.platform_dependent(*args, default=reference_paged_decode_attention_packed, cuda=_paged_kernel)

@@ -24,6 +24,7 @@ TARGETS = {
     "switchyard_twoshot": "SyTwoShot",
     "switchyard_fused_rmsnorm": "SyFusedRmsNorm",
     "switchyard_decode_attention": "SyDecodeAttention",
+    "switchyard_paged_decode_attention": "SyPagedDecodeAttention",
 }
 # Only in the diagnostic library (``build --diagnostics``, csrc/ffi_diagnostics.cu): registered
 # where the loaded library has them.
@@ -170,9 +171,10 @@ def init(
 
 
 def attention_ready() -> bool:
-    """Whether the decode-attention kernel can run here: the library is loaded, its handlers are
-    registered and its kernels are loaded on this process's GPUs (it needs no workspace, so no
-    ``init()``). False without GPUs or library; the reference path runs instead."""
+    """Whether the decode-attention kernels (contiguous caches and paged pools) can run here: the
+    library is loaded, its handlers are registered and its kernels are loaded on this process's GPUs
+    (they need no workspace, so no ``init()``). False without GPUs or library; the reference path
+    runs instead."""
     if _state.attention is None:
         devs = _gpu_devices()
         lib = load() if devs else None

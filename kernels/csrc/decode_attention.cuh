@@ -40,6 +40,17 @@
 // read by at most one block, which uses k_new/v_new for it instead of the cache. Block s == 0
 // stores them into the cache. No block reads what another writes, so one launch suffices.
 //
+// Paged caches (Paged = true). The caches are pools of blocks, k_pool / v_pool
+// [num_blocks, kv, B, D] (B a power of two), and row b's logical position p lives in block
+// tables[b, p / B] at offset p % B. Nothing else changes: each lane looks up the block of the
+// position it loads K for (the chunk's table entries are requested one chunk ahead, so only the
+// first chunk waits for its entry), keeps that row's index, and the V loads take row j's index
+// from lane j by a shuffle. So any block size works, a chunk may span blocks, and the loop issues
+// as many instructions per position as the contiguous one. Row indices fit 32 bits (the host
+// checks num_blocks * kv * B < 2^32 - 1; the top value marks the new token). Table entries outside
+// [0, num_blocks) are read as block 0 (no access outside the pool); the new K/V are stored only
+// where the entry for write_at is inside it.
+//
 // Numerics: scores, softmax and accumulation in fp32; products of bf16/fp16 inputs.
 #pragma once
 
@@ -62,14 +73,27 @@ constexpr int kAttnMaxSplits = 8;  // the portable thread-block cluster size
 
 struct AttnArgs {
   const void* qkv;  // [n, kv * G + 2 * kv, D]: each row's query heads, then its new K and V heads
-  void* k_cache;
+  void* k_cache;    // contiguous [slots, kv, L, D]; paged: the pool [num_blocks, kv, B, D]
   void* v_cache;
   const int32_t* pos;
   const int32_t* write_at;
   void* out;
-  int n, kv, G, L, S;
+  int n, kv, G, L, S;  // paged: L = M * B, the positions a block table can map
   float scale;
+  // Paged caches only.
+  const int32_t* tables = nullptr;  // [n, M] block of each B positions of each row
+  int M = 0;                        // table entries per row
+  int block_shift = 0;              // log2(B)
+  uint32_t blocks = 0;              // num_blocks in the pools
 };
+
+// A pool row (one position of one KV head): its index, from which the address is row * D.
+constexpr uint32_t kAttnNewRow = 0xFFFFFFFFu;  // the row that stands for the new token's K/V
+
+__device__ __forceinline__ uint32_t attn_pool_row(const AttnArgs& a, int32_t block, int h, int t) {
+  const uint32_t blk = static_cast<uint32_t>(block) < a.blocks ? static_cast<uint32_t>(block) : 0u;
+  return ((blk * a.kv + h) << a.block_shift) + (static_cast<uint32_t>(t) & ((1u << a.block_shift) - 1u));
+}
 
 template <typename T, int E>
 __device__ __forceinline__ void attn_copy(const T* src, T* dst) {
@@ -91,7 +115,7 @@ __device__ __forceinline__ float attn_warp_sum(float v) {
   return v;
 }
 
-template <typename T, int D, int G>
+template <typename T, int D, int G, bool Paged = false>
 __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a) {
   namespace cg = cooperative_groups;
   PhaseClock clock;
@@ -119,8 +143,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   const T* kn = row + (a.kv * G + h) * D;
   const T* vn = row + (a.kv * G + a.kv + h) * D;
   const int64_t head = (static_cast<int64_t>(b) * a.kv + h);
-  T* kc = static_cast<T*>(a.k_cache) + head * a.L * D;
-  T* vc = static_cast<T*>(a.v_cache) + head * a.L * D;
+  // Contiguous: this (row, head)'s cache. Paged: the pools (rows are found through the table).
+  T* kc = static_cast<T*>(a.k_cache) + (Paged ? 0 : head * a.L * D);
+  T* vc = static_cast<T*>(a.v_cache) + (Paged ? 0 : head * a.L * D);
+  const int32_t* table = Paged ? a.tables + static_cast<int64_t>(b) * a.M : nullptr;
+  // Paged, slice 0's warp 0: the block the new K/V go to (requested now, stored before the barrier).
+  int32_t write_block = -1;
+  if (Paged && s == 0 && warp == 0 && writes) write_block = table[wat >> a.block_shift];
 
   // The queries' loads go out first: they are few, and their trip to shared memory (and the
   // barrier after it) then overlaps the K/V loads instead of queueing behind them.
@@ -136,17 +165,34 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // the slice's end they re-read its last position (no branch around the loads); masked below.
   uint4 kraw[P16];
   VRaw vraw[kAttnChunk];
+  int32_t block = 0;  // paged: the table entry of this lane's position in the next chunk loaded
+  uint32_t prow = 0;  // paged: the pool row of this lane's position in the chunk last loaded
+  auto load_block = [&](int base) {
+    if constexpr (Paged) block = table[min(base + lane, t1 - 1) >> a.block_shift];
+  };
   auto load_k = [&](int base) {
     const int t = min(base + lane, t1 - 1);
-    const T* krow = (writes && t == wat) ? kn : kc + static_cast<int64_t>(t) * D;
+    const T* krow;
+    if constexpr (Paged) {
+      prow = (writes && t == wat) ? kAttnNewRow : attn_pool_row(a, block, h, t);
+      krow = prow == kAttnNewRow ? kn : kc + static_cast<uint64_t>(prow) * D;
+    } else {
+      krow = (writes && t == wat) ? kn : kc + static_cast<int64_t>(t) * D;
+    }
 #pragma unroll
     for (int c = 0; c < P16; ++c) kraw[c] = *reinterpret_cast<const uint4*>(krow + c * 8);
   };
   auto load_v = [&](int base) {
 #pragma unroll
     for (int j = 0; j < kAttnChunk; ++j) {
-      const int tj = min(base + j, t1 - 1);
-      const T* vrow = (writes && tj == wat) ? vn : vc + static_cast<int64_t>(tj) * D;
+      const T* vrow;
+      if constexpr (Paged) {
+        const uint32_t r = __shfl_sync(0xffffffffu, prow, j);  // lane j loaded position base + j
+        vrow = r == kAttnNewRow ? vn : vc + static_cast<uint64_t>(r) * D;
+      } else {
+        const int tj = min(base + j, t1 - 1);
+        vrow = (writes && tj == wat) ? vn : vc + static_cast<int64_t>(tj) * D;
+      }
       vraw[j] = *reinterpret_cast<const VRaw*>(vrow + lane * E);
     }
   };
@@ -155,6 +201,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // may land before or after these loads: the position it writes is read from k_new/v_new.
   const int first = t0 + warp * kAttnChunk;
   if (first < t1) {
+    load_block(first);
     load_k(first);
     load_v(first);
   }
@@ -172,8 +219,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
     if (i < G * D) qs[i / D][i % D] = to_f32(qv[j]) * a.scale;
   }
   if (s == 0 && warp == 0 && writes) {
-    attn_copy<T, E>(kn + lane * E, kc + static_cast<int64_t>(wat) * D + lane * E);
-    attn_copy<T, E>(vn + lane * E, vc + static_cast<int64_t>(wat) * D + lane * E);
+    if constexpr (Paged) {
+      if (static_cast<uint32_t>(write_block) < a.blocks) {
+        const uint64_t at = static_cast<uint64_t>(attn_pool_row(a, write_block, h, wat)) * D + lane * E;
+        attn_copy<T, E>(kn + lane * E, kc + at);
+        attn_copy<T, E>(vn + lane * E, vc + at);
+      }
+    } else {
+      attn_copy<T, E>(kn + lane * E, kc + static_cast<int64_t>(wat) * D + lane * E);
+      attn_copy<T, E>(vn + lane * E, vc + static_cast<int64_t>(wat) * D + lane * E);
+    }
   }
   __syncthreads();
   clock.mark(1);
@@ -207,6 +262,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   for (int base = first; base < t1; base += kAttnWarps * kAttnChunk) {
     const int next = base + kAttnWarps * kAttnChunk;
     const bool valid = base + lane < t1;
+    if (next < t1) load_block(next);  // paged: the next chunk's table entries, used by load_k(next)
 
     // Scores of this lane's position for the G query heads.
     float sc[G];

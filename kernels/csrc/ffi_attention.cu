@@ -1,5 +1,5 @@
-// XLA FFI handler of the decode-attention kernel (decode_attention.cuh) and its C API entry
-// sy_preload_attention. It needs no workspace and no init, only its kernels loaded on the GPU
+// XLA FFI handlers of the decode-attention kernel (decode_attention.cuh), over contiguous caches
+// and over paged pools with block tables, and their C API entry sy_preload_attention. It needs no workspace and no init, only its kernels loaded on the GPU
 // (and, per GPU, how many clusters of each split count fit at once). The handler makes no CUDA call
 // but the launch: it is safe inside XLA's command buffers.
 #include <cuda_runtime.h>
@@ -26,12 +26,13 @@ bool g_attn_loaded[kMaxOrdinals] = {};
 // find S free slots in one GPC, so a grid that fits by block count alone can still leave half its
 // clusters waiting for the first half to finish (at 8 rows x 8 KV heads x 4 splits it did:
 // benchmarks/results/kernel-phases-before-h200x2.json, 13 us between the first and last block start).
-constexpr int kAttnKernels = 2 * 2 * 4;
+constexpr int kAttnKernels = 2 * 2 * 4 * 2;
 int g_attn_clusters[kMaxOrdinals][kAttnKernels][kAttnMaxSplits + 1] = {};
 
-template <typename T, int D, int G>
+template <typename T, int D, int G, bool Paged>
 constexpr int attn_kernel_index() {
-  return (std::is_same<T, __half>::value ? 8 : 0) + (D == 64 ? 4 : 0) + (G == 1 ? 0 : G == 2 ? 1 : G == 4 ? 2 : 3);
+  return (Paged ? 16 : 0) + (std::is_same<T, __half>::value ? 8 : 0) + (D == 64 ? 4 : 0) +
+         (G == 1 ? 0 : G == 2 ? 1 : G == 4 ? 2 : 3);
 }
 
 template <typename A, typename B>
@@ -57,19 +58,19 @@ cudaLaunchConfig_t attention_config(const AttnArgs& a, cudaStream_t stream, cuda
   return cfg;
 }
 
-template <typename T, int D, int G>
+template <typename T, int D, int G, bool Paged>
 cudaError_t launch_attention(AttnArgs a, int device, cudaStream_t stream) {
-  const int* fits = g_attn_clusters[device][attn_kernel_index<T, D, G>()];
+  const int* fits = g_attn_clusters[device][attn_kernel_index<T, D, G, Paged>()];
   while (a.S > 1 && static_cast<int64_t>(a.n) * a.kv > fits[a.S]) --a.S;
   cudaLaunchAttribute cluster;
   const cudaLaunchConfig_t cfg = attention_config(a, stream, &cluster);
-  return cudaLaunchKernelEx(&cfg, attn_split_kernel<T, D, G>, a);
+  return cudaLaunchKernelEx(&cfg, attn_split_kernel<T, D, G, Paged>, a);
 }
 
-template <typename T, int D, int G>
+template <typename T, int D, int G, bool Paged>
 cudaError_t preload_attention(int device) {
   cudaFuncAttributes f;
-  cudaError_t e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, G>);
+  cudaError_t e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, G, Paged>);
   for (int S = 1; S <= kAttnMaxSplits && e == cudaSuccess; ++S) {
     AttnArgs a{};
     a.n = 1;
@@ -78,29 +79,73 @@ cudaError_t preload_attention(int device) {
     cudaLaunchAttribute cluster;
     const cudaLaunchConfig_t cfg = attention_config(a, nullptr, &cluster);
     int clusters = 0;
-    e = cudaOccupancyMaxActiveClusters(&clusters, attn_split_kernel<T, D, G>, &cfg);
-    g_attn_clusters[device][attn_kernel_index<T, D, G>()][S] = clusters;
+    e = cudaOccupancyMaxActiveClusters(&clusters, attn_split_kernel<T, D, G, Paged>, &cfg);
+    g_attn_clusters[device][attn_kernel_index<T, D, G, Paged>()][S] = clusters;
   }
   return e;
 }
 
 // Returns cudaErrorNotSupported for a shape without a compiled kernel.
-template <typename T, int D>
+template <typename T, int D, bool Paged>
 cudaError_t launch_attention_group(const AttnArgs& a, int device, cudaStream_t stream) {
   switch (a.G) {
-    case 1: return launch_attention<T, D, 1>(a, device, stream);
-    case 2: return launch_attention<T, D, 2>(a, device, stream);
-    case 4: return launch_attention<T, D, 4>(a, device, stream);
-    case 8: return launch_attention<T, D, 8>(a, device, stream);
+    case 1: return launch_attention<T, D, 1, Paged>(a, device, stream);
+    case 2: return launch_attention<T, D, 2, Paged>(a, device, stream);
+    case 4: return launch_attention<T, D, 4, Paged>(a, device, stream);
+    case 8: return launch_attention<T, D, 8, Paged>(a, device, stream);
     default: return cudaErrorNotSupported;
   }
 }
 
-template <typename T>
+template <typename T, bool Paged>
 cudaError_t launch_attention_dtype(const AttnArgs& a, int head_dim, int device, cudaStream_t stream) {
-  if (head_dim == 128) return launch_attention_group<T, 128>(a, device, stream);
-  if (head_dim == 64) return launch_attention_group<T, 64>(a, device, stream);
+  if (head_dim == 128) return launch_attention_group<T, 128, Paged>(a, device, stream);
+  if (head_dim == 64) return launch_attention_group<T, 64, Paged>(a, device, stream);
   return cudaErrorNotSupported;
+}
+
+ffi::Error bad_argument(const std::string& why) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, why); }
+
+// The checks both handlers share, past the ranks: qkv [n, H + 2 kv, D] against the caches or pools
+// ([*, kv, *, D]), the output, positions (`pos_count`, `write_count` entries), dtypes, splits and
+// the loaded kernels. `what` names the operation.
+ffi::Error check_common(const char* what, int32_t device, const ffi::AnyBuffer& qkv, size_t pos_count,
+                        size_t write_count, const ffi::AnyBuffer& out, const ffi::AnyBuffer& k_cache,
+                        const ffi::AnyBuffer& v_cache, int32_t splits) {
+  const std::string op(what);
+  const auto pd = qkv.dimensions(), cd = k_cache.dimensions(), od = out.dimensions();
+  const int64_t n = pd[0], heads = pd[1], d = pd[2], kv = cd[1];
+  const int64_t hq = heads - 2 * kv;
+  if (kv == 0 || hq <= 0 || hq % kv != 0)
+    return bad_argument(op + ": qkv needs H query heads (a multiple of the KV heads) then K and V heads");
+  if (cd[3] != d || !same_dims(v_cache.dimensions(), cd) || od.size() != 3 || od[0] != n || od[1] != hq ||
+      od[2] != d)
+    return bad_argument(op + ": shapes of qkv, the caches and the output do not agree");
+  if (static_cast<int64_t>(pos_count) != n || static_cast<int64_t>(write_count) != n)
+    return bad_argument(op + ": positions and write positions need one entry per row");
+  const auto dt = qkv.element_type();
+  if (k_cache.element_type() != dt || v_cache.element_type() != dt || out.element_type() != dt)
+    return bad_argument(op + ": qkv, caches and output must share one dtype");
+  if (splits < 1 || splits > kAttnMaxSplits)
+    return bad_argument(op + ": splits must be 1.." + std::to_string(kAttnMaxSplits));
+  if (n * kv > std::numeric_limits<int32_t>::max()) return bad_argument(op + ": too many (row, KV head) pairs");
+  if (device < 0 || device >= kMaxOrdinals || !g_attn_loaded[device])
+    return bad_argument(op + ": kernels not loaded on this GPU (switchyard.kernels.native.attention_ready)");
+  return ffi::Error::Success();
+}
+
+template <bool Paged>
+ffi::Error launch_checked(const char* what, const AttnArgs& a, ffi::DataType dt, int head_dim, int device,
+                          cudaStream_t stream) {
+  cudaError_t e = cudaErrorNotSupported;
+  if (dt == ffi::DataType::BF16) e = launch_attention_dtype<__nv_bfloat16, Paged>(a, head_dim, device, stream);
+  else if (dt == ffi::DataType::F16) e = launch_attention_dtype<__half, Paged>(a, head_dim, device, stream);
+  if (e == cudaErrorNotSupported)
+    return bad_argument(std::string(what) +
+                        ": supports bf16/fp16, head_dim 64 or 128, 1/2/4/8 query heads per KV head");
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(what) + " launch: " + cudaGetErrorString(e));
+  return launched();
 }
 
 ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv, ffi::AnyBuffer, ffi::AnyBuffer,
@@ -109,46 +154,66 @@ ffi::Error AttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv
                          int32_t splits) {
   // k_cache / v_cache results alias the cache operands (input_output_aliases): read and write them.
   const auto pd = qkv.dimensions(), cd = k_cache->dimensions();
-  auto bad = [](const std::string& why) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, why); };
-  if (pd.size() != 3 || cd.size() != 4) return bad("decode attention: qkv [n, H + 2 kv, D], cache [slots, kv, L, D]");
-  const int64_t n = pd[0], heads = pd[1], d = pd[2], kv = cd[1], len = cd[2];
-  const int64_t hq = heads - 2 * kv;
-  if (kv == 0 || hq <= 0 || hq % kv != 0)
-    return bad("decode attention: qkv needs H query heads (a multiple of the KV heads) then K and V heads");
-  if (cd[0] < n || cd[3] != d || !same_dims(v_cache->dimensions(), cd) || out->dimensions().size() != 3 ||
-      out->dimensions()[0] != n || out->dimensions()[1] != hq || out->dimensions()[2] != d)
-    return bad("decode attention: shapes of qkv, the caches and the output do not agree");
-  if (static_cast<int64_t>(pos.element_count()) != n || static_cast<int64_t>(write_at.element_count()) != n)
-    return bad("decode attention: positions and write positions need one entry per row");
-  const auto dt = qkv.element_type();
-  if (k_cache->element_type() != dt || v_cache->element_type() != dt || out->element_type() != dt)
-    return bad("decode attention: qkv, caches and output must share one dtype");
-  if (splits < 1 || splits > kAttnMaxSplits)
-    return bad("decode attention: splits must be 1.." + std::to_string(kAttnMaxSplits));
-  if (n * kv > std::numeric_limits<int32_t>::max()) return bad("decode attention: too many (row, KV head) pairs");
-  if (device < 0 || device >= kMaxOrdinals || !g_attn_loaded[device])
-    return bad("decode attention: kernels not loaded on this GPU (switchyard.kernels.native.attention_ready)");
+  if (pd.size() != 3 || cd.size() != 4)
+    return bad_argument("decode attention: qkv [n, H + 2 kv, D], cache [slots, kv, L, D]");
+  if (cd[0] < pd[0]) return bad_argument("decode attention: shapes of qkv, the caches and the output do not agree");
+  if (ffi::Error e = check_common("decode attention", device, qkv, pos.element_count(), write_at.element_count(),
+                                  *out, *k_cache, *v_cache, splits);
+      e.failure())
+    return e;
+  const int64_t n = pd[0], kv = cd[1];
   if (n == 0) return ffi::Error::Success();
   AttnArgs a{qkv.untyped_data(), k_cache->untyped_data(), v_cache->untyped_data(), pos.typed_data(),
              write_at.typed_data(), out->untyped_data(), static_cast<int>(n), static_cast<int>(kv),
-             static_cast<int>(hq / kv), static_cast<int>(len), static_cast<int>(splits), scale};
-  cudaError_t e = cudaErrorNotSupported;
-  if (dt == ffi::DataType::BF16) e = launch_attention_dtype<__nv_bfloat16>(a, static_cast<int>(d), device, stream);
-  else if (dt == ffi::DataType::F16) e = launch_attention_dtype<__half>(a, static_cast<int>(d), device, stream);
-  if (e == cudaErrorNotSupported)
-    return bad("decode attention: supports bf16/fp16, head_dim 64 or 128, 1/2/4/8 query heads per KV head");
-  if (e != cudaSuccess)
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("decode attention launch: ") + cudaGetErrorString(e));
-  return launched();
+             static_cast<int>((pd[1] - 2 * kv) / kv), static_cast<int>(cd[2]), static_cast<int>(splits), scale};
+  return launch_checked<false>("decode attention", a, qkv.element_type(), static_cast<int>(pd[2]), device, stream);
+}
+
+ffi::Error PagedAttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer qkv, ffi::AnyBuffer,
+                              ffi::AnyBuffer, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> pos,
+                              ffi::Buffer<ffi::S32> write_at, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> k_pool, ffi::Result<ffi::AnyBuffer> v_pool, float scale,
+                              int32_t splits) {
+  // k_pool / v_pool results alias the pool operands (input_output_aliases): read and write them.
+  const char* what = "paged decode attention";
+  const auto pd = qkv.dimensions(), cd = k_pool->dimensions(), td = tables.dimensions();
+  if (pd.size() != 3 || cd.size() != 4 || td.size() != 2)
+    return bad_argument("paged decode attention: qkv [n, H + 2 kv, D], pools [num_blocks, kv, B, D], "
+                        "block tables [n, M]");
+  if (ffi::Error e = check_common(what, device, qkv, pos.element_count(), write_at.element_count(), *out, *k_pool,
+                                  *v_pool, splits);
+      e.failure())
+    return e;
+  const int64_t n = pd[0], blocks = cd[0], kv = cd[1], bs = cd[2], m = td[1];
+  if (td[0] != n) return bad_argument("paged decode attention: the block tables need one row per qkv row");
+  if (bs < 1 || (bs & (bs - 1)) != 0) return bad_argument("paged decode attention: the block size must be a power of two");
+  if (blocks < 1 || blocks * kv * bs >= static_cast<int64_t>(kAttnNewRow))
+    return bad_argument("paged decode attention: the pools need 1 to 2^32 - 2 rows (blocks x KV heads x block size)");
+  if (m < 1 || m * bs > std::numeric_limits<int32_t>::max())
+    return bad_argument("paged decode attention: block tables need 1 to 2^31 / B entries per row");
+  if (n == 0) return ffi::Error::Success();
+  int shift = 0;
+  while ((int64_t{1} << shift) < bs) ++shift;
+  AttnArgs a{qkv.untyped_data(), k_pool->untyped_data(), v_pool->untyped_data(), pos.typed_data(),
+             write_at.typed_data(), out->untyped_data(), static_cast<int>(n), static_cast<int>(kv),
+             static_cast<int>((pd[1] - 2 * kv) / kv), static_cast<int>(m * bs), static_cast<int>(splits), scale,
+             tables.typed_data(), static_cast<int>(m), shift, static_cast<uint32_t>(blocks)};
+  return launch_checked<true>(what, a, qkv.element_type(), static_cast<int>(pd[2]), device, stream);
+}
+
+template <typename T, int D, bool Paged>
+cudaError_t preload_attention_groups(int device) {
+  cudaError_t e;
+  if ((e = preload_attention<T, D, 1, Paged>(device)) != cudaSuccess) return e;
+  if ((e = preload_attention<T, D, 2, Paged>(device)) != cudaSuccess) return e;
+  if ((e = preload_attention<T, D, 4, Paged>(device)) != cudaSuccess) return e;
+  return preload_attention<T, D, 8, Paged>(device);
 }
 
 template <typename T, int D>
 cudaError_t preload_attention_dtype_dim(int device) {
-  cudaError_t e;
-  if ((e = preload_attention<T, D, 1>(device)) != cudaSuccess) return e;
-  if ((e = preload_attention<T, D, 2>(device)) != cudaSuccess) return e;
-  if ((e = preload_attention<T, D, 4>(device)) != cudaSuccess) return e;
-  return preload_attention<T, D, 8>(device);
+  cudaError_t e = preload_attention_groups<T, D, false>(device);
+  return e == cudaSuccess ? preload_attention_groups<T, D, true>(device) : e;
 }
 
 }  // namespace
@@ -174,6 +239,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SyDecodeAttention, AttentionImpl,
                                   .Ret<ffi::AnyBuffer>()           // out
                                   .Ret<ffi::AnyBuffer>()           // k_cache
                                   .Ret<ffi::AnyBuffer>()           // v_cache
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("splits"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SyPagedDecodeAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // qkv: q heads, then k_new, v_new
+                                  .Arg<ffi::AnyBuffer>()           // k_pool (aliased to result 1)
+                                  .Arg<ffi::AnyBuffer>()           // v_pool (aliased to result 2)
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // block tables [n, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // write positions
+                                  .Ret<ffi::AnyBuffer>()           // out
+                                  .Ret<ffi::AnyBuffer>()           // k_pool
+                                  .Ret<ffi::AnyBuffer>()           // v_pool
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("splits"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,284 @@
+"""Paged decode attention (switchyard.kernels.attention.paged_decode_attention_packed): the reference
+against float64 on CPU, and the CUDA kernel against float64 on fresh random inputs with poisoned
+pools (marked ``gpu``). Block tables are shuffled, contexts are not multiples of the block size, and
+some rows write nowhere, past their table, or through a table entry outside the pool."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from switchyard.kernels import attention
+
+
+@dataclass
+class PagedCase:
+    qkv: np.ndarray  # [n, H + 2 kv, D], float32 holding exact `dtype` values
+    k_pool: np.ndarray  # [num_blocks, kv, B, D]; NaN wherever no row may read
+    v_pool: np.ndarray
+    tables: np.ndarray  # int32 [n, M]
+    positions: np.ndarray  # int32 [n]
+    write_at: np.ndarray  # int32 [n]
+
+    def args(self, dtype) -> list[jax.Array]:
+        return [jnp.asarray(a, dtype) for a in (self.qkv, self.k_pool, self.v_pool)] + [
+            jnp.asarray(a) for a in (self.tables, self.positions, self.write_at)]
+
+
+def paged_case(rng, n: int, kv: int, group: int, d: int, block: int, m: int, dtype, spare: int = 3) -> PagedCase:
+    """Random inputs: block 0 is the null block, the others are handed out in shuffled order; table
+    entries past a row's length point at the null block. Every pool position no row may read is NaN."""
+    heads = kv * group
+    cast = lambda a: np.array(jnp.asarray(a, dtype).astype(jnp.float32))  # noqa: E731 - exact dtype values
+    num_blocks = 1 + n * m + spare
+    qkv = cast(rng.standard_normal((n, heads + 2 * kv, d)))
+    k_pool = cast(rng.standard_normal((num_blocks, kv, block, d)))
+    v_pool = cast(rng.standard_normal((num_blocks, kv, block, d)))
+    tables = (1 + rng.permutation(num_blocks - 1)[: n * m]).reshape(n, m).astype(np.int32)
+    capacity = m * block
+    positions = rng.integers(0, capacity, n).astype(np.int32)
+    positions[0] = capacity - 1 - (block // 2 if m > 1 else 0)  # a long context, not a multiple of B
+    if n > 1:
+        positions[1] = 0
+    if n > 5 and m > 1:
+        positions[5] = min(positions[5], (m - 1) * block - 1)  # room for a write past its length
+    write_at = positions.copy()
+    if n > 2:
+        write_at[2] = capacity  # past the table: no write (stale work in a pipeline)
+    if n > 3:
+        write_at[3] = positions[3] // 2  # a write inside the attended range, not at its end
+    if n > 4:
+        write_at[4] = -1
+    for b in range(n):
+        tables[b, positions[b] // block + 1:] = 0  # past the row's length: the null block
+    if n > 5 and m > 1:
+        # A write past the row's length through a table entry outside the pool: dropped.
+        write_at[5] = (positions[5] // block + 1) * block
+        tables[5, positions[5] // block + 1] = num_blocks
+    readable = np.zeros((num_blocks, block), bool)
+    for b in range(n):
+        p = np.arange(positions[b] + 1)
+        readable[tables[b, p // block], p % block] = True
+    for pool in (k_pool, v_pool):
+        pool.transpose(0, 2, 1, 3)[~readable] = np.nan
+    return PagedCase(qkv, k_pool, v_pool, tables, positions, write_at)
+
+
+def reference_f64(case: PagedCase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Float64 numpy: write, then softmax over each row's logical positions [0, pos]."""
+    qkv = np.asarray(case.qkv, np.float64)
+    kp, vp = np.array(case.k_pool, np.float64), np.array(case.v_pool, np.float64)
+    num_blocks, kv, block, d = kp.shape
+    n, m = case.tables.shape
+    heads = qkv.shape[1] - 2 * kv
+    for b in range(n):
+        w = int(case.write_at[b])
+        if 0 <= w < m * block and 0 <= case.tables[b, w // block] < num_blocks:
+            kp[case.tables[b, w // block], :, w % block] = qkv[b, heads:heads + kv]
+            vp[case.tables[b, w // block], :, w % block] = qkv[b, heads + kv:]
+    out = np.zeros((n, heads, d))
+    for b in range(n):
+        p = np.arange(min(int(case.positions[b]), m * block - 1) + 1)
+        blocks, offsets = case.tables[b, p // block], p % block
+        keys, values = kp[blocks, :, offsets], vp[blocks, :, offsets]  # [P, kv, D]
+        for hq in range(heads):
+            h = hq // (heads // kv)
+            scores = keys[:, h] @ qkv[b, hq] / math.sqrt(d)
+            weights = np.exp(scores - scores.max())
+            out[b, hq] = (weights / weights.sum()) @ values[:, h]
+    return out, kp, vp
+
+
+def written_mask(case: PagedCase) -> np.ndarray:
+    """[num_blocks, kv, B, D]: the pool elements the step writes."""
+    num_blocks, _, block, _ = case.k_pool.shape
+    mask = np.zeros(case.k_pool.shape, bool)
+    for b, w in enumerate(case.write_at):
+        if 0 <= w < case.tables.shape[1] * block and 0 <= case.tables[b, w // block] < num_blocks:
+            mask[case.tables[b, w // block], :, w % block] = True
+    return mask
+
+
+def check_pools(got_k, got_v, case: PagedCase, want_k, want_v) -> None:
+    """The written positions hold the new K/V; every other element (NaN included) is unchanged."""
+    written = written_mask(case)
+    assert written.any()
+    for got, want, before in ((got_k, want_k, case.k_pool), (got_v, want_v, case.v_pool)):
+        got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+        np.testing.assert_array_equal(got[written], want[written])
+        np.testing.assert_array_equal(got[~written], np.asarray(before, np.float64)[~written])
+
+
+CPU_CASES = [  # n, kv, group, head_dim, block size, table entries per row
+    (1, 2, 4, 16, 8, 5),
+    (3, 2, 2, 8, 4, 7),
+    (7, 1, 3, 16, 16, 3),
+    (7, 4, 1, 8, 2, 9),
+]
+
+
+@pytest.mark.parametrize("shape", CPU_CASES, ids=lambda c: "n{}-kv{}-g{}-d{}-B{}-M{}".format(*c))
+def test_reference_matches_float64_and_never_reads_unused_blocks(shape, rng):
+    case = paged_case(rng, *shape, dtype=jnp.float32)
+    fn = jax.jit(attention.reference_paged_decode_attention_packed)
+    out, kp, vp = fn(*case.args(jnp.float32))
+    want_out, want_k, want_v = reference_f64(case)
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all(), "a NaN of a position no row may read reached the output"
+    np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-5)
+    check_pools(kp, vp, case, want_k, want_v)
+
+
+def test_the_case_covers_what_it_claims(rng):
+    """The awkward parts of the inputs are there: shuffled tables, rows that write nowhere, a write
+    past the table, a dropped write through an entry outside the pool, NaN in unused blocks."""
+    case = paged_case(rng, 7, 2, 2, 8, 4, 9, dtype=jnp.float32)
+    num_blocks, _, block, _ = case.k_pool.shape
+    capacity = case.tables.shape[1] * block
+    assert case.write_at[2] == capacity and case.write_at[4] == -1
+    assert case.tables[5, case.write_at[5] // block] == num_blocks
+    assert (case.positions[0] + 1) % block != 0
+    used = case.tables[0, : case.positions[0] // block + 1]
+    assert not np.array_equal(used, np.sort(used)), "the block table is not shuffled"
+    spare = sorted(set(range(1, num_blocks)) - set(case.tables.ravel().tolist()))
+    assert spare and np.isnan(case.k_pool[[0, *spare]]).all()  # the null block and the blocks no row holds
+    assert written_mask(case).sum() == 4 * 2 * 8  # rows 0, 1, 3, 6 write, kv = 2, D = 8
+
+
+def test_paged_reference_equals_contiguous_reference_on_a_contiguous_mapping(rng):
+    """Row b's table lists blocks b*M .. b*M + M - 1: the pool is the contiguous cache cut into blocks."""
+    n, kv, group, d, block, m = 5, 2, 3, 8, 4, 6
+    heads = kv * group
+    qkv = jnp.asarray(rng.standard_normal((n, heads + 2 * kv, d)), jnp.float32)
+    k_cache = jnp.asarray(rng.standard_normal((n, kv, m * block, d)), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal((n, kv, m * block, d)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, m * block, n), jnp.int32)
+    write_at = positions.at[1].set(m * block).at[2].set(positions[2] // 2)
+
+    def to_pool(cache):
+        return cache.reshape(n, kv, m, block, d).transpose(0, 2, 1, 3, 4).reshape(n * m, kv, block, d)
+
+    tables = jnp.arange(n * m, dtype=jnp.int32).reshape(n, m)
+    got = jax.jit(attention.reference_paged_decode_attention_packed)(
+        qkv, to_pool(k_cache), to_pool(v_cache), tables, positions, write_at)
+    want = jax.jit(attention.reference_decode_attention_packed)(qkv, k_cache, v_cache, positions, write_at)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(to_pool(want[1])))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(to_pool(want[2])))
+
+
+def test_without_gpu_kernel_the_reference_runs(rng):
+    case = paged_case(rng, 3, 2, 2, 64, 16, 4, dtype=jnp.bfloat16)
+    args = case.args(jnp.bfloat16)
+    got = jax.jit(attention.paged_decode_attention_packed)(*args)
+    want = jax.jit(attention.reference_paged_decode_attention_packed)(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    qkv = jnp.zeros((2, 6, 8))
+    pool = jnp.zeros((4, 2, 4, 8))
+    ok = (jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32))
+    fn = attention.paged_decode_attention_packed
+    with pytest.raises(ValueError, match="pools"):
+        fn(qkv, pool, jnp.zeros((4, 2, 8, 8)), *ok)
+    with pytest.raises(ValueError, match="qkv"):
+        fn(jnp.zeros((2, 5, 8)), pool, pool, *ok)
+    with pytest.raises(ValueError, match="block tables"):
+        fn(qkv, pool, pool, jnp.zeros((3, 3), jnp.int32), *ok[1:])
+    with pytest.raises(ValueError, match="positions"):
+        fn(qkv, pool, pool, ok[0], jnp.zeros((3,), jnp.int32), ok[2])
+    with pytest.raises(ValueError, match="integers"):
+        fn(qkv, pool, pool, jnp.zeros((2, 3)), *ok[1:])
+
+
+def test_paged_support_rules():
+    assert attention.paged_kernel_supports(jnp.bfloat16, 128, 4, 64)
+    assert all(attention.paged_kernel_supports(jnp.float16, 64, 8, b) for b in (16, 32, 64, 128))
+    assert not attention.paged_kernel_supports(jnp.bfloat16, 128, 4, 48)
+    assert not attention.paged_kernel_supports(jnp.bfloat16, 128, 3, 64)
+    assert not attention.paged_kernel_supports(jnp.float32, 128, 4, 64)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+GPU_CASES = [  # n, kv, group, head_dim, block size, table entries per row
+    (1, 8, 4, 128, 64, 18),
+    (3, 2, 8, 64, 16, 13),
+    (7, 1, 1, 128, 32, 5),
+    (7, 4, 4, 64, 128, 3),
+    (64, 8, 4, 128, 64, 18),
+    (2, 4, 8, 128, 16, 256),
+    (5, 8, 1, 64, 32, 40),
+    (3, 2, 4, 128, 128, 33),
+]
+
+
+def kernel_ready() -> None:
+    from switchyard.kernels import native
+
+    assert native.attention_ready(), native.status()
+
+
+def uses_the_kernel(fn, *args) -> bool:
+    return "switchyard_paged_decode_attention" in fn.lower(*args).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", GPU_CASES, ids=lambda c: "n{}-kv{}-g{}-d{}-B{}-M{}".format(*c))
+def test_kernel_matches_float64_and_writes_only_its_positions(shape, dtype, rng):
+    if dtype == "float16" and shape not in GPU_CASES[:2]:
+        pytest.skip("float16 at two shapes only")
+    kernel_ready()
+    case = paged_case(rng, *shape, dtype=dtype)
+    want_out, want_k, want_v = reference_f64(case)
+    args = case.args(dtype)
+    fn = jax.jit(attention.paged_decode_attention_packed, donate_argnums=(1, 2))
+    assert uses_the_kernel(fn, *args)
+    out, kp, vp = fn(*args)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.isfinite(out).all(), "the kernel read a position no row may read"
+    err = np.linalg.norm(out - want_out) / np.linalg.norm(want_out)
+    assert err < (1e-2 if dtype == "bfloat16" else 2e-3), err
+    check_pools(kp, vp, case, want_k, want_v)
+
+
+@pytest.mark.gpu
+def test_kernel_steps_in_one_jit_with_donated_pools(rng):
+    """Several decode steps in one jitted function, the pools donated and updated in place: every
+    step's output and the final pools agree with the reference run the same way."""
+    kernel_ready()
+    n, kv, group, d, block, m, steps = 4, 8, 4, 128, 16, 8, 5
+    case = paged_case(rng, n, kv, group, d, block, m, dtype=jnp.bfloat16, spare=1)
+    case.positions[:] = np.minimum(case.positions, m * block - steps)
+    for b in range(n):  # every row owns its blocks up to the end of the table
+        case.tables[b] = 1 + np.arange(b * m, (b + 1) * m)[rng.permutation(m)]
+    for pool in (case.k_pool, case.v_pool):
+        pool[np.isnan(pool)] = 0.5  # positions written by later steps, read after they are written
+    qkvs = jnp.asarray(rng.standard_normal((steps, *case.qkv.shape)), jnp.bfloat16)
+
+    def run(qkvs, k_pool, v_pool, tables, positions, *, use_kernel):
+        outs = []
+        for i in range(steps):
+            out, k_pool, v_pool = attention.paged_decode_attention_packed(
+                qkvs[i], k_pool, v_pool, tables, positions + i, positions + i, use_kernel=use_kernel)
+            outs.append(out)
+        return jnp.stack(outs), k_pool, v_pool
+
+    args = case.args(jnp.bfloat16)
+    tables, positions = args[3], args[4]
+    kernel = jax.jit(lambda *a: run(*a, use_kernel=True), donate_argnums=(1, 2))
+    assert uses_the_kernel(kernel, qkvs, args[1], args[2], tables, positions)
+    want = jax.jit(lambda *a: run(*a, use_kernel=False))(qkvs, args[1], args[2], tables, positions)
+    want = [np.asarray(w.astype(jnp.float32)) for w in want]
+    got = kernel(qkvs, args[1], args[2], tables, positions)
+    got = [np.asarray(g.astype(jnp.float32)) for g in got]
+    err = np.linalg.norm(got[0] - want[0]) / np.linalg.norm(want[0])
+    assert err < 1e-2, err
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
