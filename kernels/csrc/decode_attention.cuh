@@ -45,8 +45,8 @@
 // tables[b, p / B] at offset p % B. Nothing else changes: each lane looks up the block of the
 // position it loads K for (the chunk's table entries are requested one chunk ahead, so only the
 // first chunk waits for its entry), keeps that row's index, and the V loads take row j's index
-// from lane j by a shuffle. So any block size works, a chunk may span blocks, and the loop issues
-// as many instructions per position as the contiguous one. Row indices fit 32 bits (the host
+// from lane j by a shuffle. So any block size works and a chunk may span blocks; its speed against
+// the contiguous layout is in benchmarks/NOTES.md (2026-11-24). Row indices fit 32 bits (the host
 // checks num_blocks * kv * B < 2^32 - 1; the top value marks the new token). Table entries outside
 // [0, num_blocks) are read as block 0 (no access outside the pool); the new K/V are stored only
 // where the entry for write_at is inside it.
