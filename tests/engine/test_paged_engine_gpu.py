@@ -50,28 +50,28 @@ def test_paged_engine_logits_follow_the_slot_engine():
     slots = Engine(spec, params, mesh, batch_slots=4, max_seq_len=512, dtype="bfloat16")
     paged = PagedEngine(spec, params, mesh, batch_slots=4, max_seq_len=512, dtype="bfloat16", kv_tokens=4 * 512,
                         step_tokens=64)
-    prompts = [[1, 5, 9, 200], [1, *range(3, 300)], [1, 77]]
-    expected_first = []
-    for slot, prompt in enumerate(prompts):
+    # One prompt at a time: a decoding sequence makes a token at every step of the paged engine,
+    # chunk steps included, so two prompts in flight would not step alike in the two engines.
+    for prompt in ([1, 5, 9, 200], [1, *range(3, 300)], [1, 77]):
         prefix = slots.prefill(prompt, return_logits=True)
-        slots.insert(prefix, slot)
-        expected_first.append(np.asarray(prefix.logits, np.float32))
-        assert paged.begin(slot, prompt, SamplingParams()) == 0
+        slots.insert(prefix, 0)
+        expected = np.asarray(prefix.logits, np.float32)
+        assert paged.begin(0, prompt, SamplingParams()) == 0
         while True:
-            chunk = paged.next_chunk(slot)
+            chunk = paged.next_chunk(0)
             result = paged.collect(paged.dispatch(chunk, return_logits=True))
             if chunk.completes:
                 break
         got = np.asarray(result.logits[-1], np.float32)
-        scale = np.abs(expected_first[-1]).max()
-        assert np.abs(got - expected_first[-1]).max() <= 0.05 * scale, f"prompt {slot}: chunked prefill"
-        assert result.chunk_token == prefix.first_token or np.sort(got)[-2] > np.max(got) - 0.05 * scale
-    rows = len(prompts)
-    for _ in range(8):
-        assert paged.ensure_decode_blocks()
-        a = slots.generate(return_logits=True)
-        b = paged.collect(paged.dispatch(return_logits=True))
-        la, lb = (np.asarray(r.logits, np.float32)[:rows] for r in (a, b))
-        assert np.abs(la - lb).max() <= 0.05 * np.abs(la).max()
-        if not np.array_equal(a.tokens[:rows], b.tokens[:rows]):
-            break  # a near-tie decided differently in bf16: the inputs differ from here on
+        assert np.abs(got - expected).max() <= 0.05 * np.abs(expected).max(), f"{len(prompt)}-token prompt"
+        if result.chunk_token == prefix.first_token:
+            for _ in range(6):
+                assert paged.ensure_decode_blocks()
+                a = slots.generate(return_logits=True)
+                b = paged.collect(paged.dispatch(return_logits=True))
+                la, lb = (np.asarray(r.logits, np.float32)[0] for r in (a, b))
+                assert np.abs(la - lb).max() <= 0.05 * np.abs(la).max(), f"{len(prompt)}-token prompt, decoding"
+                if a.tokens[0] != b.tokens[0]:
+                    break  # a near-tie decided differently in bf16: the inputs differ from here on
+        slots.evict(0)
+        paged.evict(0)
