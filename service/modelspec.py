@@ -290,6 +290,10 @@ PRESETS: dict[str, ModelSpec] = {
                            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                            max_position_embeddings=8192, rope_theta=500000.0,
                            bos_token_id=128000, eos_token_ids=(128001, 128009)),
+    "llama3.1-8b": ModelSpec(name="llama3.1-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                             max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+                             bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
     "llama3-70b": ModelSpec(name="llama3-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                             num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
                             max_position_embeddings=8192, rope_theta=500000.0,
@@ -303,7 +307,8 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 # The names the model family itself uses (and our manifests' model names) for the same presets.
-PRESET_ALIASES = {"llama-3-8b": "llama3-8b", "llama-3-70b": "llama3-70b", "llama-3.1-405b": "llama3.1-405b"}
+PRESET_ALIASES = {"llama-3-8b": "llama3-8b", "llama-3.1-8b": "llama3.1-8b", "llama-3-70b": "llama3-70b",
+                  "llama-3.1-405b": "llama3.1-405b"}
 
 
 def preset_name(name: str) -> str | None:
