@@ -354,8 +354,15 @@ class PagedEngine(SlotBook):
                      c_tokens, c_start, c_len, c_table):
             chunk = Chunk(c_tokens, c_start, c_len, c_table, kv_len) if with_chunk else None
             logits, k, v = budget_forward(params, k, v, tokens, positions, tables, write, chunk, cfg)
-            tok = sample_sharded(logits, vocab, AXIS, greedy_only=greedy_only, temperature=temp, top_k=top_k,
-                                 top_p=top_p, seeds=seeds, counters=counters)
+            def sample(rows: slice) -> jax.Array:
+                return sample_sharded(logits[rows], vocab, AXIS, greedy_only=greedy_only, temperature=temp[rows],
+                                      top_k=top_k[rows], top_p=top_p[rows], seeds=seeds[rows],
+                                      counters=counters[rows])
+
+            # The chunk's row is sampled on its own: sampling batch + 1 rows in one call fails on GPU
+            # (an XLA runtime error at 257 rows with top-k / top-p) where batch rows do not.
+            n = tokens.shape[0]
+            tok = jnp.concatenate([sample(slice(0, n)), sample(slice(n, n + 1))]) if with_chunk else sample(slice(None))
             full = jax.lax.all_gather(logits, AXIS, axis=1, tiled=True) if return_logits else jnp.zeros(())
             return tok, full, k, v
 
