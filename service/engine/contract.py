@@ -193,6 +193,6 @@ class TokenBudgetEngine(EngineBase, Protocol):
         """Blocks for every decoding slot's next token; False (nothing taken) when the pool is short."""
         ...
 
-    def dispatch(self, chunk: Any = None) -> PendingStep:
+    def dispatch(self, chunk: Any = None, return_logits: bool = False) -> PendingStep:
         """Launch one step: a token for every decoding slot, and the chunk when given."""
         ...

@@ -7,7 +7,8 @@ import inspect
 import numpy as np
 import pytest
 from helpers.engine_fixtures import tiny_checkpoint
-from switchyard.service.engine.contract import DecodeEngine
+from switchyard.service.engine.contract import DecodeEngine, EngineBase, TokenBudgetEngine
+from switchyard.service.engine.paged import PagedEngine
 from switchyard.service.engine.pipeline import PipelineEngine
 from switchyard.service.engine.pipeline_group import LeaderEngine
 from switchyard.service.engine.scheduler import Scheduler
@@ -15,27 +16,34 @@ from switchyard.service.engine.tensor_parallel import Engine, SlotBook
 from switchyard.service.modelspec import ServingLayout
 
 ENGINES = [Engine, PipelineEngine, LeaderEngine]
+BASE_METHODS = {"validate_prompt", "free_slots", "slot_generation", "collect", "evict", "warmup", "compiled_count"}
 
 
-def contract_members(kind: type) -> set[str]:
-    """Names of the contract's members that are ``kind`` (functions, or properties)."""
-    return {name for name, member in vars(DecodeEngine).items()
-            if not name.startswith("_") and isinstance(member, kind)}
+def contract_members(kind: type, protocol: type = DecodeEngine) -> set[str]:
+    """Names of a protocol's members (its own and its base protocols') that are ``kind`` (functions, or
+    properties)."""
+    return {name for klass in protocol.__mro__ if klass in (EngineBase, DecodeEngine, TokenBudgetEngine)
+            for name, member in vars(klass).items() if not name.startswith("_") and isinstance(member, kind)}
 
 
 def test_the_contract_has_the_calls_of_the_scheduler_and_the_warm_up():
-    methods, properties = contract_members(type(contract_members)), contract_members(property)
-    assert properties == {"spec", "max_slots", "max_seq_len", "kv_tokens", "kv_block_size", "step_tokens"}
-    assert methods == {"validate_prompt", "free_slots", "room", "slot_generation", "prefill", "insert", "dispatch",
-                       "collect", "generate", "evict", "warmup", "compiled_count"}
-    assert inspect.signature(Scheduler).parameters["engine"].annotation == "DecodeEngine"
+    function = type(contract_members)
+    properties = {"spec", "max_slots", "max_seq_len", "kv_tokens", "kv_block_size", "step_tokens"}
+    assert contract_members(property) == contract_members(property, TokenBudgetEngine) == properties
+    assert contract_members(function, EngineBase) == BASE_METHODS
+    assert contract_members(function) == BASE_METHODS | {"room", "prefill", "insert", "dispatch", "generate"}
+    assert contract_members(function, TokenBudgetEngine) == BASE_METHODS | {
+        "check_fits", "free_blocks", "blocks_to_begin", "begin", "prefilling", "decoding", "next_chunk",
+        "ensure_decode_blocks", "dispatch"}
+    assert inspect.signature(Scheduler).parameters["engine"].annotation == "DecodeEngine | TokenBudgetEngine"
 
 
-@pytest.mark.parametrize("cls", ENGINES, ids=lambda c: c.__name__)
-def test_each_engine_class_defines_every_method_of_the_contract(cls):
-    for name in contract_members(type(contract_members)):
+@pytest.mark.parametrize(("cls", "protocol"), [*((c, DecodeEngine) for c in ENGINES), (PagedEngine, TokenBudgetEngine)],
+                         ids=lambda c: c.__name__)
+def test_each_engine_class_defines_every_method_of_the_contract(cls, protocol):
+    for name in contract_members(type(contract_members), protocol):
         assert callable(getattr(cls, name, None)), f"{cls.__name__} lacks {name}()"
-        want = list(inspect.signature(getattr(DecodeEngine, name)).parameters)
+        want = list(inspect.signature(getattr(protocol, name)).parameters)
         got = list(inspect.signature(getattr(cls, name)).parameters)
         assert got == want, f"{cls.__name__}.{name}{got} differs from the contract's {want}"
 
