@@ -146,6 +146,10 @@ class PagedEngine(SlotBook):
         if strategy != "xla" and self.tp > 1:
             kernels.init(list(mesh.devices.flat))
         tokens = kv_tokens or self._tokens_for_memory(kv_memory_fraction)
+        if not self._memory_stats():
+            # Host devices: no device memory to fill, so no more than the sequences can use (a layout
+            # planned for a GPU may ask for far more than the host has).
+            tokens = min(tokens, self.max_slots * self.blocks_per_seq * block_size)
         if tokens % block_size:
             raise ValueError(f"kv_tokens {tokens} is not a whole number of {block_size}-token blocks")
         if tokens < max_seq_len:
@@ -182,11 +186,16 @@ class PagedEngine(SlotBook):
                 "kv_tokens": layout.kv_tokens, "kv_memory_fraction": layout.kv_memory_fraction,
                 "step_tokens": layout.step_tokens}
 
+    def _memory_stats(self) -> list[dict[str, int]]:
+        """Each device's memory statistics; empty where the platform keeps none (host devices)."""
+        stats = [d.memory_stats() for d in self.mesh.devices.flat]
+        return stats if all(s and "bytes_limit" in s for s in stats) else []
+
     def _tokens_for_memory(self, fraction: float) -> int:
         """Tokens whose K/V fit in ``fraction`` of the memory the devices have left; off GPU (no
         memory statistics), every slot's whole context."""
-        stats = [d.memory_stats() for d in self.mesh.devices.flat]
-        if not all(stats) or not all("bytes_limit" in s for s in stats):
+        stats = self._memory_stats()
+        if not stats:
             return self.max_slots * self.blocks_per_seq * self._block_size
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         tokens = kv_tokens_for_memory(self.spec, self.tp, 1, int(free * fraction), self.dtype)
