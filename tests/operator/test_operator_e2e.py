@@ -247,12 +247,13 @@ async def test_two_replicas_do_not_fight(tmp_path):
         low = await start_operator(c, identity="replica-low", priority=100)
         high = await start_operator(c, identity="replica-high", priority=200)
         try:
-            # Peering is eventually consistent: once both replicas are in the peering object (and a
-            # keep-alive round has passed) the lower one has paused.
+            # Peering is eventually consistent: once both replicas are in the peering object and a
+            # whole peering lifetime (2 s, so at least one keep-alive round of each) has passed, the
+            # lower one has paused, however loaded the machine.
             peering = c.api.plural_of("kopf.dev/v1", "ClusterKopfPeering")
             await eventually(lambda: {"replica-low", "replica-high"} <= set(
                 (c.api.stored(peering, None, "switchyard") or {}).get("status", {})), what="peers")
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(2.5)
             await c.api.apply_objects([decode_service()])
             await eventually(lambda: condition(c.ds(), "Planned"), what="planned")
             await asyncio.sleep(1.5)  # give the paused replica every chance to interfere
