@@ -24,8 +24,8 @@ import json
 import math
 import os
 import platform
+import runpy
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,15 +41,6 @@ from switchyard.kernels import attention, native
 
 ROTATE_BYTES = 1 << 30  # K/V cycled through per layout: many times the L2 (50-60 MB on H100/H200)
 MAX_LAYERS = 32
-
-
-def source_commit() -> str:
-    """$SWITCHYARD_COMMIT where it is set (a copy of a working tree), else git's HEAD."""
-    if os.environ.get("SWITCHYARD_COMMIT"):
-        return os.environ["SWITCHYARD_COMMIT"]
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
-                          check=False)
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
 def shapes(batches: list[int], contexts: list[int], long_batches: list[int], long_contexts: list[int]):
@@ -205,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "device": f"{jax.device_count()}x {device.device_kind}",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": source_commit(),
+        "commit": runpy.run_path(str(Path(__file__).with_name("decode.py")))["source_commit"](),
         "jax": jax.__version__,
         "host": platform.node(),
         "shape": {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16",

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import runpy
 import statistics
 import sys
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": f"{jax.device_count()}x {device.device_kind}",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("SWITCHYARD_COMMIT", ""),
+        "commit": runpy.run_path(str(Path(__file__).with_name("decode.py")))["source_commit"](),
         "jax": jax.__version__,
         "model": args.model,
         "rows": rows,

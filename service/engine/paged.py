@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from switchyard import kernels
 from switchyard.kernels.selection import check_strategy
-from switchyard.service.engine.checkpoint import NP_DTYPES, load_params
+from switchyard.service.engine.checkpoint import load_params
 from switchyard.service.engine.contract import PendingStep, StepResult
 from switchyard.service.engine.kv_blocks import NULL_BLOCK, BlockPool, SequenceBlocks
 from switchyard.service.engine.model import (
@@ -48,7 +48,9 @@ from switchyard.service.engine.tensor_parallel import (
     SlotBook,
     doubling_buckets,
     make_mesh,
+    new_cache,
     random_weights,
+    slot_state,
 )
 from switchyard.service.errors import OutOfRangeError
 from switchyard.service.modelspec import (
@@ -215,27 +217,12 @@ class PagedEngine(SlotBook):
     def _new_state(self) -> dict[str, Any]:
         s = self.spec
         shape = (self.pool.num_blocks, s.num_kv_heads, self._block_size, s.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(NP_DTYPES[self.dtype])),
-                        out_shardings=NamedSharding(self.mesh, POOL_SPEC))
-        rep = NamedSharding(self.mesh, P())
-        n = self.max_slots
-
-        def small(value: np.ndarray) -> jax.Array:
-            return jax.device_put(value, rep)
-
-        return {
-            "k": [zeros() for _ in range(s.num_layers)], "v": [zeros() for _ in range(s.num_layers)],
-            "tokens": small(np.zeros(n, np.int32)), "positions": small(np.zeros(n, np.int32)),
-            "counters": small(np.zeros(n, np.int32)), "temperature": small(np.zeros(n, np.float32)),
-            "top_k": small(np.zeros(n, np.int32)), "top_p": small(np.ones(n, np.float32)),
-            "seeds": small(np.zeros(n, np.int32)),
-        }
+        k, v = new_cache(shape, NamedSharding(self.mesh, POOL_SPEC), self.dtype, s.num_layers)
+        return {"k": k, "v": v, **slot_state(self.mesh, self.max_slots)}
 
     @functools.cached_property
     def _state_shardings(self) -> dict[str, Any]:
-        pool = NamedSharding(self.mesh, POOL_SPEC)
-        rep = NamedSharding(self.mesh, P())
-        return {key: ([pool] * self.spec.num_layers if key in ("k", "v") else rep) for key in self._state}
+        return jax.tree.map(lambda a: a.sharding, self._state)
 
     # ---- the contract's sizes --------------------------------------------------------------------
     @property

@@ -55,6 +55,7 @@ from switchyard.service.engine.tensor_parallel import (
     new_cache,
     random_params,
     sampling_arrays,
+    slot_state,
     warm_up,
 )
 from switchyard.service.modelspec import ModelSpec, ServingLayout
@@ -149,22 +150,14 @@ class PipelineEngine(SlotBook):
         # k[j][r]: layer j of this stage, local micro-batch array r (see the module docstring).
         k, v = self._new_cache((pp, m, s.num_kv_heads, cache_len, s.head_dim), NamedSharding(self.mesh, CACHE_SPEC),
                                per_stage * pp)
-        rep = NamedSharding(self.mesh, P())
-        n = self.max_slots
-
-        def small(value: np.ndarray) -> jax.Array:
-            return jax.device_put(value, rep)
-
         return {
             "k": [k[j * pp : (j + 1) * pp] for j in range(per_stage)],
             "v": [v[j * pp : (j + 1) * pp] for j in range(per_stage)],
             "act": jax.device_put(np.zeros((pp, m, s.hidden_size), NP_DTYPES[self.dtype]),
                                   NamedSharding(self.mesh, P(PP))),
             "act_epoch": jax.device_put(np.zeros((pp, m), np.int32), NamedSharding(self.mesh, P(PP))),
-            "tokens": small(np.zeros(n, np.int32)), "positions": small(np.zeros(n, np.int32)),
-            "counters": small(np.zeros(n, np.int32)), "temperature": small(np.zeros(n, np.float32)),
-            "top_k": small(np.zeros(n, np.int32)), "top_p": small(np.ones(n, np.float32)),
-            "seeds": small(np.zeros(n, np.int32)), "epoch": small(np.zeros(n, np.int32)),
+            **slot_state(self.mesh, self.max_slots),
+            "epoch": jax.device_put(np.zeros(self.max_slots, np.int32), NamedSharding(self.mesh, P())),
         }
 
     def _state_shardings(self) -> dict[str, Any]:

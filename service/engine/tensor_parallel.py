@@ -246,19 +246,7 @@ class Engine(SlotBook):
         cache_len = -(-self.max_seq_len // CACHE_ALIGN) * CACHE_ALIGN
         cache_shape = (self.max_slots, s.num_kv_heads, cache_len, s.head_dim)
         k, v = self._new_cache(cache_shape, NamedSharding(self.mesh, CACHE_SPEC), s.num_layers)
-        rep = NamedSharding(self.mesh, P())
-        n = self.max_slots
-
-        def small(value: np.ndarray) -> jax.Array:
-            return jax.device_put(value, rep)
-
-        return {
-            "k": k, "v": v,
-            "tokens": small(np.zeros(n, np.int32)), "positions": small(np.zeros(n, np.int32)),
-            "counters": small(np.zeros(n, np.int32)), "temperature": small(np.zeros(n, np.float32)),
-            "top_k": small(np.zeros(n, np.int32)), "top_p": small(np.ones(n, np.float32)),
-            "seeds": small(np.zeros(n, np.int32)),
-        }
+        return {"k": k, "v": v, **slot_state(self.mesh, self.max_slots)}
 
     @functools.cached_property
     def _state_shardings(self) -> dict[str, Any]:
@@ -417,6 +405,22 @@ def warm_up(engine: DecodeEngine, book: SlotBook, steps: Callable[[bool], None])
         steps(greedy)
     book.positions[:] = 0
     return time.perf_counter() - t0
+
+
+def slot_state(mesh: Mesh, slots: int) -> dict[str, jax.Array]:
+    """Each slot's decode state, replicated over ``mesh``: its last token, the position it goes to,
+    its sampling counter and its sampling parameters."""
+    rep = NamedSharding(mesh, P())
+
+    def small(value: np.ndarray) -> jax.Array:
+        return jax.device_put(value, rep)
+
+    return {
+        "tokens": small(np.zeros(slots, np.int32)), "positions": small(np.zeros(slots, np.int32)),
+        "counters": small(np.zeros(slots, np.int32)), "temperature": small(np.zeros(slots, np.float32)),
+        "top_k": small(np.zeros(slots, np.int32)), "top_p": small(np.ones(slots, np.float32)),
+        "seeds": small(np.zeros(slots, np.int32)),
+    }
 
 
 def sampling_arrays(params: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
