@@ -341,12 +341,18 @@ def run(args: argparse.Namespace) -> int:
 
     leader = types.SimpleNamespace(engine=None)
     if layout.pp > 1:
-        from switchyard.service.engine.pipeline_group import join
+        from switchyard.service.engine.pipeline_group import GroupFormationError, join
 
         # Join before serving: the distributed runtime installs its own SIGTERM handler, which the
         # server's (drain, then release the other stages) must replace.
         log.info("joining pipeline group of %d stages at %s as stage 0", layout.pp, layout.coordinator)
-        join(layout)
+        try:
+            join(layout)
+        except GroupFormationError as err:  # nothing joined yet: one line, and a plain exit
+            log.error("%s", err)
+            if scratch is not None:
+                scratch.cleanup()
+            return 1
     tune_interpreter(args.switch_interval)
     try:
         code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))

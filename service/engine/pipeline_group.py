@@ -13,6 +13,7 @@ is restarted together; there is no half-running group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -58,15 +59,19 @@ def join(layout: ServingLayout, heartbeat_timeout_s: int = 10, initialization_ti
          coordinator_timeout_s: float = JOIN_TIMEOUT_S) -> None:
     """Connect this process to its pipeline group (no-op for a single-stage layout).
 
-    A later stage first waits up to ``coordinator_timeout_s`` for the coordinator's port
-    (:class:`GroupFormationError` if it never answers); stage 0 is the coordinator and waits up to
-    ``initialization_timeout_s`` for the others to register."""
+    The stages first meet over plain TCP on the coordinator's port (:func:`gather_stages`,
+    :func:`meet_coordinator`), and only then start the distributed runtime, whose own failures to form
+    end in a C++ abort: a stage 0 that cannot listen fails at once, a later stage gives up after
+    ``coordinator_timeout_s`` without an answer, and a group that stays incomplete for
+    ``initialization_timeout_s`` fails on every stage present; each with :class:`GroupFormationError`."""
     if layout.pp == 1:
         return
     if not layout.coordinator:
         raise ValueError("a pipeline layout (pp > 1) needs layout.coordinator (host:port of stage 0)")
-    if layout.pipeline_stage > 0:
-        wait_for_coordinator(layout, coordinator_timeout_s)
+    if layout.pipeline_stage == 0:
+        gather_stages(layout, initialization_timeout_s)
+    else:
+        meet_coordinator(layout, coordinator_timeout_s, initialization_timeout_s)
     if jax.config.jax_platforms in (None, "", "cpu") and not _has_gpu_plugin():
         # Cross-process collectives on CPU (tests, CI) go through gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -84,15 +89,14 @@ def coordinator_address(coordinator: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def wait_for_coordinator(layout: ServingLayout, timeout_s: float) -> None:
-    """Return once the coordinator's port accepts a TCP connection; GroupFormationError after
+def wait_for_coordinator(layout: ServingLayout, timeout_s: float) -> socket.socket:
+    """A connection to the coordinator's port, once it accepts one; GroupFormationError after
     ``timeout_s`` of refusals, unresolvable names (a pod not created yet has no DNS record) or silence."""
     host, port = coordinator_address(layout.coordinator)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
-                return
+            return socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic())))
         except OSError as err:
             reason = err.strerror or str(err) or type(err).__name__
         left = deadline - time.monotonic()
@@ -101,6 +105,101 @@ def wait_for_coordinator(layout: ServingLayout, timeout_s: float) -> None:
                 f"pipeline stage {layout.pipeline_stage} of {layout.pp}: the group's coordinator "
                 f"{layout.coordinator} (stage 0) did not answer within {timeout_s:g} s ({reason})")
         time.sleep(min(_PROBE_INTERVAL_S, left))
+
+
+_HELLO = struct.Struct("<4sI")  # magic, stage
+_MAGIC, _GO = b"SYPG", b"GO"
+
+
+def meet_coordinator(layout: ServingLayout, connect_timeout_s: float, formation_timeout_s: float) -> None:
+    """A later stage: say which stage this is to stage 0, and return when stage 0 says the whole
+    group is present. GroupFormationError when stage 0 does not answer, goes away, or the group stays
+    incomplete for ``formation_timeout_s``."""
+    where = f"pipeline stage {layout.pipeline_stage} of {layout.pp}"
+    with wait_for_coordinator(layout, connect_timeout_s) as conn:
+        try:
+            conn.settimeout(formation_timeout_s)
+            conn.sendall(_HELLO.pack(_MAGIC, layout.pipeline_stage))
+            reply = _recv_exactly(conn, len(_GO))
+        except TimeoutError:
+            raise GroupFormationError(f"{where}: the group at {layout.coordinator} did not form within "
+                                      f"{formation_timeout_s:g} s") from None
+        except OSError as err:
+            reply = f"({err.strerror or type(err).__name__})".encode()
+        if reply != _GO:
+            raise GroupFormationError(f"{where}: the group's coordinator {layout.coordinator} closed the "
+                                      f"connection before the group formed")
+
+
+def gather_stages(layout: ServingLayout, timeout_s: float) -> None:
+    """Stage 0: listen on the coordinator's port until every later stage has said hello, then tell
+    them all to go on and free the port for the distributed runtime's coordinator. GroupFormationError
+    at once when the port cannot be had, and after ``timeout_s`` when a stage has not come."""
+    _, port = coordinator_address(layout.coordinator)
+    where = f"pipeline stage 0 of {layout.pp}"
+    try:
+        if socket.has_dualstack_ipv6():
+            listener = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        else:
+            listener = socket.create_server(("", port))
+    except OSError as err:
+        raise GroupFormationError(f"{where}: cannot listen on the coordinator port {port} "
+                                  f"({err.strerror or type(err).__name__})") from None
+    joined: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        with listener:
+            while len(joined) < layout.pp - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [s for s in range(1, layout.pp) if s not in joined]
+                    raise GroupFormationError(
+                        f"{where}: stage{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did "
+                        f"not join at {layout.coordinator} within {timeout_s:g} s")
+                listener.settimeout(min(left, 1.0))
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                stage = _read_hello(conn, layout.pp)
+                if stage is None:
+                    conn.close()
+                    continue
+                if stage in joined:  # a restarted stage: its earlier connection is stale
+                    joined[stage].close()
+                joined[stage] = conn
+            for conn in joined.values():
+                conn.sendall(_GO)
+            for conn in joined.values():
+                # Wait for the stage to close first, so that the port is left without connections
+                # in TIME_WAIT on this side when the runtime's coordinator binds it.
+                conn.settimeout(5.0)
+                with contextlib.suppress(OSError):
+                    conn.recv(1)
+    finally:
+        for conn in joined.values():
+            conn.close()
+
+
+def _read_hello(conn: socket.socket, pp: int) -> int | None:
+    """The stage a new connection says it is; None for anything that is not a later stage's hello."""
+    conn.settimeout(2.0)
+    try:
+        magic, stage = _HELLO.unpack(_recv_exactly(conn, _HELLO.size))
+    except (OSError, struct.error):
+        return None
+    return stage if magic == _MAGIC and 0 < stage < pp else None
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    """Up to ``n`` bytes: fewer only when the peer closed the connection."""
+    data = b""
+    while len(data) < n:
+        part = conn.recv(n - len(data))
+        if not part:
+            break
+        data += part
+    return data
 
 
 def _has_gpu_plugin() -> bool:

@@ -102,3 +102,26 @@ def test_a_later_stage_whose_stage_0_never_comes_exits_with_one_line(tmp_path):
     assert len(errors) == 1 and coordinator in errors[0] and "stage 1 of 2" in errors[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "Check failure" not in done.stderr, done.stderr[-3000:]
     assert len(done.stderr.strip().splitlines()) <= 2, done.stderr[-3000:]  # the "joining" line and the error
+
+
+def test_stage_0_that_cannot_listen_on_the_coordinator_port_exits_at_once_with_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        coordinator = f"127.0.0.1:{taken.getsockname()[1]}"
+        (tmp_path / "layout.json").write_text(json.dumps(
+            {"tp": 1, "pp": 2, "batch_slots": 2, "max_seq_len": 256, "coordinator": coordinator}))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+        env.update(SWITCHYARD_PIPELINE_STAGE="0", XLA_FLAGS="", JAX_PLATFORMS="cpu")
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--layout", str(tmp_path / "layout.json"),
+             "--host", "127.0.0.1", "--port", str(_free_port())],
+            env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    assert took < 30, took  # start-up and a failed bind: seconds, not the runtime's 300 s and a C++ abort
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"cannot listen on the coordinator port {coordinator.split(':')[1]}" in errors[0], \
+        done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Check failure" not in done.stderr, done.stderr[-3000:]

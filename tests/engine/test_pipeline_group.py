@@ -3,6 +3,7 @@ the same tokens as one device, and a killed stage stops the group."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -181,11 +182,107 @@ def test_a_later_stage_joins_a_coordinator_that_starts_after_it():
     opener.start()
     try:
         started = time.monotonic()
-        wait_for_coordinator(_stage_1_of(f"127.0.0.1:{port}"), timeout_s=20)
+        wait_for_coordinator(_stage_1_of(f"127.0.0.1:{port}"), timeout_s=20).close()
         assert 1.0 <= time.monotonic() - started < 10
     finally:
         opener.join()
         listener.close()
+
+
+def _stage_of(stage: int, pp: int, coordinator: str) -> ServingLayout:
+    return ServingLayout(tp=1, pp=pp, batch_slots=2, max_seq_len=64, pipeline_stage=stage, coordinator=coordinator)
+
+
+def test_stage_0_whose_port_is_taken_fails_at_once():
+    from switchyard.service.engine.pipeline_group import GroupFormationError, gather_stages
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(GroupFormationError, match=rf"stage 0 of 2: cannot listen on the coordinator port {port}"):
+            gather_stages(_stage_of(0, 2, f"127.0.0.1:{port}"), timeout_s=60)
+        assert time.monotonic() - started < 5
+
+
+def test_stage_0_names_the_stages_that_never_came_and_lets_go_of_those_that_did():
+    import threading
+
+    from switchyard.service.engine.pipeline_group import GroupFormationError, gather_stages, meet_coordinator
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    outcome: list[BaseException | None] = []
+
+    def stage_2() -> None:
+        try:
+            meet_coordinator(_stage_of(2, 4, coordinator), connect_timeout_s=10, formation_timeout_s=60)
+            outcome.append(None)
+        except BaseException as err:
+            outcome.append(err)
+
+    later = threading.Thread(target=stage_2)
+    later.start()
+    started = time.monotonic()
+    with pytest.raises(GroupFormationError, match=rf"stage 0 of 4: stages 1, 3 did not join at {coordinator} "
+                                                  r"within 2 s") as caught:
+        gather_stages(_stage_of(0, 4, coordinator), timeout_s=2)
+    assert 2 <= time.monotonic() - started < 10
+    later.join(timeout=10)
+    assert not later.is_alive()  # stage 0 giving up ends the later stages' wait at once
+    assert isinstance(outcome[0], GroupFormationError), outcome
+    assert "closed the connection before the group formed" in str(outcome[0])
+    assert "\n" not in str(caught.value)
+
+
+def test_stages_meet_then_the_port_is_free_for_the_runtime():
+    import threading
+
+    from switchyard.service.engine.pipeline_group import gather_stages, meet_coordinator, wait_for_coordinator
+
+    port = _free_port()
+    coordinator = f"127.0.0.1:{port}"
+    lead = threading.Thread(target=gather_stages, args=(_stage_of(0, 3, coordinator), 20))
+    lead.start()
+    # Junk on the port (a probe, a stray client) is dropped, not counted as a stage.
+    with wait_for_coordinator(_stage_of(1, 3, coordinator), timeout_s=10) as stray:
+        stray.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        with contextlib.suppress(OSError):
+            assert stray.recv(1) == b""
+    met: list[int] = []
+
+    def later(stage: int) -> None:
+        meet_coordinator(_stage_of(stage, 3, coordinator), connect_timeout_s=20, formation_timeout_s=20)
+        met.append(stage)
+
+    threads = [threading.Thread(target=later, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in (*threads, lead):
+        t.join(timeout=20)
+    assert sorted(met) == [1, 2] and not lead.is_alive()
+    with socket.socket() as runtime:  # the distributed runtime's coordinator binds the same port next
+        runtime.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        runtime.bind(("", port))
+
+
+def test_a_later_stage_gives_up_when_the_group_never_forms():
+    import threading
+
+    from switchyard.service.engine.pipeline_group import GroupFormationError, gather_stages, meet_coordinator
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    def stage_0() -> None:
+        with pytest.raises(GroupFormationError):
+            gather_stages(_stage_of(0, 3, coordinator), timeout_s=6)
+
+    lead = threading.Thread(target=stage_0)
+    lead.start()
+    try:
+        with pytest.raises(GroupFormationError, match=r"stage 1 of 3: the group at .* did not form within 1\.5 s"):
+            meet_coordinator(_stage_of(1, 3, coordinator), connect_timeout_s=10, formation_timeout_s=1.5)
+    finally:
+        lead.join(timeout=20)
 
 
 @pytest.mark.parametrize("coordinator", ["stage-0", "stage-0:", ":8476", "stage-0:port", "stage-0:70000"])
