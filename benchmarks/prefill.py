@@ -11,6 +11,11 @@ attention (flash), one pass over the whole prompt (``torch_peer.prefill_last_log
 before JAX takes the GPU's memory.
 
     python benchmarks/prefill.py --prompt 1024 4096 --step-tokens 256 512 --peer torch
+
+``--profile-dir`` adds, per step budget, a JAX profiler summary (GPU busy time per step, top kernels)
+of the longest prompt alone and of a mixed load: ``--profile-decoding`` sequences decoding at context
+``--profile-context`` while a prompt of ``--shared-prefix`` tokens goes through in chunks, beside
+decode-only steps of the same sequences.
 """
 
 from __future__ import annotations
@@ -76,6 +81,69 @@ def time_to_first_token(engine, prompt: list[int], reuse_prefix: bool) -> tuple[
     return elapsed, cached
 
 
+def _summarise(kernels: list[dict], steps: int) -> dict:
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"][:90], []).append(e.get("dur", 0))
+    busy = sum(e.get("dur", 0) for e in kernels)
+    span = (max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    return {"steps": steps, "gpu_busy_us_per_step": round(busy / steps, 1),
+            "gpu_span_us_per_step": round(span / steps, 1),
+            "top_kernels": [{"name": n, "count": len(d), "total_us_per_step": round(sum(d) / steps, 1)}
+                            for n, d in top]}
+
+
+def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
+    """Profiler summaries of a prompt alone and of chunk steps beside decoding sequences."""
+    from switchyard.service.engine.sampling import SamplingParams
+
+    trace_gpu = runpy.run_path(str(Path(__file__).with_name("decode.py")))["trace_gpu"]
+    vocab = engine.spec.vocab_size
+    alone = [int(t) for t in rng.integers(3, vocab, max(args.prompt))]
+    kernels, _ = trace_gpu(lambda: time_to_first_token(engine, alone, reuse_prefix=False), f"{out_dir}/alone")
+    out = {"prompt_alone": {"prompt": len(alone), **_summarise(kernels, -(-len(alone) // engine.step_tokens))}}
+    n = min(args.profile_decoding, engine.max_slots - 1)
+    for slot in range(n):  # sequences decoding at about --profile-context
+        engine.begin(slot, [int(t) for t in rng.integers(3, vocab, args.profile_context)], SamplingParams())
+        while slot in engine.prefilling():
+            engine.collect(engine.dispatch(engine.next_chunk(slot)))
+
+    def decode_steps(count: int) -> None:
+        for _ in range(count):
+            assert engine.ensure_decode_blocks()
+            engine.collect(engine.dispatch())
+
+    decode_steps(4)
+    kernels, _ = trace_gpu(lambda: decode_steps(16), f"{out_dir}/decode")
+    out["decode_only"] = {"decoding": n, "context": args.profile_context, **_summarise(kernels, 16)}
+    prompt = [int(t) for t in rng.integers(3, vocab, args.shared_prefix)]
+
+    def chunk_steps() -> int:
+        engine.begin(n, prompt, SamplingParams(), reuse_prefix=False)
+        steps = 0
+        while n in engine.prefilling():
+            assert engine.ensure_decode_blocks()
+            engine.collect(engine.dispatch(engine.next_chunk(n)))
+            steps += 1
+        engine.evict(n)
+        return steps
+
+    chunk_steps()
+    steps = []
+    kernels, _ = trace_gpu(lambda: steps.append(chunk_steps()), f"{out_dir}/mixed")
+    out["chunk_beside_decoding"] = {"decoding": n, "context": args.profile_context, "prompt": len(prompt),
+                                    **_summarise(kernels, steps[0])}
+    for slot in range(n):
+        engine.evict(slot)
+    for name, row in out.items():
+        print(f"  profile {name}: GPU busy {row['gpu_busy_us_per_step']:.0f} us/step over "
+              f"{row['gpu_span_us_per_step']:.0f} us/step", flush=True)
+        for k in row["top_kernels"][:12]:
+            print(f"    {k['total_us_per_step']:9.1f} us x{k['count']:5d}  {k['name']}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b")
@@ -85,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suffix", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peer", choices=["torch"], default=None)
+    parser.add_argument("--profile-dir", default=None, help="also profile (see the module docstring)")
+    parser.add_argument("--profile-decoding", type=int, default=16)
+    parser.add_argument("--profile-context", type=int, default=1024)
+    parser.add_argument("--batch-slots", type=int, default=8)
     parser.add_argument("--out", default=None, help="result JSON path")
     args = parser.parse_args(argv)
     peer = peer_times(args) if args.peer else None
@@ -100,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     max_seq = -(-(longest + 64) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
     rows, params = [], None
     for step_tokens in args.step_tokens:
-        layout = ServingLayout(tp=1, strategy="xla", batch_slots=8, max_seq_len=max_seq, kv_tokens=4 * max_seq,
+        layout = ServingLayout(tp=1, strategy="xla", batch_slots=args.batch_slots, max_seq_len=max_seq,
+                               kv_tokens=max(4, args.batch_slots // 2) * max_seq,
                                step_tokens=step_tokens)
         if params is None:
             engine = PagedEngine.from_random(spec, layout)
@@ -138,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                      "cached_tokens": cached, "second_over_first": round(s_ms / f_ms, 4)})
         print(f"  shared prefix {args.shared_prefix} + {args.suffix}: first {f_ms:.2f} ms, second {s_ms:.2f} ms "
               f"({100 * s_ms / f_ms:.1f}%)", flush=True)
+        if args.profile_dir:
+            rows.append({"kind": "profile", "step_tokens": step_tokens,
+                         **profile(engine, rng, args, f"{args.profile_dir}/{step_tokens}")})
         del engine
         gc.collect()
     device = jax.devices()[0]

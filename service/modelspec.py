@@ -21,6 +21,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_BLOCK_TOKENS = 64
 # Prompt tokens one step carries next to a token for each decoding sequence (chunked prefill).
 DEFAULT_STEP_TOKENS = 256
+# Prompt tokens a step carries when no sequence is decoding: nothing waits behind such a step, so its
+# chunk is as long as the products run well at (a prompt alone goes through in fewer, larger steps).
+IDLE_STEP_TOKENS = 2048
 # Step token counts are multiples of this (the shapes the engine compiles stay few and aligned).
 STEP_TOKENS_MULTIPLE = 16
 # The share of the memory left after the weights a pool sized at start-up takes, by default and at most.

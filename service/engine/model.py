@@ -419,9 +419,13 @@ def budget_forward(
         all_tokens = jnp.concatenate([tokens, chunk.tokens])
         all_pos = jnp.concatenate([positions, chunk.start + jnp.arange(chunk.tokens.shape[0])])
 
+    # Rows that do not write are idle slots whose positions are stale: attending to one position
+    # keeps each from costing the attention over a whole earlier sequence.
+    attend_to = jnp.where(write, positions, 0)
+
     def layer_attention(i: int, h: jax.Array) -> jax.Array:
         qkv = _pack_rope((h @ params["layers"][i]["wqkv"]).reshape(h.shape[0], heads, hd), all_pos, shape, cfg)
-        out, new_k[i], new_v[i] = cfg.paged_decode_attention(qkv[:n], new_k[i], new_v[i], tables, positions,
+        out, new_k[i], new_v[i] = cfg.paged_decode_attention(qkv[:n], new_k[i], new_v[i], tables, attend_to,
                                                              write_at)
         if chunk is not None:
             c_out, new_k[i], new_v[i] = _chunk_layer_attention(qkv[n:], new_k[i], new_v[i], chunk, cfg)

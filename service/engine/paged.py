@@ -4,7 +4,8 @@ Every step is ONE forward pass: a token for each decoding sequence, plus (when a
 a chunk of up to ``step_tokens`` of its tokens, so the weights are read once for both and a long
 prompt never holds the decoding streams back behind it. A prompt spreads over as many steps as its
 chunks; the step that carries its last chunk samples its first output token, and from the next step
-on it decodes.
+on it decodes. When no sequence is decoding, nothing waits behind a step: a prompt with at least
+``IDLE_STEP_TOKENS`` left then goes in a chunk of that many (fewer, larger steps).
 
 The KV cache is a pool of blocks of ``kv_block_size`` positions per layer, sharded by KV head; each
 sequence's block table maps its positions to blocks. The host keeps the books
@@ -12,8 +13,8 @@ sequence's block table maps its positions to blocks. The host keeps the books
 cache) and uploads the block tables when they change; per-slot decode state (last token, position,
 sampling parameters) lives on the devices and is donated to each step, as in the slot engine.
 
-Programs are compiled per shape: decode-only steps per batch bucket, steps with a chunk per bucket of
-the context the chunk attends to; each greedy-only or sampled.
+Programs are compiled per shape: decode-only steps per batch bucket, steps with a chunk per chunk size
+and bucket of the context the chunk attends to; each greedy-only or sampled.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from switchyard.service.errors import OutOfRangeError
 from switchyard.service.modelspec import (
     DEFAULT_KV_MEMORY_FRACTION,
     DEFAULT_STEP_TOKENS,
+    IDLE_STEP_TOKENS,
     KV_BLOCK_TOKENS,
     ModelSpec,
     ServingLayout,
@@ -127,6 +129,7 @@ class PagedEngine(SlotBook):
         kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
         step_tokens: int = DEFAULT_STEP_TOKENS,
         block_size: int = KV_BLOCK_TOKENS,
+        idle_step_tokens: int = IDLE_STEP_TOKENS,
     ) -> None:
         check_strategy(strategy)
         super().__init__(spec, batch_slots, max_seq_len)
@@ -143,6 +146,9 @@ class PagedEngine(SlotBook):
         self._block_size = block_size
         self._step_tokens = step_tokens
         self.blocks_per_seq = -(-max_seq_len // block_size)
+        # The chunk of a step that no decoding sequence waits for (a whole number of blocks, at most a
+        # sequence's table); equal to step_tokens when the context is too short for a larger one.
+        self.idle_step_tokens = max(step_tokens, min(idle_step_tokens, self.blocks_per_seq * block_size))
         self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
         self.kv_buckets = self._kv_buckets()
         if strategy != "xla" and self.tp > 1:
@@ -285,9 +291,12 @@ class PagedEngine(SlotBook):
         return [int(s) for s in np.flatnonzero(self._decoding)]
 
     def next_chunk(self, slot: int) -> PlannedChunk:
-        """The next chunk of ``slot``'s prompt: up to ``step_tokens`` tokens."""
+        """The next chunk of ``slot``'s prompt: up to ``step_tokens`` tokens, or ``idle_step_tokens``
+        when no sequence is decoding and at least that many are left."""
         seq = self._seqs[slot]
-        length = min(self._step_tokens, len(seq.tokens) - seq.computed)
+        left = len(seq.tokens) - seq.computed
+        length = self.idle_step_tokens if left >= self.idle_step_tokens and not self._decoding.any() else min(
+            self._step_tokens, left)
         return PlannedChunk(slot, seq.computed, length, seq.computed + length == len(seq.tokens))
 
     def decode_blocks_needed(self) -> int:
@@ -335,9 +344,17 @@ class PagedEngine(SlotBook):
         return self._tables_dev
 
     # ---- compiled steps --------------------------------------------------------------------------
-    def _step_fn(self, batch: int, kv_len: int, greedy_only: bool, return_logits: bool = False):
-        return self._compiled(("step", batch, kv_len, greedy_only, return_logits),
+    def _step_fn(self, batch: int, chunk_tokens: int, kv_len: int, greedy_only: bool, return_logits: bool = False):
+        return self._compiled(("step", batch, chunk_tokens, kv_len, greedy_only, return_logits),
                               lambda: self._build_step(batch, kv_len, greedy_only, return_logits))
+
+    def _chunk_shapes(self) -> list[tuple[int, int]]:
+        """(chunk size, context bucket) of every step with a chunk: a step_tokens chunk may end
+        anywhere; an idle-step chunk is whole, so it ends at idle_step_tokens or later."""
+        shapes = [(self._step_tokens, kv) for kv in self.kv_buckets]
+        if self.idle_step_tokens > self._step_tokens:
+            shapes += [(self.idle_step_tokens, kv) for kv in self.kv_buckets if kv >= self.idle_step_tokens]
+        return shapes
 
     def _build_step(self, batch: int, kv_len: int, greedy_only: bool, return_logits: bool):
         """A step over decode rows [0, batch) and, when kv_len > 0, one chunk attending to kv_len positions."""
@@ -408,7 +425,7 @@ class PagedEngine(SlotBook):
         # beside a chunk's tokens, the rows of idle slots cost little.
         batch = (self.batch_buckets[-1] if chunk is not None or not decoding.size
                  else next(b for b in self.batch_buckets if b > decoding[-1]))
-        kv_len = 0
+        kv_len = chunk_tokens = 0
         c_args: tuple[Any, ...]
         if chunk is None:
             zero = np.int32(0)
@@ -419,7 +436,8 @@ class PagedEngine(SlotBook):
             seq = self._seqs[chunk.slot]
             end = chunk.start + chunk.length
             kv_len = next(b for b in self.kv_buckets if b >= end)
-            padded = np.zeros(self._step_tokens, np.int32)
+            chunk_tokens = self._step_tokens if chunk.length <= self._step_tokens else self.idle_step_tokens
+            padded = np.zeros(chunk_tokens, np.int32)
             padded[: chunk.length] = seq.tokens[chunk.start:end]
             s = seq.sampling
             c_args = (padded, np.int32(chunk.slot), np.int32(chunk.start), np.int32(chunk.length),
@@ -428,7 +446,7 @@ class PagedEngine(SlotBook):
                        np.int32(seq.counter)))
             greedy = bool(self.greedy[decoding].all()) and s.greedy
         tables, writing = self._device_tables()
-        fn = self._step_fn(batch, kv_len, greedy, return_logits)
+        fn = self._step_fn(batch, chunk_tokens, kv_len, greedy, return_logits)
         self._state, tok, chunk_tok, logits = fn(self.params, self._state, tables, writing, *c_args)
         tok.copy_to_host_async()
         self.positions[decoding] += 1
@@ -472,12 +490,12 @@ class PagedEngine(SlotBook):
         for greedy in (True, False):
             samp = (np.float32(0 if greedy else 1), zero, np.float32(1), zero, zero)
             for batch in self.batch_buckets:
-                self._state, *_ = self._step_fn(batch, 0, greedy)(
+                self._state, *_ = self._step_fn(batch, 0, 0, greedy)(
                     self.params, self._state, tables, writing, np.zeros(0, np.int32), zero, zero, zero,
                     np.bool_(False), samp)
-            for kv_len in self.kv_buckets:
-                self._state, *_ = self._step_fn(self.batch_buckets[-1], kv_len, greedy)(
-                    self.params, self._state, tables, writing, np.zeros(self._step_tokens, np.int32), zero, zero,
+            for chunk_tokens, kv_len in self._chunk_shapes():
+                self._state, *_ = self._step_fn(self.batch_buckets[-1], chunk_tokens, kv_len, greedy)(
+                    self.params, self._state, tables, writing, np.zeros(chunk_tokens, np.int32), zero, zero,
                     zero, np.bool_(False), samp)
         jax.block_until_ready(self._state)
         return time.perf_counter() - t0

@@ -96,6 +96,30 @@ def test_chunked_paged_greedy_tokens_match_whole_prompt_prefill(checkpoint, toke
     assert_pool_empty(engine)
 
 
+def test_steps_with_no_sequence_decoding_carry_larger_chunks_and_keep_greedy_tokens(checkpoint, tokenizer, prompts,
+                                                                                     reference):
+    idle = 2 * BLOCK
+    engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK,
+                               idle_step_tokens=idle)
+    longest = prompts[-1]  # 70 tokens alone: two idle-step chunks of 32, then the last 6
+    tokens, records = serve_all(engine, tokenizer, greedy_requests([longest]))
+    assert tokens["r0"] == reference[-1]
+    assert list(records["r0"].chunk_tokens) == [idle, idle, len(longest) - 2 * idle]
+    # Longest first, so that the first steps have no sequence decoding; the rest come in beside them.
+    engine.pool.clear_cache()  # (the 70-token prompt's blocks would be found there)
+    tokens, records = serve_all(engine, tokenizer, greedy_requests(prompts[::-1]))
+    for i, expected in enumerate(reference[::-1]):
+        assert tokens[f"r{i}"] == expected, f"prompt of {len(prompts[::-1][i])} tokens"
+    idle_steps = {int(step) for rec in records.values()
+                  for step, n in zip(rec.chunk_steps, rec.chunk_tokens, strict=True) if n > BLOCK}
+    assert idle_steps, "no step carried an idle-step chunk"
+    for rid, rec in records.items():
+        owner = {int(s) for s in rec.chunk_steps}
+        decoded_at = {int(s) for s in rec.token_steps} - owner
+        assert not decoded_at & idle_steps, f"{rid} decoded in a step whose chunk was larger than step_tokens"
+    assert_pool_empty(engine)
+
+
 def test_preemption_recomputes_and_keeps_greedy_tokens(checkpoint, tokenizer, prompts, reference):
     # Prompts of 16, 17, 32 and 33 tokens take 8 blocks to begin and 10 to finish: a pool of 6
     # admits three of them, whose growth then runs it dry.

@@ -11,7 +11,7 @@ from pathlib import Path
 from switchyard.service.engine.checkpoint import load_params, write_checkpoint
 from switchyard.service.engine.paged import PagedEngine
 from switchyard.service.engine.tensor_parallel import Engine, make_mesh
-from switchyard.service.modelspec import ModelSpec, ServingLayout, preset
+from switchyard.service.modelspec import IDLE_STEP_TOKENS, ModelSpec, ServingLayout, preset
 
 
 def tiny_checkpoint(folder: Path) -> Path:
@@ -24,7 +24,8 @@ def tiny_engine(folder: Path, tp: int = 1, slots: int = 4, max_seq_len: int = 12
 
 
 def tiny_paged_engine(folder: Path, tp: int = 1, slots: int = 4, max_seq_len: int = 128, *, kv_tokens: int = 0,
-                      step_tokens: int = 16, block_size: int = 16, dtype: str | None = None) -> PagedEngine:
+                      step_tokens: int = 16, block_size: int = 16, dtype: str | None = None,
+                      idle_step_tokens: int = IDLE_STEP_TOKENS) -> PagedEngine:
     """The token-budget engine on the tiny checkpoint, with small blocks and chunks so that tests
     cross block and chunk boundaries with short prompts."""
     spec = ModelSpec.from_file(folder)
@@ -32,7 +33,7 @@ def tiny_paged_engine(folder: Path, tp: int = 1, slots: int = 4, max_seq_len: in
     dtype = dtype or spec.dtype
     params = load_params(folder, spec, mesh, dtype, progress=False)
     return PagedEngine(spec, params, mesh, batch_slots=slots, max_seq_len=max_seq_len, kv_tokens=kv_tokens,
-                       step_tokens=step_tokens, block_size=block_size, dtype=dtype)
+                       step_tokens=step_tokens, block_size=block_size, dtype=dtype, idle_step_tokens=idle_step_tokens)
 
 
 def varied_checkpoint(folder: Path, tokenizer_from: Path, seed: int = 11) -> Path:
