@@ -13,9 +13,10 @@ sequence's block table maps its positions to blocks. The host keeps the books
 cache) and uploads the block tables when they change; per-slot decode state (last token, position,
 sampling parameters) lives on the devices and is donated to each step, as in the slot engine.
 
-Programs are compiled per shape: decode-only steps per batch bucket, steps with a chunk per chunk size
-(a quarter of ``step_tokens`` for short prompts and prompts' ends, ``step_tokens``, the idle-step
-chunk) and bucket of the context the chunk attends to; each greedy-only or sampled.
+Programs are compiled per shape: decode-only steps per batch bucket, each greedy-only or sampled;
+steps with a chunk per chunk size (a quarter of ``step_tokens`` for short prompts and prompts' ends,
+``step_tokens``, the idle-step chunk) and bucket of the context the chunk attends to, sampled (their
+sampling gives greedy rows the greedy token; beside a chunk's products it costs little).
 """
 
 from __future__ import annotations
@@ -447,7 +448,7 @@ class PagedEngine(SlotBook):
                       np.bool_(chunk.completes),
                       (np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p), np.int32(s.seed),
                        np.int32(seq.counter)))
-            greedy = bool(self.greedy[decoding].all()) and s.greedy
+            greedy = False
         tables, writing = self._device_tables()
         fn = self._step_fn(batch, chunk_tokens, kv_len, greedy, return_logits)
         self._state, tok, chunk_tok, logits = fn(self.params, self._state, tables, writing, *c_args)
@@ -496,10 +497,11 @@ class PagedEngine(SlotBook):
                 self._state, *_ = self._step_fn(batch, 0, 0, greedy)(
                     self.params, self._state, tables, writing, np.zeros(0, np.int32), zero, zero, zero,
                     np.bool_(False), samp)
-            for chunk_tokens, kv_len in self._chunk_shapes():
-                self._state, *_ = self._step_fn(self.batch_buckets[-1], chunk_tokens, kv_len, greedy)(
-                    self.params, self._state, tables, writing, np.zeros(chunk_tokens, np.int32), zero, zero,
-                    zero, np.bool_(False), samp)
+        sampled = (np.float32(1), zero, np.float32(1), zero, zero)
+        for chunk_tokens, kv_len in self._chunk_shapes():
+            self._state, *_ = self._step_fn(self.batch_buckets[-1], chunk_tokens, kv_len, False)(
+                self.params, self._state, tables, writing, np.zeros(chunk_tokens, np.int32), zero, zero,
+                zero, np.bool_(False), sampled)
         jax.block_until_ready(self._state)
         return time.perf_counter() - t0
 
