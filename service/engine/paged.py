@@ -13,10 +13,8 @@ sequence's block table maps its positions to blocks. The host keeps the books
 cache) and uploads the block tables when they change; per-slot decode state (last token, position,
 sampling parameters) lives on the devices and is donated to each step, as in the slot engine.
 
-Programs are compiled per shape: decode-only steps per batch bucket, each greedy-only or sampled;
-steps with a chunk per chunk size (a quarter of ``step_tokens`` for short prompts and prompts' ends,
-``step_tokens``, the idle-step chunk) and bucket of the context the chunk attends to, sampled (their
-sampling gives greedy rows the greedy token; beside a chunk's products it costs little).
+Programs are compiled per shape: decode-only steps per batch bucket, steps with a chunk per chunk size
+and bucket of the context the chunk attends to; each greedy-only or sampled.
 """
 
 from __future__ import annotations
@@ -61,7 +59,6 @@ from switchyard.service.modelspec import (
     DEFAULT_STEP_TOKENS,
     IDLE_STEP_TOKENS,
     KV_BLOCK_TOKENS,
-    STEP_TOKENS_MULTIPLE,
     ModelSpec,
     ServingLayout,
     kv_tokens_for_memory,
@@ -152,9 +149,6 @@ class PagedEngine(SlotBook):
         # The chunk of a step that no decoding sequence waits for (a whole number of blocks, at most a
         # sequence's table); equal to step_tokens when the context is too short for a larger one.
         self.idle_step_tokens = max(step_tokens, min(idle_step_tokens, self.blocks_per_seq * block_size))
-        quarter = -(-step_tokens // 4 // STEP_TOKENS_MULTIPLE) * STEP_TOKENS_MULTIPLE
-        self.chunk_sizes = sorted({max(quarter, min(step_tokens, STEP_TOKENS_MULTIPLE)), step_tokens,
-                                   self.idle_step_tokens})
         self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
         self.kv_buckets = self._kv_buckets()
         if strategy != "xla" and self.tp > 1:
@@ -355,10 +349,12 @@ class PagedEngine(SlotBook):
                               lambda: self._build_step(batch, kv_len, greedy_only, return_logits))
 
     def _chunk_shapes(self) -> list[tuple[int, int]]:
-        """(chunk size, context bucket) of every step with a chunk: chunks up to step_tokens may end
+        """(chunk size, context bucket) of every step with a chunk: a step_tokens chunk may end
         anywhere; an idle-step chunk is whole, so it ends at idle_step_tokens or later."""
-        return [(size, kv) for size in self.chunk_sizes for kv in self.kv_buckets
-                if size <= self._step_tokens or kv >= size]
+        shapes = [(self._step_tokens, kv) for kv in self.kv_buckets]
+        if self.idle_step_tokens > self._step_tokens:
+            shapes += [(self.idle_step_tokens, kv) for kv in self.kv_buckets if kv >= self.idle_step_tokens]
+        return shapes
 
     def _build_step(self, batch: int, kv_len: int, greedy_only: bool, return_logits: bool):
         """A step over decode rows [0, batch) and, when kv_len > 0, one chunk attending to kv_len positions."""
@@ -440,7 +436,7 @@ class PagedEngine(SlotBook):
             seq = self._seqs[chunk.slot]
             end = chunk.start + chunk.length
             kv_len = next(b for b in self.kv_buckets if b >= end)
-            chunk_tokens = next(size for size in self.chunk_sizes if size >= chunk.length)
+            chunk_tokens = self._step_tokens if chunk.length <= self._step_tokens else self.idle_step_tokens
             padded = np.zeros(chunk_tokens, np.int32)
             padded[: chunk.length] = seq.tokens[chunk.start:end]
             s = seq.sampling
@@ -448,7 +444,7 @@ class PagedEngine(SlotBook):
                       np.bool_(chunk.completes),
                       (np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p), np.int32(s.seed),
                        np.int32(seq.counter)))
-            greedy = False
+            greedy = bool(self.greedy[decoding].all()) and s.greedy
         tables, writing = self._device_tables()
         fn = self._step_fn(batch, chunk_tokens, kv_len, greedy, return_logits)
         self._state, tok, chunk_tok, logits = fn(self.params, self._state, tables, writing, *c_args)
@@ -497,11 +493,10 @@ class PagedEngine(SlotBook):
                 self._state, *_ = self._step_fn(batch, 0, 0, greedy)(
                     self.params, self._state, tables, writing, np.zeros(0, np.int32), zero, zero, zero,
                     np.bool_(False), samp)
-        sampled = (np.float32(1), zero, np.float32(1), zero, zero)
-        for chunk_tokens, kv_len in self._chunk_shapes():
-            self._state, *_ = self._step_fn(self.batch_buckets[-1], chunk_tokens, kv_len, False)(
-                self.params, self._state, tables, writing, np.zeros(chunk_tokens, np.int32), zero, zero,
-                zero, np.bool_(False), sampled)
+            for chunk_tokens, kv_len in self._chunk_shapes():
+                self._state, *_ = self._step_fn(self.batch_buckets[-1], chunk_tokens, kv_len, greedy)(
+                    self.params, self._state, tables, writing, np.zeros(chunk_tokens, np.int32), zero, zero,
+                    zero, np.bool_(False), samp)
         jax.block_until_ready(self._state)
         return time.perf_counter() - t0
 

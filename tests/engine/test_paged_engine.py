@@ -120,18 +120,6 @@ def test_steps_with_no_sequence_decoding_carry_larger_chunks_and_keep_greedy_tok
     assert_pool_empty(engine)
 
 
-def test_short_chunks_go_through_the_short_chunk_program_and_keep_greedy_tokens(checkpoint, tokenizer, prompts,
-                                                                                 reference):
-    engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=4 * BLOCK, block_size=BLOCK)
-    assert engine.chunk_sizes == [BLOCK, 4 * BLOCK, 128]
-    tokens, _ = serve_all(engine, tokenizer, greedy_requests(prompts))
-    for i, prompt in enumerate(prompts):
-        assert tokens[f"r{i}"] == reference[i], f"prompt of {len(prompt)} tokens"
-    compiled_chunks = {key[2] for key in engine._jits if key[0] == "step" and key[2]}
-    assert compiled_chunks == {BLOCK, 4 * BLOCK}, compiled_chunks
-    assert_pool_empty(engine)
-
-
 def test_preemption_recomputes_and_keeps_greedy_tokens(checkpoint, tokenizer, prompts, reference):
     # Prompts of 16, 17, 32 and 33 tokens take 8 blocks to begin and 10 to finish: a pool of 6
     # admits three of them, whose growth then runs it dry.
