@@ -124,6 +124,17 @@ def trace_gpu(run, out_dir: str) -> tuple[list[dict], list[dict]]:
     return kernels, [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu_pids]
 
 
+def kernel_totals(kernels: list[dict], name_chars: int, top: int) -> tuple[float, float, list[tuple[str, list]]]:
+    """GPU events' busy time and span (µs), and the ``top`` kernel names (cut to ``name_chars``) by
+    total time, each with its events' durations."""
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"][:name_chars], []).append(e.get("dur", 0))
+    busy = sum(e.get("dur", 0) for e in kernels)
+    span = (max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
+    return busy, span, sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+
+
 def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
     """Trace ``steps`` engine steps with the JAX profiler and summarise GPU kernel time from the
     Perfetto trace: how much of each step the GPU is busy, and with what."""
@@ -135,17 +146,12 @@ def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
             engine.generate()
 
     kernels, host = trace_gpu(run, out_dir)
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e["name"][:80], []).append(e.get("dur", 0))
-    busy = sum(e.get("dur", 0) for e in kernels)
-    span = (max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
+    busy, span, top = kernel_totals(kernels, name_chars=80, top=20)
     api = {}
     for e in host:
         n = e["name"]
         if any(k in n for k in ("Launch", "launch", "Graph", "graph", "Memcpy", "Synchronize")):
             api[n] = api.get(n, 0) + 1
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]
     return {
         "steps": steps, "gpu_events": len(kernels), "gpu_events_per_step": len(kernels) / steps,
         "gpu_busy_us_per_step": busy / steps, "gpu_span_us_per_step": span / steps,

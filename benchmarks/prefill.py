@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import runpy
@@ -81,13 +82,14 @@ def time_to_first_token(engine, prompt: list[int], reuse_prefix: bool) -> tuple[
     return elapsed, cached
 
 
+@functools.cache
+def _decode_benchmark() -> dict:
+    """decode.py's functions (profiling, the source commit), loaded once."""
+    return runpy.run_path(str(Path(__file__).with_name("decode.py")))
+
+
 def _summarise(kernels: list[dict], steps: int) -> dict:
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e["name"][:90], []).append(e.get("dur", 0))
-    busy = sum(e.get("dur", 0) for e in kernels)
-    span = (max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    busy, span, top = _decode_benchmark()["kernel_totals"](kernels, name_chars=90, top=25)
     return {"steps": steps, "gpu_busy_us_per_step": round(busy / steps, 1),
             "gpu_span_us_per_step": round(span / steps, 1),
             "top_kernels": [{"name": n, "count": len(d), "total_us_per_step": round(sum(d) / steps, 1)}
@@ -98,7 +100,7 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
     """Profiler summaries of a prompt alone and of chunk steps beside decoding sequences."""
     from switchyard.service.engine.sampling import SamplingParams
 
-    trace_gpu = runpy.run_path(str(Path(__file__).with_name("decode.py")))["trace_gpu"]
+    trace_gpu = _decode_benchmark()["trace_gpu"]
     vocab = engine.spec.vocab_size
     alone = [int(t) for t in rng.integers(3, vocab, max(args.prompt))]
     kernels, _ = trace_gpu(lambda: time_to_first_token(engine, alone, reuse_prefix=False), f"{out_dir}/alone")
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": f"{jax.device_count()}x {device.device_kind}",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": runpy.run_path(str(Path(__file__).with_name("decode.py")))["source_commit"](),
+        "commit": _decode_benchmark()["source_commit"](),
         "jax": jax.__version__,
         "model": args.model,
         "rows": rows,

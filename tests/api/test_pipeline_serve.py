@@ -81,20 +81,27 @@ def test_two_stage_group_serves_generate_like_one_device(checkpoint, tmp_path):
                 print(out[-3000:])
 
 
-def test_a_later_stage_whose_stage_0_never_comes_exits_with_one_line(tmp_path):
-    from switchyard.service.engine.pipeline_group import JOIN_TIMEOUT_S
-
-    coordinator = f"127.0.0.1:{_free_port()}"  # nothing listens there
+def _run_lone_stage(tmp_path, stage: int, coordinator: str,
+                    timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    """``switchyard serve --tiny`` as one stage of a two-stage group whose other stage never comes:
+    the finished process and the seconds it took."""
     (tmp_path / "layout.json").write_text(json.dumps(
         {"tp": 1, "pp": 2, "batch_slots": 2, "max_seq_len": 256, "coordinator": coordinator}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-    env.update(SWITCHYARD_PIPELINE_STAGE="1", XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env.update(SWITCHYARD_PIPELINE_STAGE=str(stage), XLA_FLAGS="", JAX_PLATFORMS="cpu")
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--layout", str(tmp_path / "layout.json"),
          "--host", "127.0.0.1", "--port", str(_free_port())],
-        env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S + 120)
-    took = time.monotonic() - started
+        env=env, capture_output=True, text=True, timeout=timeout)
+    return done, time.monotonic() - started
+
+
+def test_a_later_stage_whose_stage_0_never_comes_exits_with_one_line(tmp_path):
+    from switchyard.service.engine.pipeline_group import JOIN_TIMEOUT_S
+
+    coordinator = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    done, took = _run_lone_stage(tmp_path, 1, coordinator, timeout=JOIN_TIMEOUT_S + 120)
     assert done.returncode > 0, (done.returncode, done.stderr[-3000:])  # an exit status, not a signal
     # The runtime's own wait would be 300 s and end in a C++ abort (a signal, a stack dump).
     assert took < JOIN_TIMEOUT_S + 60, took
@@ -109,16 +116,7 @@ def test_stage_0_that_cannot_listen_on_the_coordinator_port_exits_at_once_with_o
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         coordinator = f"127.0.0.1:{taken.getsockname()[1]}"
-        (tmp_path / "layout.json").write_text(json.dumps(
-            {"tp": 1, "pp": 2, "batch_slots": 2, "max_seq_len": 256, "coordinator": coordinator}))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-        env.update(SWITCHYARD_PIPELINE_STAGE="0", XLA_FLAGS="", JAX_PLATFORMS="cpu")
-        started = time.monotonic()
-        done = subprocess.run(
-            [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--layout", str(tmp_path / "layout.json"),
-             "--host", "127.0.0.1", "--port", str(_free_port())],
-            env=env, capture_output=True, text=True, timeout=120)
-    took = time.monotonic() - started
+        done, took = _run_lone_stage(tmp_path, 0, coordinator, timeout=120)
     assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
     assert took < 30, took  # start-up and a failed bind: seconds, not the runtime's 300 s and a C++ abort
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
