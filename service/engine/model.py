@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import attention, rmsnorm, row_parallel_residual, row_parallel_residual_rmsnorm
+from switchyard.service.engine.chunk_attention import chunk_attention, cudnn_chunk_attention
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
@@ -43,7 +44,8 @@ RowParallel = Callable[..., jax.Array]
 DecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 # (qkv, k_pool, v_pool, block_tables, positions, write_at) -> (out, k_pool, v_pool)
 PagedDecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
-# (q [C, H, D], k [S, kv, D], v [S, kv, D], q_positions [C]) -> out [C, H, D]: causal by position
+# (q [C, H, D], k, v [S, kv, D] (keys below start count), start, k_chunk, v_chunk [C, kv, D]) -> out
+# [C, H, D]: a prompt chunk's queries against its sequence's earlier keys and, causally, its own
 ChunkAttention = Callable[..., jax.Array]
 
 
@@ -321,27 +323,6 @@ def prefill_forward(
 
 
 # ---- paged KV pool: token-budget steps ------------------------------------------------------------
-def _chunk_attention_with(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                          implementation: str | None) -> jax.Array:
-    keys = jnp.arange(k.shape[0])
-    mask = keys[None, :] <= q_positions[:, None]  # [C, S]
-    return jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None],
-                                        implementation=implementation)[0]
-
-
-def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
-    """q [C, H, D] at ``q_positions`` against keys k, v [S, kv, D] at positions 0..S-1, causal:
-    query i sees keys at positions <= q_positions[i]. XLA's attention (any platform)."""
-    return _chunk_attention_with(q, k, v, q_positions, implementation="xla")
-
-
-def cudnn_chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
-    """As :func:`chunk_attention`, through cuDNN's flash attention (CUDA, 16-bit inputs)."""
-    if jnp.dtype(q.dtype).name not in ("bfloat16", "float16"):
-        return chunk_attention(q, k, v, q_positions)
-    return _chunk_attention_with(q, k, v, q_positions, implementation="cudnn")
-
-
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """The prompt chunk a step carries (traced arrays): ``tokens`` [C] padded, the first ``length``
@@ -365,27 +346,30 @@ def _pack_rope(qkv: jax.Array, positions: jax.Array, shape: ShardShape, cfg: For
 
 def _chunk_layer_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, chunk: Chunk,
                            cfg: ForwardConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A chunk's attention in one layer: its K/V written into its blocks, then its queries against
-    the sequence's keys so far. qkv [C, q + 2 kv, hd] (roped)."""
+    """A chunk's attention in one layer: its queries against the sequence's earlier keys (read from
+    its blocks) and its own; its K/V written into its blocks. qkv [C, q + 2 kv, hd] (roped)."""
     shape = cfg.shape
     nb, kv, bs, hd = k_pool.shape
     m = chunk.table.shape[0]
     C = qkv.shape[0]
+    dt = qkv.dtype
     q = qkv[:, : shape.q_heads]
-    k_new, v_new = qkv[:, shape.q_heads: shape.q_heads + kv], qkv[:, shape.q_heads + kv:]
+    # The chunk's own K/V as the pool stores them, so its queries see what later steps will read.
+    k_new = qkv[:, shape.q_heads: shape.q_heads + kv].astype(k_pool.dtype)
+    v_new = qkv[:, shape.q_heads + kv:].astype(v_pool.dtype)
+    blocks = chunk.table[: chunk.kv_len // bs]
+    k = jnp.swapaxes(k_pool[blocks], 1, 2).reshape(chunk.kv_len, kv, hd)
+    v = jnp.swapaxes(v_pool[blocks], 1, 2).reshape(chunk.kv_len, kv, hd)
+    earlier = (jnp.arange(chunk.kv_len) < chunk.start)[:, None, None]
+    k, v = jnp.where(earlier, k, 0), jnp.where(earlier, v, 0)  # positions not written may hold anything
+    attend = cfg.chunk_attention or chunk_attention
+    out = attend(q, k.astype(dt), v.astype(dt), chunk.start, k_new.astype(dt), v_new.astype(dt))
     pos = chunk.start + jnp.arange(C)
     real = jnp.arange(C) < chunk.length
     block = jnp.where(real, chunk.table[jnp.minimum(pos // bs, m - 1)], nb)  # nb: dropped
     offset = pos % bs
-    k_pool = k_pool.at[block, :, offset, :].set(k_new.astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[block, :, offset, :].set(v_new.astype(v_pool.dtype), mode="drop")
-    blocks = chunk.table[: chunk.kv_len // bs]
-    k = jnp.swapaxes(k_pool[blocks], 1, 2).reshape(chunk.kv_len, kv, hd)
-    v = jnp.swapaxes(v_pool[blocks], 1, 2).reshape(chunk.kv_len, kv, hd)
-    written = (jnp.arange(chunk.kv_len) < chunk.start + chunk.length)[:, None, None]
-    k, v = jnp.where(written, k, 0), jnp.where(written, v, 0)  # positions not written may hold anything
-    attend = cfg.chunk_attention or chunk_attention
-    out = attend(q, k.astype(q.dtype), v.astype(q.dtype), pos)
+    k_pool = k_pool.at[block, :, offset, :].set(k_new, mode="drop")
+    v_pool = v_pool.at[block, :, offset, :].set(v_new, mode="drop")
     return out, k_pool, v_pool
 
 

@@ -1,47 +1,17 @@
 """The token-budget engine on a GPU: prompt chunks through cuDNN's flash attention and decode
 attention through the paged kernel give the slot engine's logits (whole-prompt prefill, contiguous
-kernel) on the same bf16 weights."""
+kernel) on the same bf16 weights. The chunk attention alone: tests/engine/test_chunk_attention.py."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.engine_fixtures import kernel_sized_spec
-from switchyard.service.engine.model import chunk_attention, cudnn_chunk_attention
 from switchyard.service.engine.paged import PagedEngine
 from switchyard.service.engine.sampling import SamplingParams
 from switchyard.service.engine.tensor_parallel import Engine, random_weights
 
 pytestmark = pytest.mark.gpu
-
-
-def float64_chunk_attention(q, k, v, q_positions) -> np.ndarray:
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    heads, kv = q.shape[1], k.shape[1]
-    k = np.repeat(k, heads // kv, axis=1)
-    v = np.repeat(v, heads // kv, axis=1)
-    scores = np.einsum("qhd,shd->hqs", q, k) / np.sqrt(q.shape[2])
-    visible = np.arange(k.shape[0])[None, :] <= np.asarray(q_positions)[:, None]
-    scores = np.where(visible[None], scores, -np.inf)
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    return np.einsum("hqs,shd->qhd", probs, v)
-
-
-@pytest.mark.parametrize(("chunk", "context", "start", "heads", "kv", "dim"),
-                         [(256, 1024, 512, 32, 8, 128), (64, 320, 77, 8, 2, 64), (512, 4352, 3840, 32, 8, 128)])
-def test_cudnn_chunk_attention_matches_float64(rng, chunk, context, start, heads, kv, dim):
-    q = jnp.asarray(rng.standard_normal((chunk, heads, dim)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((context, kv, dim)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((context, kv, dim)), jnp.bfloat16)
-    positions = jnp.asarray(start + np.arange(chunk), jnp.int32)
-    expected = float64_chunk_attention(q, k, v, positions)
-    for fn in (cudnn_chunk_attention, chunk_attention):
-        out = np.asarray(jax.jit(fn)(q, k, v, positions), np.float64)
-        assert np.isfinite(out).all()
-        assert np.abs(out - expected).max() < 2e-2, fn.__name__
 
 
 def test_paged_engine_logits_follow_the_slot_engine():
