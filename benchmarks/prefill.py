@@ -13,9 +13,9 @@ before JAX takes the GPU's memory.
     python benchmarks/prefill.py --prompt 1024 4096 --step-tokens 256 512 --peer torch
 
 ``--profile-dir`` adds, per step budget, a JAX profiler summary (GPU busy time per step, top kernels)
-of the longest prompt alone and of a mixed load: ``--profile-decoding`` sequences decoding at context
-``--profile-context`` while a prompt of ``--shared-prefix`` tokens goes through in chunks, beside
-decode-only steps of the same sequences.
+of the longest prompt alone, of a prompt whose ``--shared-prefix`` is cached, and of a mixed load:
+``--profile-decoding`` sequences decoding at context ``--profile-context`` while a prompt of
+``--shared-prefix`` tokens goes through in chunks, beside decode-only steps of the same sequences.
 """
 
 from __future__ import annotations
@@ -63,23 +63,26 @@ def peer_times(args: argparse.Namespace) -> dict:
     return out
 
 
-def time_to_first_token(engine, prompt: list[int], reuse_prefix: bool) -> tuple[float, int]:
-    """Seconds from the first chunk's launch to the first token on the host; the cached tokens."""
+def time_to_first_token(engine, prompt: list[int], reuse_prefix: bool) -> tuple[float, int, int]:
+    """Seconds from the first chunk's launch to the first token on the host; the cached tokens; the
+    steps the prompt took."""
     from switchyard.service.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
     cached = engine.begin(0, prompt, SamplingParams(), reuse_prefix=reuse_prefix)
     if cached is None:
         raise RuntimeError("the pool has too few blocks for the prompt")
+    steps = 0
     while True:
         chunk = engine.next_chunk(0)
         pending = engine.dispatch(chunk)
+        steps += 1
         if chunk.completes:
             engine.collect(pending)
             break
     elapsed = time.perf_counter() - t0
     engine.evict(0)
-    return elapsed, cached
+    return elapsed, cached, steps
 
 
 @functools.cache
@@ -103,8 +106,17 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
     trace_gpu = _decode_benchmark()["trace_gpu"]
     vocab = engine.spec.vocab_size
     alone = [int(t) for t in rng.integers(3, vocab, max(args.prompt))]
-    kernels, _ = trace_gpu(lambda: time_to_first_token(engine, alone, reuse_prefix=False), f"{out_dir}/alone")
-    out = {"prompt_alone": {"prompt": len(alone), **_summarise(kernels, -(-len(alone) // engine.step_tokens))}}
+    runs: list[tuple[float, int, int]] = []
+    kernels, _ = trace_gpu(lambda: runs.append(time_to_first_token(engine, alone, False)), f"{out_dir}/alone")
+    out = {"prompt_alone": {"prompt": len(alone), **_summarise(kernels, runs[-1][2])}}
+    prefix = [int(t) for t in rng.integers(3, vocab, args.shared_prefix)]
+    engine.pool.clear_cache()
+    time_to_first_token(engine, prefix + [int(t) for t in rng.integers(3, vocab, args.suffix)], True)
+    suffix = [int(t) for t in rng.integers(3, vocab, args.suffix)]
+    kernels, _ = trace_gpu(lambda: runs.append(time_to_first_token(engine, prefix + suffix, True)),
+                           f"{out_dir}/cached")
+    out["cached_prefix"] = {"shared_prefix": args.shared_prefix, "suffix": args.suffix,
+                            "wall_us": round(1e6 * runs[-1][0], 1), **_summarise(kernels, runs[-1][2])}
     n = min(args.profile_decoding, engine.max_slots - 1)
     for slot in range(n):  # sequences decoding at about --profile-context
         engine.begin(slot, [int(t) for t in rng.integers(3, vocab, args.profile_context)], SamplingParams())
@@ -188,20 +200,20 @@ def main(argv: list[str] | None = None) -> int:
             times = []
             for i in range(args.repeats + 1):
                 prompt = [int(t) for t in rng.integers(3, spec.vocab_size, length)]
-                elapsed, _ = time_to_first_token(engine, prompt, reuse_prefix=False)
+                elapsed, _, steps = time_to_first_token(engine, prompt, reuse_prefix=False)
                 if i:
                     times.append(elapsed)
             ms = 1000 * statistics.median(times)
             rows.append({"kind": "prompt alone", "step_tokens": step_tokens, "prompt": length, "ms": round(ms, 3),
-                         "chunks": -(-length // step_tokens)})
-            print(f"  prompt {length:5d} alone: {ms:8.2f} ms ({-(-length // step_tokens)} steps)", flush=True)
+                         "steps": steps})
+            print(f"  prompt {length:5d} alone: {ms:8.2f} ms ({steps} steps)", flush=True)
         firsts, seconds = [], []
         for i in range(args.repeats + 1):
             engine.pool.clear_cache()
             prefix = [int(t) for t in rng.integers(3, spec.vocab_size, args.shared_prefix)]
-            first, cached_first = time_to_first_token(
+            first, cached_first, _ = time_to_first_token(
                 engine, prefix + [int(t) for t in rng.integers(3, spec.vocab_size, args.suffix)], True)
-            second, cached = time_to_first_token(
+            second, cached, _ = time_to_first_token(
                 engine, prefix + [int(t) for t in rng.integers(3, spec.vocab_size, args.suffix)], True)
             assert cached_first == 0 and cached == args.shared_prefix // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
             if i:
