@@ -96,6 +96,30 @@ class BudgetStepResult(StepResult):
     chunk_token: int = -1
 
 
+# A step's chunk travels as one int32 array (one host-to-device copy, not one per field):
+# [tokens (padded to the chunk size), slot, start, length, completes, temperature, top_k, top_p,
+# seed, counter], temperature and top_p as float32 bits.
+_CHUNK_FIELDS = 9
+
+
+def _pack_chunk(chunk_tokens: int, tokens: Sequence[int], slot: int, start: int, completes: bool,
+                sampling: SamplingParams, counter: int) -> np.ndarray:
+    out = np.zeros(chunk_tokens + _CHUNK_FIELDS, np.int32)
+    out[: len(tokens)] = tokens
+    floats = np.array([sampling.temperature, sampling.top_p], np.float32).view(np.int32)
+    out[chunk_tokens:] = (slot, start, len(tokens), completes, floats[0], sampling.top_k, floats[1], sampling.seed,
+                          counter)
+    return out
+
+
+def _unpack_chunk(packed: jax.Array) -> tuple[jax.Array, ...]:
+    """(tokens, slot, start, length, completes, (temperature, top_k, top_p, seed, counter))."""
+    c = packed.shape[0] - _CHUNK_FIELDS
+    slot, start, length, completes, temp, top_k, top_p, seed, counter = (packed[c + i] for i in range(_CHUNK_FIELDS))
+    as_float = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+    return packed[:c], slot, start, length, completes != 0, (as_float(temp), top_k, as_float(top_p), seed, counter)
+
+
 @dataclasses.dataclass
 class _Sequence:
     tokens: list[int]  # the prompt (for a resumed sequence: prompt and the tokens made before)
@@ -225,6 +249,11 @@ class PagedEngine(SlotBook):
         shape = (self.pool.num_blocks, s.num_kv_heads, self._block_size, s.head_dim)
         k, v = new_cache(shape, NamedSharding(self.mesh, POOL_SPEC), self.dtype, s.num_layers)
         return {"k": k, "v": v, **slot_state(self.mesh, self.max_slots)}
+
+    @functools.cached_property
+    def _no_chunk_args(self) -> jax.Array:
+        """The chunk argument of a step without one (unread), kept on the devices."""
+        return jax.device_put(_pack_chunk(0, [], 0, 0, False, SamplingParams(), 0), NamedSharding(self.mesh, P()))
 
     @functools.cached_property
     def _state_shardings(self) -> dict[str, Any]:
@@ -385,10 +414,11 @@ class PagedEngine(SlotBook):
             in_specs=(self._pspecs, pools, pools) + (rep,) * 13,
             out_specs=(rep, rep, pools, pools), check_vma=False)
 
-        def step(params, state, tables, decoding, c_tokens, c_slot, c_start, c_len, c_completes, c_sampling):
+        def step(params, state, tables, decoding, c_args):
             b = slice(0, batch)
             write = decoding[b]
             samp = [state[key][b] for key in ("temperature", "top_k", "top_p", "seeds", "counters")]
+            c_tokens, c_slot, c_start, c_len, c_completes, c_sampling = _unpack_chunk(c_args)
             if with_chunk:
                 samp = [jnp.concatenate([a, jnp.asarray(c)[None].astype(a.dtype)]) for a, c in zip(samp, c_sampling,
                                                                                                   strict=True)]
@@ -426,28 +456,20 @@ class PagedEngine(SlotBook):
         batch = (self.batch_buckets[-1] if chunk is not None or not decoding.size
                  else next(b for b in self.batch_buckets if b > decoding[-1]))
         kv_len = chunk_tokens = 0
-        c_args: tuple[Any, ...]
         if chunk is None:
-            zero = np.int32(0)
-            c_args = (np.zeros(0, np.int32), zero, zero, zero, np.bool_(False),
-                      (np.float32(0), zero, np.float32(1), zero, zero))
+            c_args = self._no_chunk_args
             greedy = bool(self.greedy[decoding].all()) if decoding.size else True
         else:
             seq = self._seqs[chunk.slot]
             end = chunk.start + chunk.length
             kv_len = next(b for b in self.kv_buckets if b >= end)
             chunk_tokens = self._step_tokens if chunk.length <= self._step_tokens else self.idle_step_tokens
-            padded = np.zeros(chunk_tokens, np.int32)
-            padded[: chunk.length] = seq.tokens[chunk.start:end]
-            s = seq.sampling
-            c_args = (padded, np.int32(chunk.slot), np.int32(chunk.start), np.int32(chunk.length),
-                      np.bool_(chunk.completes),
-                      (np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p), np.int32(s.seed),
-                       np.int32(seq.counter)))
-            greedy = bool(self.greedy[decoding].all()) and s.greedy
+            c_args = _pack_chunk(chunk_tokens, seq.tokens[chunk.start:end], chunk.slot, chunk.start, chunk.completes,
+                                 seq.sampling, seq.counter)
+            greedy = bool(self.greedy[decoding].all()) and seq.sampling.greedy
         tables, writing = self._device_tables()
         fn = self._step_fn(batch, chunk_tokens, kv_len, greedy, return_logits)
-        self._state, tok, chunk_tok, logits = fn(self.params, self._state, tables, writing, *c_args)
+        self._state, tok, chunk_tok, logits = fn(self.params, self._state, tables, writing, c_args)
         tok.copy_to_host_async()
         self.positions[decoding] += 1
         self.step_count += 1
@@ -486,17 +508,15 @@ class PagedEngine(SlotBook):
             raise RuntimeError("warm up before beginning requests")
         t0 = time.perf_counter()
         tables, writing = self._device_tables()
-        zero = np.int32(0)
         for greedy in (True, False):
-            samp = (np.float32(0 if greedy else 1), zero, np.float32(1), zero, zero)
             for batch in self.batch_buckets:
-                self._state, *_ = self._step_fn(batch, 0, 0, greedy)(
-                    self.params, self._state, tables, writing, np.zeros(0, np.int32), zero, zero, zero,
-                    np.bool_(False), samp)
+                self._state, *_ = self._step_fn(batch, 0, 0, greedy)(self.params, self._state, tables, writing,
+                                                                      self._no_chunk_args)
+            sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
             for chunk_tokens, kv_len in self._chunk_shapes():
+                args = _pack_chunk(chunk_tokens, [], 0, 0, False, sampling, 0)  # length 0: nothing written
                 self._state, *_ = self._step_fn(self.batch_buckets[-1], chunk_tokens, kv_len, greedy)(
-                    self.params, self._state, tables, writing, np.zeros(chunk_tokens, np.int32), zero, zero,
-                    zero, np.bool_(False), samp)
+                    self.params, self._state, tables, writing, args)
         jax.block_until_ready(self._state)
         return time.perf_counter() - t0
 
