@@ -471,9 +471,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from switchyard.service.engine.xla_runtime import apply_serving_flags
-
-    apply_serving_flags()  # as `switchyard serve` runs the engine
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
     if args.switch_interval is not None:  # as `switchyard serve --switch-interval` does, without importing gRPC

@@ -173,9 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-slots", type=int, default=8)
     parser.add_argument("--out", default=None, help="result JSON path")
     args = parser.parse_args(argv)
-    from switchyard.service.engine.xla_runtime import apply_serving_flags
-
-    apply_serving_flags()  # as `switchyard serve` runs the engine
     peer = peer_times(args) if args.peer else None
 
     import jax

@@ -270,9 +270,6 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("switchyard.serve")
-    from switchyard.service.engine.xla_runtime import apply_serving_flags
-
-    apply_serving_flags()
     layout = resolve_layout(args)
     model_path = layout.model_path
     scratch = None
