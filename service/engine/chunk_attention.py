@@ -39,10 +39,12 @@ def xla_partial(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | No
     top = scores.max(-1, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     probs = jnp.exp(scores - top)
-    total = probs.sum(-1)  # [kv, g, C]
+    total = probs.sum(-1)  # [kv, g, C]; 0 where a query sees no key
+    seen = total > 0
+    safe_total = jnp.where(seen, total, 1.0)
     out = jnp.einsum("kgqs,skd->qkgd", probs, v.astype(jnp.float32))
-    out = out / jnp.where(total > 0, total, 1.0).transpose(2, 0, 1)[..., None]
-    lse = jnp.where(total > 0, top[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    out = out / safe_total.transpose(2, 0, 1)[..., None]
+    lse = jnp.where(seen, top[..., 0] + jnp.log(safe_total), -jnp.inf)
     return out.reshape(c, heads, d), lse.reshape(heads, c).T
 
 
