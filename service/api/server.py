@@ -34,6 +34,7 @@ from switchyard.service.api.wire import (
     status_for,
 )
 from switchyard.service.errors import quoted
+from switchyard.service.modelspec import ModelSpecError
 from switchyard.service.proto import decode_pb2, decode_pb2_grpc
 from switchyard.service.telemetry import tracing
 from switchyard.service.telemetry.traces import RequestTrace
@@ -420,6 +421,10 @@ async def serve(
         return STOPPED_WHILE_LOADING
     try:
         scheduler, tokenizer = loader.result()
+    except ModelSpecError as err:  # the model or layout asks for what these devices cannot give
+        log.error("loading the model failed: %s", err)
+        await server.stop(0)
+        return 1
     except Exception:
         log.exception("loading the model failed")
         await server.stop(0)

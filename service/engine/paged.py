@@ -60,6 +60,7 @@ from switchyard.service.modelspec import (
     IDLE_STEP_TOKENS,
     KV_BLOCK_TOKENS,
     ModelSpec,
+    ModelSpecError,
     ServingLayout,
     kv_tokens_for_memory,
 )
@@ -178,14 +179,16 @@ class PagedEngine(SlotBook):
         if strategy != "xla" and self.tp > 1:
             kernels.init(list(mesh.devices.flat))
         tokens = kv_tokens or self._tokens_for_memory(kv_memory_fraction)
+        if kv_tokens:
+            self._check_pool_fits(kv_tokens, block_size)
         if not self._memory_stats():
             # Host devices: no device memory to fill, so no more than the sequences can use (a layout
             # planned for a GPU may ask for far more than the host has).
             tokens = min(tokens, self.max_slots * self.blocks_per_seq * block_size)
         if tokens % block_size:
-            raise ValueError(f"kv_tokens {tokens} is not a whole number of {block_size}-token blocks")
+            raise ModelSpecError(f"kv_tokens {tokens} is not a whole number of {block_size}-token blocks")
         if tokens < max_seq_len:
-            raise ValueError(f"the KV pool holds {tokens} tokens, fewer than one sequence of max_seq_len "
+            raise ModelSpecError(f"the KV pool holds {tokens} tokens, fewer than one sequence of max_seq_len "
                              f"{max_seq_len}; lower max_seq_len or give the pool more memory")
         self.pool = BlockPool(tokens // block_size + 1, block_size)
         self._seqs: dict[int, _Sequence] = {}
@@ -232,6 +235,21 @@ class PagedEngine(SlotBook):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         tokens = kv_tokens_for_memory(self.spec, self.tp, 1, int(free * fraction), self.dtype)
         return tokens // self._block_size * self._block_size
+
+    def _check_pool_fits(self, tokens: int, block_size: int) -> None:
+        """Raise ModelSpecError when a pool of ``tokens`` (and its null block) would not fit in the
+        memory the devices have left; off GPU (no memory statistics) there is nothing to check."""
+        stats = self._memory_stats()
+        if not stats:
+            return
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+        need = (tokens + block_size) * self.spec.kv_bytes_per_token_per_gpu(self.tp, 1, self.dtype)
+        if need > free:
+            gib = 2**30
+            raise ModelSpecError(
+                f"layout.kv_tokens {tokens} needs {need / gib:.2f} GiB of KV cache per GPU, but only "
+                f"{free / gib:.2f} GiB is free after the weights; lower kv_tokens (0 sizes the pool from "
+                f"kv_memory_fraction)")
 
     def _kv_buckets(self) -> list[int]:
         """Context lengths a chunk's attention is compiled for: doubling from the chunk size, each a

@@ -164,3 +164,17 @@ def test_serve_reports_a_port_it_cannot_listen_on(caplog) -> None:
         code = asyncio.run(serve(app, lambda: (None, None), ServeOptions("127.0.0.1", port), stop=asyncio.Event()))
     assert code == 1
     assert f"could not listen on 127.0.0.1:{port}" in caplog.text
+
+
+def test_serve_reports_a_layout_the_devices_cannot_hold_in_one_line(caplog) -> None:
+    from switchyard.service.modelspec import ModelSpecError
+
+    def load():
+        raise ModelSpecError("layout.kv_tokens 640 needs 9.00 GiB of KV cache per GPU, but only 1.00 GiB is free")
+
+    app = DecodeApp(model_name="tiny")
+    code = asyncio.run(serve(app, load, ServeOptions("127.0.0.1", 0), stop=asyncio.Event()))
+    assert code == 1
+    failed = [r for r in caplog.records if r.getMessage().startswith("loading the model failed")]
+    assert len(failed) == 1 and failed[0].exc_info is None
+    assert failed[0].getMessage().endswith("but only 1.00 GiB is free")

@@ -43,3 +43,34 @@ def test_the_engine_allocates_exactly_the_budget_it_is_given(tiny_checkpoint_dir
     pool = engine._state["k"][0]
     assert pool.shape[0] == layout.kv_tokens // KV_BLOCK_TOKENS + 1  # and the null block
     assert pool.shape[2] == KV_BLOCK_TOKENS
+
+
+class _EngineOnDevicesWith(PagedEngine):
+    """The engine on devices that report ``free`` bytes left (host devices report no memory)."""
+
+    free = 0
+
+    def _memory_stats(self) -> list[dict[str, int]]:
+        return [{"bytes_limit": self.free + 1000, "bytes_in_use": 1000}]
+
+
+def test_a_budget_larger_than_the_free_memory_is_refused_in_one_line(tiny_checkpoint_dir):
+    from switchyard.service.engine.checkpoint import load_params
+    from switchyard.service.engine.tensor_parallel import make_mesh
+    from switchyard.service.modelspec import ModelSpec, ModelSpecError
+
+    spec = ModelSpec.from_file(tiny_checkpoint_dir)
+    mesh = make_mesh(1)
+    params = load_params(tiny_checkpoint_dir, spec, mesh, spec.dtype, progress=False)
+    tokens, bs = 6 * KV_BLOCK_TOKENS, KV_BLOCK_TOKENS
+    need = (tokens + bs) * spec.kv_bytes_per_token_per_gpu(1, 1)  # the pool and its null block
+
+    def build(free: int) -> PagedEngine:
+        _EngineOnDevicesWith.free = free
+        return _EngineOnDevicesWith(spec, params, mesh, batch_slots=2, max_seq_len=128, kv_tokens=tokens,
+                                    step_tokens=32, block_size=bs)
+
+    with pytest.raises(ModelSpecError, match=rf"^layout.kv_tokens {tokens} needs .* GiB of KV cache per GPU, but "
+                                             r"only .* GiB is free after the weights; lower kv_tokens"):
+        build(need - 1)
+    assert build(need).kv_tokens == tokens
