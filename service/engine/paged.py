@@ -14,7 +14,8 @@ cache) and uploads the block tables when they change; per-slot decode state (las
 sampling parameters) lives on the devices and is donated to each step, as in the slot engine.
 
 Programs are compiled per shape: decode-only steps per batch bucket, steps with a chunk per chunk size
-and bucket of the context the chunk attends to; each greedy-only or sampled.
+(``step_tokens`` halved down to a block, and ``idle_step_tokens``) and bucket of the context the chunk
+attends to; each greedy-only or sampled.
 """
 
 from __future__ import annotations
@@ -174,6 +175,10 @@ class PagedEngine(SlotBook):
         # The chunk of a step that no decoding sequence waits for (a whole number of blocks, at most a
         # sequence's table); equal to step_tokens when the context is too short for a larger one.
         self.idle_step_tokens = max(step_tokens, min(idle_step_tokens, self.blocks_per_seq * block_size))
+        # A chunk shorter than the budget (a prompt's last, or what follows a cached prefix) runs in the
+        # smallest of these that holds it: a 64-token remainder does not pay for 256 rows of weights' work.
+        self.chunk_sizes = sorted({step_tokens // 2**i for i in range(step_tokens.bit_length())
+                                   if step_tokens // 2**i >= min(block_size, step_tokens)})
         self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
         self.kv_buckets = self._kv_buckets()
         if strategy != "xla" and self.tp > 1:
@@ -396,12 +401,16 @@ class PagedEngine(SlotBook):
                               lambda: self._build_step(batch, kv_len, greedy_only, return_logits))
 
     def _chunk_shapes(self) -> list[tuple[int, int]]:
-        """(chunk size, context bucket) of every step with a chunk: a step_tokens chunk may end
-        anywhere; an idle-step chunk is whole, so it ends at idle_step_tokens or later."""
-        shapes = [(self._step_tokens, kv) for kv in self.kv_buckets]
+        """(chunk size, context bucket) of every step with a chunk: a chunk of up to step_tokens may
+        end anywhere; an idle-step chunk is whole, so it ends at idle_step_tokens or later."""
+        shapes = [(size, kv) for size in self.chunk_sizes for kv in self.kv_buckets]
         if self.idle_step_tokens > self._step_tokens:
             shapes += [(self.idle_step_tokens, kv) for kv in self.kv_buckets if kv >= self.idle_step_tokens]
         return shapes
+
+    def chunk_size_for(self, length: int) -> int:
+        """The compiled chunk size a chunk of ``length`` tokens runs in."""
+        return next((c for c in self.chunk_sizes if c >= length), self.idle_step_tokens)
 
     def _build_step(self, batch: int, kv_len: int, greedy_only: bool, return_logits: bool):
         """A step over decode rows [0, batch) and, when kv_len > 0, one chunk attending to kv_len positions."""
@@ -481,7 +490,7 @@ class PagedEngine(SlotBook):
             seq = self._seqs[chunk.slot]
             end = chunk.start + chunk.length
             kv_len = next(b for b in self.kv_buckets if b >= end)
-            chunk_tokens = self._step_tokens if chunk.length <= self._step_tokens else self.idle_step_tokens
+            chunk_tokens = self.chunk_size_for(chunk.length)
             c_args = _pack_chunk(chunk_tokens, seq.tokens[chunk.start:end], chunk.slot, chunk.start, chunk.completes,
                                  seq.sampling, seq.counter)
             greedy = bool(self.greedy[decoding].all()) and seq.sampling.greedy
