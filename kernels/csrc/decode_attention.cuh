@@ -165,16 +165,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // the slice's end they re-read its last position (no branch around the loads); masked below.
   uint4 kraw[P16];
   VRaw vraw[kAttnChunk];
-  // Paged: the table entries of this lane's position in the next chunk loaded (block) and in the
-  // chunk after it (block_ahead). An entry is read a whole chunk before its K loads need it, so the
-  // table's round trip does not sit in front of them.
-  int32_t block = 0, block_ahead = 0;
+  int32_t block = 0;  // paged: the table entry of this lane's position in the next chunk loaded
   uint32_t prow = 0;  // paged: the pool row of this lane's position in the chunk last loaded
-  auto table_entry = [&](int base) -> int32_t {
-    if constexpr (Paged) return table[min(base + lane, t1 - 1) >> a.block_shift];
-    return 0;
+  auto load_block = [&](int base) {
+    if constexpr (Paged) block = table[min(base + lane, t1 - 1) >> a.block_shift];
   };
-  constexpr int kStride = kAttnWarps * kAttnChunk;  // positions between a warp's chunks
   auto load_k = [&](int base) {
     const int t = min(base + lane, t1 - 1);
     const T* krow;
@@ -206,8 +201,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // may land before or after these loads: the position it writes is read from k_new/v_new.
   const int first = t0 + warp * kAttnChunk;
   if (first < t1) {
-    block = table_entry(first);
-    if (first + kStride < t1) block_ahead = table_entry(first + kStride);
+    load_block(first);
     load_k(first);
     load_v(first);
   }
@@ -265,13 +259,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // Software pipeline without extra registers: the next chunk's K loads go out as soon as this
   // chunk's scores have consumed kraw (they overlap the softmax and the V pass), and its V loads
   // as soon as the V pass has consumed vraw (they overlap the next chunk's scores).
-  for (int base = first; base < t1; base += kStride) {
-    const int next = base + kStride;
+  for (int base = first; base < t1; base += kAttnWarps * kAttnChunk) {
+    const int next = base + kAttnWarps * kAttnChunk;
     const bool valid = base + lane < t1;
-    if (next < t1) {  // paged: the next chunk's entries (read one chunk ago), and the one after's
-      block = block_ahead;
-      if (next + kStride < t1) block_ahead = table_entry(next + kStride);
-    }
+    if (next < t1) load_block(next);  // paged: the next chunk's table entries, used by load_k(next)
 
     // Scores of this lane's position for the G query heads.
     float sc[G];
