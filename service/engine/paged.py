@@ -14,7 +14,7 @@ cache) and uploads the block tables when they change; per-slot decode state (las
 sampling parameters) lives on the devices and is donated to each step, as in the slot engine.
 
 Programs are compiled per shape: decode-only steps per batch bucket, steps with a chunk per chunk size
-(``step_tokens`` halved down to a block, and ``idle_step_tokens``) and bucket of the context the chunk
+(``step_tokens``, a quarter of it, and ``idle_step_tokens``) and bucket of the context the chunk
 attends to; each greedy-only or sampled.
 """
 
@@ -175,10 +175,11 @@ class PagedEngine(SlotBook):
         # The chunk of a step that no decoding sequence waits for (a whole number of blocks, at most a
         # sequence's table); equal to step_tokens when the context is too short for a larger one.
         self.idle_step_tokens = max(step_tokens, min(idle_step_tokens, self.blocks_per_seq * block_size))
-        # A chunk shorter than the budget (a prompt's last, or what follows a cached prefix) runs in the
-        # smallest of these that holds it: a 64-token remainder does not pay for 256 rows of weights' work.
-        self.chunk_sizes = sorted({step_tokens // 2**i for i in range(step_tokens.bit_length())
-                                   if step_tokens // 2**i >= min(block_size, step_tokens)})
+        # A chunk of at most a quarter of the budget (a prompt's short last chunk, what follows a cached
+        # prefix) runs in a program of that size: a 64-token remainder does not pay for 256 rows of
+        # work. Each size is a program per context bucket to compile, hence only two.
+        small = step_tokens // 4
+        self.chunk_sizes = [small, step_tokens] if small >= block_size else [step_tokens]
         self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
         self.kv_buckets = self._kv_buckets()
         if strategy != "xla" and self.tp > 1:

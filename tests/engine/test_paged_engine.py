@@ -221,9 +221,8 @@ def test_serving_after_warm_up_compiles_nothing(checkpoint, tokenizer, prompts, 
 
 def test_short_chunks_run_in_smaller_programs_and_keep_greedy_tokens(checkpoint, tokenizer, prompts, reference):
     engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=4 * BLOCK, block_size=BLOCK)
-    assert engine.chunk_sizes == [BLOCK, 2 * BLOCK, 4 * BLOCK]
-    assert [engine.chunk_size_for(n) for n in (1, BLOCK, BLOCK + 1, 2 * BLOCK + 1, 4 * BLOCK)] == \
-        [BLOCK, BLOCK, 2 * BLOCK, 4 * BLOCK, 4 * BLOCK]
+    assert engine.chunk_sizes == [BLOCK, 4 * BLOCK]
+    assert [engine.chunk_size_for(n) for n in (1, BLOCK, BLOCK + 1, 4 * BLOCK)] == [BLOCK, BLOCK, 4 * BLOCK, 4 * BLOCK]
     assert engine.chunk_size_for(4 * BLOCK + 1) == engine.idle_step_tokens > 4 * BLOCK
     engine.warmup()
     compiled = engine.compiled_count()
