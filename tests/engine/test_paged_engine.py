@@ -234,3 +234,13 @@ def test_short_chunks_run_in_smaller_programs_and_keep_greedy_tokens(checkpoint,
     assert any(rec.cached_tokens for rec in records.values())
     assert engine.compiled_count() == compiled, "a short chunk compiled a new step after warm-up"
     assert_pool_empty(engine)
+
+
+def test_only_short_chunk_steps_on_gpu_ask_for_cudnn_inside_command_buffers():
+    from switchyard.service.engine.paged import SHORT_CHUNK_COMMAND_BUFFER, step_compiler_options
+
+    assert step_compiler_options(64, 256, "gpu", "") == {"xla_gpu_enable_command_buffer": SHORT_CHUNK_COMMAND_BUFFER}
+    assert "CUDNN" in SHORT_CHUNK_COMMAND_BUFFER.split(",")
+    for chunk, platform in ((256, "gpu"), (2048, "gpu"), (0, "gpu"), (64, "cpu")):
+        assert step_compiler_options(chunk, 256, platform, "") is None, (chunk, platform)
+    assert step_compiler_options(64, 256, "gpu", "--xla_gpu_enable_command_buffer=FUSION") is None
