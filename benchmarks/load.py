@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
     if args.switch_interval is not None:  # as `switchyard serve --switch-interval` does, without importing gRPC
         sys.setswitchinterval(args.switch_interval)
-    engine, tokenizer = variants().serving_engine(args)
+    engine, tokenizer, warmup_s = variants().serving_engine(args)
     label, slug = device_name()
     avoid = set(tokenizer.eos_token_ids) | {engine.spec.bos_token_id}
     ttft_s, itl_s = args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3
@@ -515,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             "output_lengths": args.output_lengths, "shared_prefix": args.shared_prefix, "seed": args.seed,
             "paths": args.path, "switch_interval_s": sys.getswitchinterval(),
         },
+        "warmup_s": round(warmup_s, 1),  # compiling and running every step program once, before any request
         "slo": {
             "ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms,
             "request_meets": "finished, TTFT (arrival to first token) <= ttft_ms and the p99 of its own inter-token "

@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             engine = PagedEngine(spec, *params, dtype="bfloat16", **PagedEngine.layout_arguments(layout))
         warm = engine.warmup()
         print(f"step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
+        rows.append({"kind": "warm-up", "step_tokens": step_tokens, "programs": engine.compiled_count(),
+                     "s": round(warm, 1)})
         for length in args.prompt:
             times = []
             for i in range(args.repeats + 1):

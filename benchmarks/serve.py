@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if max(levels) > args.batch_slots:
         parser.error(f"--batch-slots {args.batch_slots} is below the largest concurrency {max(levels)}")
 
-    engine, tokenizer = variants().serving_engine(args)
+    engine, tokenizer, _ = variants().serving_engine(args)
     label, slug = device_name()
     avoid = set(tokenizer.eos_token_ids) | {engine.spec.bos_token_id}
     samples: dict[tuple[int, str, bool], list[dict]] = {}

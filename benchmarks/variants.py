@@ -186,8 +186,8 @@ class VariantPipelineEngine(_Variant, PipelineEngine):
 
 
 def serving_engine(args) -> tuple:
-    """The warmed-up engine and tokenizer a serving benchmark runs (``args``: ``model_path`` or
-    ``preset``, ``tp``, ``strategy``, ``batch_slots``, ``max_seq_len``, ``dtype``): a checkpoint's, as
+    """The warmed-up engine, its tokenizer and the warm-up's seconds, for a serving benchmark (``args``:
+    ``model_path`` or ``preset``, ``tp``, ``strategy``, ``batch_slots``, ``max_seq_len``, ``dtype``): a checkpoint's, as
     ``switchyard serve`` loads it, or random weights of a preset with a random KV cache (benchmarks
     never time on zeros)."""
     from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
@@ -211,8 +211,9 @@ def serving_engine(args) -> tuple:
         print(f"KV pool: {engine.kv_tokens} tokens in blocks of {engine.kv_block_size} "
               f"({engine.kv_tokens / layout.max_seq_len:.1f} sequences at the full context); "
               f"steps carry up to {engine.step_tokens} prompt tokens", flush=True)
-    print(f"warm-up: {engine.warmup():.1f} s", flush=True)
-    return engine, tokenizer
+    warmup_s = engine.warmup()
+    print(f"warm-up: {warmup_s:.1f} s", flush=True)
+    return engine, tokenizer, warmup_s
 
 
 def occupy_paged(engine: PagedEngine, context: int, count: int, seed: int = 0) -> None:

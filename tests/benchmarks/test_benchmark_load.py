@@ -191,7 +191,9 @@ def test_load_script_on_the_tiny_preset_through_both_paths(tmp_path):
                          env=dict(os.environ, PYTHONSAFEPATH="1"), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert {"command", "device", "date", "config", "slo", "highest_rate_slo_p99s_hold", "notes", "rows"} <= set(result)
+    assert {"command", "device", "date", "config", "slo", "highest_rate_slo_p99s_hold", "notes", "rows",
+            "warmup_s"} <= set(result)
+    assert result["warmup_s"] > 0
     assert result["device"].endswith("cpu")
     assert "p99 of its own inter-token gaps" in result["slo"]["request_meets"]
     assert any("ignore-EOS" in note for note in result["notes"])
