@@ -14,12 +14,16 @@ from switchyard.service.engine.tensor_parallel import Engine, random_weights
 pytestmark = pytest.mark.gpu
 
 
-def test_paged_engine_logits_follow_the_slot_engine():
+# 64: one chunk size. 256: prompts of a few tokens, and the 43 left after a 256-token chunk, run in
+# the 64-token program, compiled as one command buffer with cuDNN's calls inside.
+@pytest.mark.parametrize("step_tokens", [64, 256])
+def test_paged_engine_logits_follow_the_slot_engine(step_tokens):
     spec = kernel_sized_spec()
     params, mesh = random_weights(spec, 1, "bfloat16", seed=3)
     slots = Engine(spec, params, mesh, batch_slots=4, max_seq_len=512, dtype="bfloat16")
     paged = PagedEngine(spec, params, mesh, batch_slots=4, max_seq_len=512, dtype="bfloat16", kv_tokens=4 * 512,
-                        step_tokens=64)
+                        step_tokens=step_tokens)
+    assert paged.chunk_sizes == ([64] if step_tokens == 64 else [64, 256])
     # One prompt at a time: a decoding sequence makes a token at every step of the paged engine,
     # chunk steps included, so two prompts in flight would not step alike in the two engines.
     for prompt in ([1, 5, 9, 200], [1, *range(3, 300)], [1, 77]):
