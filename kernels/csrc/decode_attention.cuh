@@ -45,8 +45,10 @@
 // tables[b, p / B] at offset p % B. Nothing else changes: each lane looks up the block of the
 // position it loads K for (the chunk's table entries are requested one chunk ahead, so only the
 // first chunk waits for its entry), keeps that row's index, and the V loads take row j's index
-// from lane j by a shuffle. So any block size works and a chunk may span blocks; its speed against
-// the contiguous layout is in benchmarks/NOTES.md (2026-11-24). Row indices fit 32 bits (the host
+// from lane j by a shuffle. So any block size works and a chunk may span blocks. With blocks of
+// at least 32 positions the slices are cut on chunk boundaries instead: a chunk then lies in one
+// block, one table entry gives its first row and the rest follow it, as in the contiguous layout
+// (the per-lane lookups and shuffles cost about 14% at batch 32; benchmarks/NOTES.md, 2026-11-24). Row indices fit 32 bits (the host
 // checks num_blocks * kv * B < 2^32 - 1; the top value marks the new token). Table entries outside
 // [0, num_blocks) are read as block 0 (no access outside the pool); the new K/V are stored only
 // where the entry for write_at is inside it.
@@ -135,7 +137,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   const bool tail = writes && wat == total - 1;
   const bool takes_tail = tail && s == 0 && warp == 0;
   const int cached = tail ? total - 1 : total;
-  const int chunk = (cached + a.S - 1) / a.S;
+  // Paged with blocks of at least a chunk: slices start on chunk boundaries, so every chunk lies
+  // in one block and its rows are consecutive in the pool (one table entry per chunk, no shuffles).
+  const bool whole = Paged && a.block_shift >= 5;
+  const int chunk = whole ? ((cached + a.S - 1) / a.S + kAttnChunk - 1) / kAttnChunk * kAttnChunk
+                          : (cached + a.S - 1) / a.S;
   const int t0 = s * chunk, t1 = min(cached, t0 + chunk);
 
   const T* row = static_cast<const T*>(a.qkv) + static_cast<int64_t>(b) * (a.kv * G + 2 * a.kv) * D;
@@ -166,16 +172,21 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   uint4 kraw[P16];
   VRaw vraw[kAttnChunk];
   int32_t block = 0;  // paged: the table entry of this lane's position in the next chunk loaded
-  uint32_t prow = 0;  // paged: the pool row of this lane's position in the chunk last loaded
+  uint32_t prow = 0;  // paged, not whole: the pool row of this lane's position in the chunk last loaded
   auto load_block = [&](int base) {
-    if constexpr (Paged) block = table[min(base + lane, t1 - 1) >> a.block_shift];
+    if constexpr (Paged) block = table[(whole ? base : min(base + lane, t1 - 1)) >> a.block_shift];
   };
   auto load_k = [&](int base) {
     const int t = min(base + lane, t1 - 1);
     const T* krow;
     if constexpr (Paged) {
-      prow = (writes && t == wat) ? kAttnNewRow : attn_pool_row(a, block, h, t);
-      krow = prow == kAttnNewRow ? kn : kc + static_cast<uint64_t>(prow) * D;
+      if (whole) {
+        const uint32_t r = attn_pool_row(a, block, h, base) + static_cast<uint32_t>(t - base);
+        krow = (writes && t == wat) ? kn : kc + static_cast<uint64_t>(r) * D;
+      } else {
+        prow = (writes && t == wat) ? kAttnNewRow : attn_pool_row(a, block, h, t);
+        krow = prow == kAttnNewRow ? kn : kc + static_cast<uint64_t>(prow) * D;
+      }
     } else {
       krow = (writes && t == wat) ? kn : kc + static_cast<int64_t>(t) * D;
     }
@@ -183,6 +194,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
     for (int c = 0; c < P16; ++c) kraw[c] = *reinterpret_cast<const uint4*>(krow + c * 8);
   };
   auto load_v = [&](int base) {
+    if (whole) {  // the chunk's rows are consecutive from its first position's
+      const T* vchunk = vc + static_cast<uint64_t>(attn_pool_row(a, block, h, base)) * D;
+#pragma unroll
+      for (int j = 0; j < kAttnChunk; ++j) {
+        const int tj = min(base + j, t1 - 1);
+        const T* vrow = (writes && tj == wat) ? vn : vchunk + static_cast<int64_t>(tj - base) * D;
+        vraw[j] = *reinterpret_cast<const VRaw*>(vrow + lane * E);
+      }
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < kAttnChunk; ++j) {
       const T* vrow;
