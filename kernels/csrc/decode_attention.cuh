@@ -47,9 +47,8 @@
 // first chunk waits for its entry), keeps that row's index, and the V loads take row j's index
 // from lane j by a shuffle. So any block size works and a chunk may span blocks. With blocks of
 // at least 32 positions the slices are cut on chunk boundaries instead: a chunk then lies in one
-// block, one table entry gives its first row and the rest follow it, as in the contiguous layout,
-// and a warp reads 32 table entries at a time (the per-lane lookups and shuffles cost about 14% at
-// batch 32; benchmarks/NOTES.md, 2026-11-24). Row indices fit 32 bits (the host
+// block, one table entry gives its first row and the rest follow it, as in the contiguous layout
+// (the per-lane lookups and shuffles cost about 14% at batch 32; benchmarks/NOTES.md, 2026-11-24). Row indices fit 32 bits (the host
 // checks num_blocks * kv * B < 2^32 - 1; the top value marks the new token). Table entries outside
 // [0, num_blocks) are read as block 0 (no access outside the pool); the new K/V are stored only
 // where the entry for write_at is inside it.
@@ -174,22 +173,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   VRaw vraw[kAttnChunk];
   int32_t block = 0;  // paged: the table entry of this lane's position in the next chunk loaded
   uint32_t prow = 0;  // paged, not whole: the pool row of this lane's position in the chunk last loaded
-  // Whole chunks: the warp holds 32 consecutive table entries, one per lane, and reloads them only
-  // when a chunk's block is past them, so most chunks wait for a shuffle instead of a load.
-  int32_t window_entry = 0, window = -1;
   auto load_block = [&](int base) {
-    if constexpr (Paged) {
-      if (whole) {
-        const int idx = base >> a.block_shift;
-        if (window < 0 || idx - window >= 32) {
-          window = idx;
-          window_entry = table[min(idx + lane, (t1 - 1) >> a.block_shift)];
-        }
-        block = __shfl_sync(0xffffffffu, window_entry, idx - window);
-      } else {
-        block = table[min(base + lane, t1 - 1) >> a.block_shift];
-      }
-    }
+    if constexpr (Paged) block = table[(whole ? base : min(base + lane, t1 - 1)) >> a.block_shift];
   };
   auto load_k = [&](int base) {
     const int t = min(base + lane, t1 - 1);
