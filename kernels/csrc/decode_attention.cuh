@@ -46,12 +46,14 @@
 // position it loads K for (the chunk's table entries are requested one chunk ahead, so only the
 // first chunk waits for its entry), keeps that row's index, and the V loads take row j's index
 // from lane j by a shuffle. So any block size works and a chunk may span blocks. With blocks of
-// at least 32 positions the slices are cut on chunk boundaries instead: a chunk then lies in one
-// block, one table entry gives its first row and the rest follow it, as in the contiguous layout
-// (the per-lane lookups and shuffles cost about 14% at batch 32; benchmarks/NOTES.md, 2026-11-24). Row indices fit 32 bits (the host
-// checks num_blocks * kv * B < 2^32 - 1; the top value marks the new token). Table entries outside
-// [0, num_blocks) are read as block 0 (no access outside the pool); the new K/V are stored only
-// where the entry for write_at is inside it.
+// at least 32 positions and a launch of many blocks (AttnArgs::whole), the slices are cut on
+// chunk boundaries instead: a chunk then lies in one block, one table entry gives its first row
+// and the rest follow it, as in the contiguous layout. The per-lane lookups and shuffles cost
+// about 14% at batch 32, where the launch is bound by its instructions and bandwidth; at batch 1
+// (8 slices, a grid smaller than the GPU) per-lane rows measured faster (benchmarks/NOTES.md,
+// 2026-11-24). Row indices fit 32 bits (the host checks num_blocks * kv * B < 2^32 - 1; the top
+// value marks the new token). Table entries outside [0, num_blocks) are read as block 0 (no
+// access outside the pool); the new K/V are stored only where the entry for write_at is inside it.
 //
 // Numerics: scores, softmax and accumulation in fp32; products of bf16/fp16 inputs.
 #pragma once
@@ -87,6 +89,7 @@ struct AttnArgs {
   int M = 0;                        // table entries per row
   int block_shift = 0;              // log2(B)
   uint32_t blocks = 0;              // num_blocks in the pools
+  bool whole = false;               // slices cut on chunk boundaries (the launch decides; needs B >= 32)
 };
 
 // A pool row (one position of one KV head): its index, from which the address is row * D.
@@ -137,9 +140,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   const bool tail = writes && wat == total - 1;
   const bool takes_tail = tail && s == 0 && warp == 0;
   const int cached = tail ? total - 1 : total;
-  // Paged with blocks of at least a chunk: slices start on chunk boundaries, so every chunk lies
-  // in one block and its rows are consecutive in the pool (one table entry per chunk, no shuffles).
-  const bool whole = Paged && a.block_shift >= 5;
+  // Whole chunks: slices start on chunk boundaries, so every chunk lies in one block and its rows
+  // are consecutive in the pool (one table entry per chunk, no shuffles).
+  const bool whole = Paged && a.whole && a.block_shift >= 5;
   const int chunk = whole ? ((cached + a.S - 1) / a.S + kAttnChunk - 1) / kAttnChunk * kAttnChunk
                           : (cached + a.S - 1) / a.S;
   const int t0 = s * chunk, t1 = min(cached, t0 + chunk);

@@ -28,6 +28,8 @@ bool g_attn_loaded[kMaxOrdinals] = {};
 // benchmarks/results/kernel-phases-before-h200x2.json, 13 us between the first and last block start).
 constexpr int kAttnKernels = 2 * 2 * 4 * 2;
 int g_attn_clusters[kMaxOrdinals][kAttnKernels][kAttnMaxSplits + 1] = {};
+// Per GPU, its multiprocessors (at preload).
+int g_attn_sms[kMaxOrdinals] = {};
 
 template <typename T, int D, int G, bool Paged>
 constexpr int attn_kernel_index() {
@@ -62,6 +64,8 @@ template <typename T, int D, int G, bool Paged>
 cudaError_t launch_attention(AttnArgs a, int device, cudaStream_t stream) {
   const int* fits = g_attn_clusters[device][attn_kernel_index<T, D, G, Paged>()];
   while (a.S > 1 && static_cast<int64_t>(a.n) * a.kv > fits[a.S]) --a.S;
+  // Paged: whole-chunk slices unless the grid is smaller than the GPU (decode_attention.cuh).
+  a.whole = Paged && static_cast<int64_t>(a.n) * a.kv * a.S >= g_attn_sms[device];
   cudaLaunchAttribute cluster;
   const cudaLaunchConfig_t cfg = attention_config(a, stream, &cluster);
   return cudaLaunchKernelEx(&cfg, attn_split_kernel<T, D, G, Paged>, a);
@@ -269,6 +273,7 @@ int sy_preload_attention(int ordinal) {
   cudaGetDevice(&prev);
   if (ordinal < 0 || ordinal >= kMaxOrdinals) return fail("preload attention kernels: bad device ordinal");
   cudaError_t e = cudaSetDevice(ordinal);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&g_attn_sms[ordinal], cudaDevAttrMultiProcessorCount, ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 128>(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 64>(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 128>(ordinal);
