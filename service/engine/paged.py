@@ -198,10 +198,6 @@ class PagedEngine(SlotBook):
         small = step_tokens // 4
         self.chunk_sizes = [small, step_tokens] if small >= block_size else [step_tokens]
         self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
-        # Steps with a chunk run the decode rows of the smaller of the two largest batch buckets that
-        # holds every decoding slot: a chunk's program per context bucket and width, and beside a
-        # 256-token chunk 32 idle rows cost 1.2 ms of 10.5 (benchmarks/NOTES.md, 2026-11-24).
-        self.chunk_batches = self.batch_buckets[-2:]
         self.kv_buckets = self._kv_buckets()
         if strategy != "xla" and self.tp > 1:
             kernels.init(list(mesh.devices.flat))
@@ -422,14 +418,12 @@ class PagedEngine(SlotBook):
         return self._compiled(("step", batch, chunk_tokens, kv_len, greedy_only, return_logits),
                               lambda: self._build_step(batch, chunk_tokens, kv_len, greedy_only, return_logits))
 
-    def _chunk_programs(self) -> list[tuple[int, int, int]]:
-        """(batch, chunk size, context bucket) of every step with a chunk: a chunk of up to step_tokens
-        may end anywhere, beside either batch width; an idle-step chunk is whole, so it ends at
-        idle_step_tokens or later, and nothing decodes beside it (the narrower width)."""
-        shapes = [(b, size, kv) for b in self.chunk_batches for size in self.chunk_sizes for kv in self.kv_buckets]
+    def _chunk_shapes(self) -> list[tuple[int, int]]:
+        """(chunk size, context bucket) of every step with a chunk: a chunk of up to step_tokens may
+        end anywhere; an idle-step chunk is whole, so it ends at idle_step_tokens or later."""
+        shapes = [(size, kv) for size in self.chunk_sizes for kv in self.kv_buckets]
         if self.idle_step_tokens > self._step_tokens:
-            shapes += [(self.chunk_batches[0], self.idle_step_tokens, kv) for kv in self.kv_buckets
-                       if kv >= self.idle_step_tokens]
+            shapes += [(self.idle_step_tokens, kv) for kv in self.kv_buckets if kv >= self.idle_step_tokens]
         return shapes
 
     def chunk_size_for(self, length: int) -> int:
@@ -507,8 +501,10 @@ class PagedEngine(SlotBook):
         decoding = np.flatnonzero(self._decoding)
         if decoding.size == 0 and chunk is None:
             raise RuntimeError("dispatch() with nothing to do")
-        widths = self.chunk_batches if chunk is not None else self.batch_buckets
-        batch = next(b for b in widths if b > decoding[-1]) if decoding.size else widths[0]
+        # Steps with a chunk run every slot's row (one program per context bucket, not per batch too):
+        # beside a chunk's tokens, the rows of idle slots cost little.
+        batch = (self.batch_buckets[-1] if chunk is not None or not decoding.size
+                 else next(b for b in self.batch_buckets if b > decoding[-1]))
         kv_len = chunk_tokens = 0
         if chunk is None:
             c_args = self._no_chunk_args
@@ -567,9 +563,9 @@ class PagedEngine(SlotBook):
                 self._state, *_ = self._step_fn(batch, 0, 0, greedy)(self.params, self._state, tables, writing,
                                                                       self._no_chunk_args)
             sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
-            for batch, chunk_tokens, kv_len in self._chunk_programs():
+            for chunk_tokens, kv_len in self._chunk_shapes():
                 args = _pack_chunk(chunk_tokens, [], 0, 0, False, sampling, 0)  # length 0: nothing written
-                self._state, *_ = self._step_fn(batch, chunk_tokens, kv_len, greedy)(
+                self._state, *_ = self._step_fn(self.batch_buckets[-1], chunk_tokens, kv_len, greedy)(
                     self.params, self._state, tables, writing, args)
         jax.block_until_ready(self._state)
         return time.perf_counter() - t0
