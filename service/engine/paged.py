@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,16 @@ POOL_SPEC = P(None, AXIS, None, None)  # [blocks, kv_heads, block_size, head_dim
 # default set: with cuDNN inside their graphs, the inter-token p99 under load at 12 req/s rose from
 # 15 to 20 ms.
 SHORT_CHUNK_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+
+# Compiles at warm-up hold host memory each, so the pool stays small even on a large host.
+MAX_COMPILE_WORKERS = 8
+
+
+def compile_workers() -> int:
+    """Threads that compile step programs at warm-up: the CPUs this process may run on, at most
+    :data:`MAX_COMPILE_WORKERS`."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_COMPILE_WORKERS, cpus))
 
 
 def step_compiler_options(chunk_tokens: int, step_tokens: int, platform: str, xla_flags: str) -> dict[str, str] | None:
@@ -198,6 +209,10 @@ class PagedEngine(SlotBook):
         small = step_tokens // 4
         self.chunk_sizes = [small, step_tokens] if small >= block_size else [step_tokens]
         self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
+        # Steps with a chunk run the decode rows of the narrower of the two largest batch buckets that
+        # holds every decoding slot: beside a 256-token chunk, 32 idle rows cost 1.2 ms of 10.5
+        # (benchmarks/NOTES.md). A chunk's programs are per width and context bucket.
+        self.chunk_batches = self.batch_buckets[-2:]
         self.kv_buckets = self._kv_buckets()
         if strategy != "xla" and self.tp > 1:
             kernels.init(list(mesh.devices.flat))
@@ -418,12 +433,14 @@ class PagedEngine(SlotBook):
         return self._compiled(("step", batch, chunk_tokens, kv_len, greedy_only, return_logits),
                               lambda: self._build_step(batch, chunk_tokens, kv_len, greedy_only, return_logits))
 
-    def _chunk_shapes(self) -> list[tuple[int, int]]:
-        """(chunk size, context bucket) of every step with a chunk: a chunk of up to step_tokens may
-        end anywhere; an idle-step chunk is whole, so it ends at idle_step_tokens or later."""
-        shapes = [(size, kv) for size in self.chunk_sizes for kv in self.kv_buckets]
+    def _chunk_programs(self) -> list[tuple[int, int, int]]:
+        """(batch, chunk size, context bucket) of every step with a chunk: a chunk of up to step_tokens
+        may end anywhere, beside either batch width; an idle-step chunk is whole, so it ends at
+        idle_step_tokens or later, and nothing decodes beside it (the narrower width)."""
+        shapes = [(b, size, kv) for b in self.chunk_batches for size in self.chunk_sizes for kv in self.kv_buckets]
         if self.idle_step_tokens > self._step_tokens:
-            shapes += [(self.idle_step_tokens, kv) for kv in self.kv_buckets if kv >= self.idle_step_tokens]
+            shapes += [(self.chunk_batches[0], self.idle_step_tokens, kv) for kv in self.kv_buckets
+                       if kv >= self.idle_step_tokens]
         return shapes
 
     def chunk_size_for(self, length: int) -> int:
@@ -501,10 +518,8 @@ class PagedEngine(SlotBook):
         decoding = np.flatnonzero(self._decoding)
         if decoding.size == 0 and chunk is None:
             raise RuntimeError("dispatch() with nothing to do")
-        # Steps with a chunk run every slot's row (one program per context bucket, not per batch too):
-        # beside a chunk's tokens, the rows of idle slots cost little.
-        batch = (self.batch_buckets[-1] if chunk is not None or not decoding.size
-                 else next(b for b in self.batch_buckets if b > decoding[-1]))
+        widths = self.chunk_batches if chunk is not None else self.batch_buckets
+        batch = next(b for b in widths if b > decoding[-1]) if decoding.size else widths[0]
         kv_len = chunk_tokens = 0
         if chunk is None:
             c_args = self._no_chunk_args
@@ -551,22 +566,30 @@ class PagedEngine(SlotBook):
                                 chunk_generation=pending.chunk_generation, chunk_token=chunk_token)
 
     def warmup(self) -> float:
-        """Compile and run every step shape once (no slot is in use, so nothing is written)."""
+        """Compile and run every step program once (no slot is in use, so nothing is written).
+
+        Tracing holds the GIL, so programs are traced one after another here, while XLA compiles
+        them in a thread pool as they come (it releases the GIL): on a 16-core H200 host this takes
+        the load benchmark's 42 programs from over 170 s to 99 s (benchmarks/NOTES.md)."""
         import time
 
         if self.active.any():
             raise RuntimeError("warm up before beginning requests")
         t0 = time.perf_counter()
         tables, writing = self._device_tables()
+        programs = []
         for greedy in (True, False):
-            for batch in self.batch_buckets:
-                self._state, *_ = self._step_fn(batch, 0, 0, greedy)(self.params, self._state, tables, writing,
-                                                                      self._no_chunk_args)
+            programs += [(self._step_fn(batch, 0, 0, greedy), self._no_chunk_args) for batch in self.batch_buckets]
             sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
-            for chunk_tokens, kv_len in self._chunk_shapes():
+            for batch, chunk_tokens, kv_len in self._chunk_programs():
                 args = _pack_chunk(chunk_tokens, [], 0, 0, False, sampling, 0)  # length 0: nothing written
-                self._state, *_ = self._step_fn(self.batch_buckets[-1], chunk_tokens, kv_len, greedy)(
-                    self.params, self._state, tables, writing, args)
+                programs.append((self._step_fn(batch, chunk_tokens, kv_len, greedy), args))
+        with ThreadPoolExecutor(compile_workers()) as pool:
+            compiling = [pool.submit(fn.lower(self.params, self._state, tables, writing, args).compile)
+                         for fn, args in programs]
+            for done in compiling:
+                done.result()
+        for fn, args in programs:
+            self._state, *_ = fn(self.params, self._state, tables, writing, args)
         jax.block_until_ready(self._state)
         return time.perf_counter() - t0
-

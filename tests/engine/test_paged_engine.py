@@ -219,6 +219,31 @@ def test_serving_after_warm_up_compiles_nothing(checkpoint, tokenizer, prompts, 
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
 
 
+def test_chunk_steps_run_the_narrower_batch_width_that_holds_the_decoding_slots(checkpoint, tokenizer, prompts,
+                                                                                reference):
+    engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    assert engine.batch_buckets == [2, 4] and engine.chunk_batches == [2, 4]
+    engine.warmup()
+    compiled = engine.compiled_count()
+    seen: list[tuple[int, int]] = []  # (step width, highest decoding slot or -1) of each step with a chunk
+    dispatch = engine.dispatch
+
+    def recording_dispatch(chunk=None, return_logits=False):
+        top = max(engine.decoding(), default=-1)
+        pending = dispatch(chunk, return_logits)
+        if chunk is not None:
+            seen.append((pending.batch, top))
+        return pending
+
+    engine.dispatch = recording_dispatch
+    tokens, _ = serve_all(engine, tokenizer, greedy_requests(prompts))
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
+    assert all(width == (2 if top < 2 else 4) for width, top in seen), seen
+    assert {width for width, _ in seen} == {2, 4}, "both widths ran"
+    assert engine.compiled_count() == compiled, "a chunk step compiled a new program after warm-up"
+    assert_pool_empty(engine)
+
+
 def test_short_chunks_run_in_smaller_programs_and_keep_greedy_tokens(checkpoint, tokenizer, prompts, reference):
     engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=4 * BLOCK, block_size=BLOCK)
     assert engine.chunk_sizes == [BLOCK, 4 * BLOCK]
