@@ -31,7 +31,13 @@ Per (path, rate):
   (a request with one token has no gap and meets the inter-token bound);
 - ``slo_p99s_hold``: every request sent finished, the TTFT p99 over all requests <= ``--slo-ttft-ms`` and the
   pooled inter-token p99 <= ``--slo-itl-ms``. ``highest_rate_slo_p99s_hold`` is, per path, the highest rate
-  measured where they hold (null: none).
+  measured where they hold (null: none);
+- ``by_prompt_length``: per prompt length (each one drawn; with more than 12 lengths, doubling buckets)
+  the requests and their TTFT p50/p99; in process also ``queued_ms_p50/p99``, arrival to the launch of
+  the step with the prompt's first chunk, so that a TTFT splits into waiting and computing;
+- in process, ``engine_steps_per_s``: engine steps over the span, and ``host``: the host's time to launch
+  a step, with and without a prompt chunk, the time ``collect`` waits for a step's tokens, and the
+  fraction of steps already done when it asked (then the host, not the device, set the pace).
 
 Percentiles interpolate linearly between the two nearest ranks (numpy's default): p of n sorted values is
 at position p/100 * (n - 1).
@@ -81,7 +87,6 @@ PATHS = ("in-process", "grpc")
 FINISHED, FAILED, UNFINISHED = "finished", "failed", "unfinished"
 GRPC_EOS_NOTE = ("gRPC requests set max_tokens to the output length; the wire has no ignore-EOS, so with random "
                  "weights a request may stop early at an end-of-sequence token; only generated tokens are counted")
-
 
 # ---- length mixes --------------------------------------------------------------------------------
 
@@ -218,6 +223,8 @@ class RequestTimes:
     token_times: list[float]
     status: str = FINISHED  # FINISHED, FAILED or UNFINISHED
     finish_reason: str = ""  # "length", "stop", ... when finished; the error when failed
+    prompt_tokens: int = 0
+    first_chunk: float | None = None  # in process: the launch of the step with the prompt's first chunk
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -280,6 +287,37 @@ def summarize(requests: Sequence[RequestTimes], ttft_s: float, itl_s: float) -> 
     }
 
 
+# More distinct prompt lengths than this are grouped into doubling buckets.
+MAX_LENGTH_GROUPS = 12
+
+
+def by_prompt_length(requests: Sequence[RequestTimes]) -> list[dict[str, Any]]:
+    """TTFT (and, where known, the wait before the first chunk) per prompt length, in ms: each length
+    apart when there are at most MAX_LENGTH_GROUPS of them, else doubling buckets named by their upper
+    bound. Requests without a token are left out."""
+    started = [r for r in requests if r.token_times]
+    lengths = sorted({r.prompt_tokens for r in started})
+    if len(lengths) > MAX_LENGTH_GROUPS:
+        def group(n: int) -> int:
+            return 1 << max(0, n - 1).bit_length()
+    else:
+        def group(n: int) -> int:
+            return n
+    groups: dict[int, list[RequestTimes]] = {}
+    for r in started:
+        groups.setdefault(group(r.prompt_tokens), []).append(r)
+    out = []
+    for length, members in sorted(groups.items()):
+        ttfts = [r.token_times[0] - r.arrival for r in members]
+        queued = [r.first_chunk - r.arrival for r in members if r.first_chunk is not None]
+        row = {"prompt_tokens": length, "requests": len(members), "ttft_ms_p50": _ms(percentile(ttfts, 50)),
+               "ttft_ms_p99": _ms(percentile(ttfts, 99))}
+        if queued:
+            row |= {"queued_ms_p50": _ms(percentile(queued, 50)), "queued_ms_p99": _ms(percentile(queued, 99))}
+        out.append(row)
+    return out
+
+
 def highest_rate_holding(rows: Sequence[dict[str, Any]], path: str) -> float | None:
     """The highest rate of ``path`` whose row has ``slo_p99s_hold``; None when none has."""
     return max((r["rate_rps"] for r in rows if r["path"] == path and r["slo_p99s_hold"]), default=None)
@@ -339,18 +377,67 @@ def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: fl
 # ---- the two paths -------------------------------------------------------------------------------
 
 
+class StepClock:
+    """Times the engine's host calls in process (a benchmark-only wrap of one engine object): how long
+    each step's launch (``dispatch``) takes on the host, per kind of step, and how long ``collect``
+    then waits for the step's tokens. A wait near zero means the device had finished before the host
+    asked: the host, not the device, set that step's pace."""
+
+    IDLE_WAIT_S = 1e-4
+
+    def __init__(self, engine: Any) -> None:
+        self.launch: dict[str, list[float]] = {"decode": [], "chunk": []}
+        self.wait: list[float] = []
+        self._engine = engine
+        dispatch, collect = engine.dispatch, engine.collect
+
+        def timed_dispatch(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            pending = dispatch(*args, **kwargs)
+            chunk = args[0] if args else kwargs.get("chunk")
+            self.launch["chunk" if chunk is not None else "decode"].append(time.perf_counter() - t0)
+            return pending
+
+        def timed_collect(pending: Any) -> Any:
+            t0 = time.perf_counter()
+            result = collect(pending)
+            self.wait.append(time.perf_counter() - t0)
+            return result
+
+        engine.dispatch, engine.collect = timed_dispatch, timed_collect
+
+    def remove(self) -> None:
+        del self._engine.dispatch, self._engine.collect  # the class's methods again
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for kind, times in self.launch.items():
+            out[f"{kind}_steps"] = len(times)
+            out[f"{kind}_launch_ms_mean"] = _ms(sum(times) / len(times)) if times else None
+        out["collect_wait_ms_mean"] = _ms(sum(self.wait) / len(self.wait)) if self.wait else None
+        out["collect_found_done_fraction"] = (round(sum(w < self.IDLE_WAIT_S for w in self.wait) / len(self.wait), 4)
+                                              if self.wait else None)
+        return out
+
+
 def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float,
                    peak: dict[str, int] | None = None) -> list[RequestTimes]:
     """Run ``plan`` through the scheduler in this process; ``peak["generating"]`` gets the most
     requests that held a slot at once."""
     from switchyard.service.engine.sampling import SamplingParams
-    from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
+    from switchyard.service.engine.scheduler import GenerationRequest, RequestRecord, Scheduler
 
-    scheduler = Scheduler(engine, tokenizer, max_queue=len(plan) + 8)
+    stamp = time.monotonic_ns()
+    results = [RequestTimes(math.nan, [], UNFINISHED, prompt_tokens=len(p.prompt_ids)) for p in plan]
+
+    def on_finish(record: RequestRecord) -> None:  # scheduler thread, before the request's final event
+        if record.chunk_times.size:
+            results[int(record.request_id.rsplit("-", 1)[1])].first_chunk = float(record.chunk_times[0])
+
+    scheduler = Scheduler(engine, tokenizer, max_queue=len(plan) + 8, on_finish=on_finish)
     stop = threading.Event()
     thread = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
     thread.start()
-    results = [RequestTimes(math.nan, [], UNFINISHED) for _ in plan]
     ended = threading.Condition()
     open_requests = len(plan)
 
@@ -371,7 +458,6 @@ def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], time
 
         return record
 
-    stamp = time.monotonic_ns()
     start = time.monotonic()
     for i, planned in enumerate(plan):
         time.sleep(max(0.0, start + planned.offset - time.monotonic()))
@@ -490,12 +576,23 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_requests(rate, args.duration, args.prompt_mix, args.output_mix, vocab_size=engine.spec.vocab_size,
                              avoid=avoid, shared_prefix=args.shared_prefix, seed=args.seed * 1000 + i)
         for path in args.path:
-            peak: dict[str, int] = {}
+            extra: dict[str, Any] = {}
             if path == "grpc":
                 measured = run_grpc(engine, tokenizer, plan, args.timeout, clients)
+                for planned, request in zip(plan, measured, strict=True):
+                    request.prompt_tokens = len(planned.prompt_ids)
             else:
-                measured = run_in_process(engine, tokenizer, plan, args.timeout, peak)
-            row = {"path": path, "rate_rps": rate, **summarize(measured, ttft_s, itl_s), **peak}
+                steps, clock = engine.step_count, StepClock(engine)
+                try:
+                    measured = run_in_process(engine, tokenizer, plan, args.timeout, extra)
+                finally:
+                    clock.remove()
+                extra["engine_steps"] = engine.step_count - steps
+                extra["host"] = clock.summary()
+            row = {"path": path, "rate_rps": rate, **summarize(measured, ttft_s, itl_s),
+                   "by_prompt_length": by_prompt_length(measured), **extra}
+            if "engine_steps" in row:
+                row["engine_steps_per_s"] = round(row["engine_steps"] / row["span_s"], 1) if row["span_s"] else None
             rows.append(row)
             print(f"{path} {rate:g}/s: sent {row['sent']} finished {row['finished']} failed {row['failed']} "
                   f"unfinished {row['unfinished']}", flush=True)

@@ -69,6 +69,25 @@ def test_summary_of_hand_made_token_times():
         assert row[key] == pytest.approx(value, abs=1e-9), key
 
 
+def test_ttft_and_queueing_per_prompt_length():
+    short = [load.RequestTimes(0.0, [0.1, 0.2], prompt_tokens=128, first_chunk=0.05),
+             load.RequestTimes(1.0, [1.3], prompt_tokens=128, first_chunk=1.2)]
+    long = [load.RequestTimes(2.0, [2.5], prompt_tokens=3072)]  # no chunk time (the gRPC path)
+    never = [load.RequestTimes(3.0, [], "unfinished", prompt_tokens=64)]
+    rows = load.by_prompt_length(long + short + never)
+    assert rows == [
+        {"prompt_tokens": 128, "requests": 2, "ttft_ms_p50": 200.0, "ttft_ms_p99": 298.0,
+         "queued_ms_p50": 125.0, "queued_ms_p99": 198.5},
+        {"prompt_tokens": 3072, "requests": 1, "ttft_ms_p50": 500.0, "ttft_ms_p99": 500.0},
+    ]
+    # more lengths than MAX_LENGTH_GROUPS: doubling buckets named by their upper bound
+    many = [load.RequestTimes(0.0, [0.01 * n], prompt_tokens=n) for n in range(1, load.MAX_LENGTH_GROUPS + 2)]
+    buckets = load.by_prompt_length(many)
+    assert [r["prompt_tokens"] for r in buckets] == [1, 2, 4, 8, 16]
+    assert [r["requests"] for r in buckets] == [1, 1, 2, 4, 5]  # 1 | 2 | 3-4 | 5-8 | 9-13
+    assert buckets[-1]["ttft_ms_p50"] == pytest.approx(110.0)
+
+
 def test_the_p99s_hold_only_when_every_request_finished_within_both_bounds():
     assert load.summarize([MEETS, ONE_TOKEN], TTFT_S, ITL_S)["slo_p99s_hold"]
     assert not load.summarize([MEETS, ONE_TOKEN, NEVER_STARTED], TTFT_S, ITL_S)["slo_p99s_hold"]
@@ -209,7 +228,21 @@ def test_load_script_on_the_tiny_preset_through_both_paths(tmp_path):
     summary_keys = set(load.summarize([MEETS], TTFT_S, ITL_S))
     for row in rows:
         on_grpc = row["path"] == "grpc"
-        assert set(row) == {"path", "rate_rps"} | summary_keys | (set() if on_grpc else {"generating"})
+        in_process_keys = {"generating", "engine_steps", "engine_steps_per_s", "host"}
+        assert set(row) == {"path", "rate_rps", "by_prompt_length"} | summary_keys | (
+            set() if on_grpc else in_process_keys)
+        if not on_grpc:
+            host = row["host"]
+            assert row["engine_steps"] == host["decode_steps"] + host["chunk_steps"] > 0
+            assert host["chunk_steps"] >= len(plan)  # every prompt took at least one chunk
+            assert host["chunk_launch_ms_mean"] > 0 and host["collect_wait_ms_mean"] >= 0
+            assert 0 <= host["collect_found_done_fraction"] <= 1
+        groups = row["by_prompt_length"]
+        assert [g["prompt_tokens"] for g in groups] == sorted({len(p.prompt_ids) for p in plan})
+        assert sum(g["requests"] for g in groups) == len(plan)
+        for g in groups:
+            assert ("queued_ms_p50" in g) != on_grpc
+            assert on_grpc or 0 <= g["queued_ms_p50"] <= g["ttft_ms_p50"]
         assert on_grpc or row["generating"] >= 1
         assert row["sent"] == row["finished"] == len(plan) > 0
         assert row["failed"] == row["unfinished"] == 0
