@@ -569,8 +569,8 @@ class PagedEngine(SlotBook):
         """Compile and run every step program once (no slot is in use, so nothing is written).
 
         Tracing holds the GIL, so programs are traced one after another here, while XLA compiles
-        them in a thread pool as they come (it releases the GIL): on a 16-core H200 host this takes
-        the load benchmark's 42 programs from over 170 s to 99 s (benchmarks/NOTES.md)."""
+        them in a thread pool as they come (it releases the GIL): on a 16-core H200 host the load
+        benchmark's 66 programs take 86-93 s, where 42 took 218 s one after another (benchmarks/NOTES.md)."""
         import time
 
         if self.active.any():
