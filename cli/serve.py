@@ -152,13 +152,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
 
 
-def compilation_cache() -> str:
-    """Where JAX keeps compiled programs between starts (JAX_COMPILATION_CACHE_DIR), or "off"."""
-    import jax
-
-    return jax.config.jax_compilation_cache_dir or "off"
-
-
 def resolve_layout(args: argparse.Namespace) -> Any:
     """The ServingLayout from flags, with the layout file's fields on top (UsageError if unusable)."""
     from switchyard.service.modelspec import STRATEGIES, ModelSpecError, ServingLayout
@@ -336,13 +329,11 @@ def run(args: argparse.Namespace) -> int:
             pipeline = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
             engine = leader.engine = LeaderEngine(pipeline, CommandChannel.open(layout))
             if not args.no_warmup:
-                log.info("warm-up: compiled every program on every stage in %.1f s (compilation cache: %s)",
-                         engine.warmup(), compilation_cache())
+                log.info("warm-up: compiled every program on every stage in %.1f s", engine.warmup())
         else:
             engine = PagedEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
             if not args.no_warmup:
-                log.info("warm-up: compiled every step in %.1f s (compilation cache: %s)", engine.warmup(),
-                         compilation_cache())
+                log.info("warm-up: compiled every step in %.1f s", engine.warmup())
         scheduler = Scheduler(
             engine, tokenizer, max_queue=args.max_queue, on_finish=recorder.on_finish, model_name=model_name
         )

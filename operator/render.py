@@ -39,10 +39,6 @@ LAYOUT_DIR = "/etc/switchyard"
 LAYOUT_FILE = f"{LAYOUT_DIR}/layout.json"
 TRTLLM_OPTIONS = "trtllm-options.yaml"
 STAGE_ENV = "SWITCHYARD_PIPELINE_STAGE"
-# JAX's persistent compilation cache: a server that finds its step programs there skips compiling them.
-COMPILATION_CACHE_DIR = "/var/cache/switchyard/xla"
-COMPILATION_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
-CACHE_EVERY_PROGRAM_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # 0: not only those over a second
 # TensorRT-LLM's allreduce_strategy names for our strategy settings.
 # The CRD's maxItems of status.reasons and status.alternatives: a longer list would be refused.
 MAX_STATUS_ITEMS = 64
@@ -202,9 +198,6 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     else:
         env += [{"name": "OTEL_TRACES_EXPORTER", "value": "none"},
                 {"name": "OTEL_METRICS_EXPORTER", "value": "none"}]
-    if not trt:
-        env += [{"name": COMPILATION_CACHE_ENV, "value": COMPILATION_CACHE_DIR},
-                {"name": CACHE_EVERY_PROGRAM_ENV, "value": "0"}]
     if lay.pp > 1:
         env.append({"name": STAGE_ENV,
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}})
@@ -217,8 +210,6 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     mounts = [{"name": "layout", "mountPath": LAYOUT_DIR, "readOnly": True},
               {"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "tmp", "mountPath": "/tmp"}]
-    if not trt:
-        mounts.append({"name": "compilation-cache", "mountPath": COMPILATION_CACHE_DIR})
     if source.kind != "image":
         mount: dict[str, Any] = {"name": "model", "mountPath": source.path, "readOnly": True}
         if source.sub_path:
@@ -247,15 +238,6 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     return container
 
 
-def compilation_cache_volume(cache: Mapping[str, Any]) -> dict[str, Any]:
-    """The volume source of the compilation cache: the spec's hostPath or claim, else the pod's own."""
-    if "hostPath" in cache:
-        return {"hostPath": {"path": cache["hostPath"]["path"], "type": "DirectoryOrCreate"}}
-    if "pvc" in cache:
-        return {"persistentVolumeClaim": {"claimName": cache["pvc"]["claimName"]}}
-    return {"emptyDir": {}}
-
-
 def _statefulset(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelSource, config: RenderConfig,
                  group: str, index: int, cm: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
     lay = plan.layout
@@ -271,8 +253,6 @@ def _statefulset(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mode
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True}})
     elif source.kind == "hostPath":
         volumes.append({"name": "model", "hostPath": {"path": source.host_path, "type": "Directory"}})
-    if spec.get("engine") != "tensorrt-llm":
-        volumes.append({"name": "compilation-cache", **compilation_cache_volume(spec.get("compilationCache") or {})})
     match_fields = [{"key": "metadata.name", "operator": "In", "values": list(nodes)}] if nodes else []
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the server never talks to the API

@@ -118,8 +118,6 @@ GOOD_VARIANTS = {
                             otlpEndpoint="https://otel.example.com:4318", image="registry/x:1"),
     "kv and step": with_spec(kvMemoryFraction=0.95, stepTokens=8192),
     "smallest step": with_spec(kvMemoryFraction=0.01, stepTokens=16),
-    "cache on the node": with_spec(compilationCache={"hostPath": {"path": "/var/cache/switchyard"}}),
-    "cache on a claim": with_spec(compilationCache={"pvc": {"claimName": "xla-cache"}}),
 }
 
 
@@ -166,14 +164,6 @@ BAD = {
     "step tokens 8": (with_spec(stepTokens=8), "spec.stepTokens: 8 is less than the minimum of 16"),
     "step tokens 100": (with_spec(stepTokens=100), "spec.stepTokens: 100 is not a multiple of 16"),
     "step tokens big": (with_spec(stepTokens=16384), "spec.stepTokens: 16384 is greater than the maximum of 8192"),
-    "two caches": (with_spec(compilationCache={"hostPath": {"path": "/c"}, "pvc": {"claimName": "c"}}),
-                   "spec.compilationCache: {"),
-    "cache relative": (with_spec(compilationCache={"hostPath": {"path": "cache"}}),
-                       "spec.compilationCache.hostPath.path: 'cache' does not match"),
-    "cache claim": (with_spec(compilationCache={"pvc": {"claimName": "Cache"}}),
-                    "spec.compilationCache.pvc.claimName: 'Cache' does not match"),
-    "cache elsewhere": (with_spec(compilationCache={"s3": {"bucket": "b"}}),
-                        'spec.compilationCache.s3: unknown field "s3"'),
 }
 
 

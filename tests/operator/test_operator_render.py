@@ -63,12 +63,7 @@ def test_latency_llama3_8b_renders_valid_objects_with_the_service_command():
     assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
     assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-    # Compiled programs outlive a container restart in a volume of the pod's own.
-    assert vols["compilation-cache"] == {"name": "compilation-cache", "emptyDir": {}}
-    assert {"name": "compilation-cache", "mountPath": "/var/cache/switchyard/xla"} in c["volumeMounts"]
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["JAX_COMPILATION_CACHE_DIR"] == "/var/cache/switchyard/xla"
-    assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.obs:4317" and env["OTEL_SERVICE_NAME"] == "llama"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
@@ -160,24 +155,6 @@ def test_tensorrt_llm_engine_renders_trtllm_serve_with_the_same_layout():
     assert options["allreduce_strategy"] == "ONESHOT"
     assert options["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9}
     assert "model" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
-    # trtllm-serve has no JAX programs to keep
-    assert "compilation-cache" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
-    assert "JAX_COMPILATION_CACHE_DIR" not in {e["name"] for e in c["env"]}
-
-
-@pytest.mark.parametrize(("cache", "volume"), [
-    ({"hostPath": {"path": "/var/cache/sy"}}, {"hostPath": {"path": "/var/cache/sy", "type": "DirectoryOrCreate"}}),
-    ({"pvc": {"claimName": "xla"}}, {"persistentVolumeClaim": {"claimName": "xla"}}),
-])
-def test_spec_compilation_cache_is_the_volume_the_servers_keep_programs_in(cache, volume):
-    _, objs = build(decode_service(compilationCache=cache), [gpu_node("h200-0")])
-    validate_all(objs)
-    (sts,) = by_kind(objs, "StatefulSet")
-    pod = sts["spec"]["template"]["spec"]
-    vols = {v["name"]: v for v in pod["volumes"]}
-    assert vols["compilation-cache"] == {"name": "compilation-cache", **volume}
-    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
-    assert env["JAX_COMPILATION_CACHE_DIR"] == "/var/cache/switchyard/xla"
 
 
 def test_spec_kv_memory_fraction_and_step_tokens_reach_the_layout_file():
