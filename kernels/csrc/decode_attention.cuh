@@ -176,6 +176,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   VRaw vraw[kAttnChunk];
   int32_t block = 0;  // paged: the table entry of this lane's position in the next chunk loaded
   uint32_t prow = 0;  // paged, not whole: the pool row of this lane's position in the chunk last loaded
+  uint32_t crow = 0;  // paged, whole: the pool row of the first position of the chunk last loaded
   auto load_block = [&](int base) {
     if constexpr (Paged) block = table[(whole ? base : min(base + lane, t1 - 1)) >> a.block_shift];
   };
@@ -184,8 +185,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
     const T* krow;
     if constexpr (Paged) {
       if (whole) {
-        const uint32_t r = attn_pool_row(a, block, h, base) + static_cast<uint32_t>(t - base);
-        krow = (writes && t == wat) ? kn : kc + static_cast<uint64_t>(r) * D;
+        crow = attn_pool_row(a, block, h, base);  // load_v(base) reads the same rows
+        krow = (writes && t == wat) ? kn : kc + static_cast<uint64_t>(crow + static_cast<uint32_t>(t - base)) * D;
       } else {
         prow = (writes && t == wat) ? kAttnNewRow : attn_pool_row(a, block, h, t);
         krow = prow == kAttnNewRow ? kn : kc + static_cast<uint64_t>(prow) * D;
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   };
   auto load_v = [&](int base) {
     if (whole) {  // the chunk's rows are consecutive from its first position's
-      const T* vchunk = vc + static_cast<uint64_t>(attn_pool_row(a, block, h, base)) * D;
+      const T* vchunk = vc + static_cast<uint64_t>(crow) * D;
 #pragma unroll
       for (int j = 0; j < kAttnChunk; ++j) {
         const int tj = min(base + j, t1 - 1);
