@@ -80,6 +80,11 @@ SHORT_CHUNK_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 # Compiles at warm-up hold host memory each, so the pool stays small even on a large host.
 MAX_COMPILE_WORKERS = 8
 
+# Beside a chunk, a narrower batch width pays only when it drops at least this many rows: on H200, 32
+# idle rows of 64 cost 1.2 ms of a 10.5 ms step, 16 of 32 nothing measurable (benchmarks/NOTES.md);
+# each width is one more set of chunk programs to compile.
+NARROW_CHUNK_MIN_ROWS = 32
+
 
 def compile_workers() -> int:
     """Threads that compile step programs at warm-up: the CPUs this process may run on, at most
@@ -210,9 +215,10 @@ class PagedEngine(SlotBook):
         self.chunk_sizes = [small, step_tokens] if small >= block_size else [step_tokens]
         self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
         # Steps with a chunk run the decode rows of the narrower of the two largest batch buckets that
-        # holds every decoding slot: beside a 256-token chunk, 32 idle rows cost 1.2 ms of 10.5
-        # (benchmarks/NOTES.md). A chunk's programs are per width and context bucket.
-        self.chunk_batches = self.batch_buckets[-2:]
+        # holds every decoding slot, where the two differ by NARROW_CHUNK_MIN_ROWS or more. A chunk's
+        # programs are per width and context bucket.
+        wide, narrow = self.batch_buckets[-1], self.batch_buckets[-2:][0]
+        self.chunk_batches = [narrow, wide] if wide - narrow >= NARROW_CHUNK_MIN_ROWS else [wide]
         self.kv_buckets = self._kv_buckets()
         if strategy != "xla" and self.tp > 1:
             kernels.init(list(mesh.devices.flat))

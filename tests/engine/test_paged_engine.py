@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 from helpers.engine_fixtures import tiny_engine, tiny_paged_engine, varied_checkpoint
+from switchyard.service.engine import paged
 from switchyard.service.engine.kv_blocks import BlockPool, SequenceBlocks
 from switchyard.service.engine.scheduler import GenerationRequest, RequestRecord, Scheduler
 from switchyard.service.engine.tokenizer import Tokenizer
@@ -220,7 +221,11 @@ def test_serving_after_warm_up_compiles_nothing(checkpoint, tokenizer, prompts, 
 
 
 def test_chunk_steps_run_the_narrower_batch_width_that_holds_the_decoding_slots(checkpoint, tokenizer, prompts,
-                                                                                reference):
+                                                                                reference, monkeypatch):
+    # Widths 32 and 64 apart by the threshold; 2 and 4 within it, as 16 and 32 would be.
+    assert tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=BLOCK,
+                             block_size=BLOCK).chunk_batches == [4]
+    monkeypatch.setattr(paged, "NARROW_CHUNK_MIN_ROWS", 2)  # a 4-slot engine that runs both widths
     engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
     assert engine.batch_buckets == [2, 4] and engine.chunk_batches == [2, 4]
     engine.warmup()
