@@ -35,6 +35,8 @@ Per (path, rate):
 - ``by_prompt_length``: per prompt length (each one drawn; with more than 12 lengths, doubling buckets)
   the requests and their TTFT p50/p99; in process also ``queued_ms_p50/p99``, arrival to the launch of
   the step with the prompt's first chunk, so that a TTFT splits into waiting and computing;
+- through gRPC, ``server_itl_ms_p99/max``: the inter-token gaps as the server's scheduler emitted the
+  tokens, so that a gap the client saw splits into the engine's and the path's;
 - in process, ``engine_steps_per_s``: engine steps over the span, and ``host``: the host's time to launch
   a step, with and without a prompt chunk, the time ``collect`` waits for a step's tokens, and the
   fraction of steps already done when it asked (then the host, not the device, set the pace).
@@ -485,14 +487,22 @@ def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], time
 
 
 def run_grpc(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float,
-             clients: concurrent.futures.Executor) -> list[RequestTimes]:
+             clients: concurrent.futures.Executor, emitted: list[list[float]] | None = None) -> list[RequestTimes]:
+    """Run ``plan`` through a gRPC server in this process and the client process; ``emitted`` gets
+    each request's token times as the server's scheduler emitted them (its own clock)."""
     from switchyard.service.api.server import DecodeApp, ServerThread
     from switchyard.service.api.wire import Limits
-    from switchyard.service.engine.scheduler import Scheduler
+    from switchyard.service.engine.scheduler import RequestRecord, Scheduler
     from switchyard.service.telemetry.tracing import RequestRecorder
 
     recorder = RequestRecorder(None)
-    scheduler = Scheduler(engine, tokenizer, max_queue=len(plan) + 8, on_finish=recorder.on_finish)
+
+    def on_finish(record: RequestRecord) -> None:
+        if emitted is not None:
+            emitted.append(record.token_times.tolist())
+        recorder.on_finish(record)
+
+    scheduler = Scheduler(engine, tokenizer, max_queue=len(plan) + 8, on_finish=on_finish)
     app = DecodeApp(model_name="load", limits=Limits(default_max_tokens=max((p.output_tokens for p in plan),
                                                                              default=1)), recorder=recorder)
     server = ServerThread(app, scheduler, tokenizer)
@@ -578,9 +588,13 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.path:
             extra: dict[str, Any] = {}
             if path == "grpc":
-                measured = run_grpc(engine, tokenizer, plan, args.timeout, clients)
+                emitted: list[list[float]] = []
+                measured = run_grpc(engine, tokenizer, plan, args.timeout, clients, emitted)
                 for planned, request in zip(plan, measured, strict=True):
                     request.prompt_tokens = len(planned.prompt_ids)
+                server_gaps = [g for times in emitted for g in gaps(times)]
+                extra["server_itl_ms_p99"] = _ms(percentile(server_gaps, 99))
+                extra["server_itl_ms_max"] = _ms(max(server_gaps, default=None))
             else:
                 steps, clock = engine.step_count, StepClock(engine)
                 try:

@@ -230,7 +230,9 @@ def test_load_script_on_the_tiny_preset_through_both_paths(tmp_path):
         on_grpc = row["path"] == "grpc"
         in_process_keys = {"generating", "engine_steps", "engine_steps_per_s", "host"}
         assert set(row) == {"path", "rate_rps", "by_prompt_length"} | summary_keys | (
-            set() if on_grpc else in_process_keys)
+            {"server_itl_ms_p99", "server_itl_ms_max"} if on_grpc else in_process_keys)
+        if on_grpc:  # the gaps as the server emitted the tokens
+            assert 0 <= row["server_itl_ms_p99"] <= row["server_itl_ms_max"]
         if not on_grpc:
             host = row["host"]
             assert row["engine_steps"] == host["decode_steps"] + host["chunk_steps"] > 0
