@@ -21,6 +21,8 @@ dataclass would look its string annotations up there).
 
 import dataclasses
 import functools
+import gc
+import time
 from collections.abc import Sequence
 from typing import Self
 
@@ -32,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from switchyard import kernels
 from switchyard.kernels.collectives import MAX_PARTIALS
 from switchyard.service.engine.checkpoint import NP_DTYPES
+from switchyard.service.engine.heap import freeze_warm_heap
 from switchyard.service.engine.model import ForwardConfig
 from switchyard.service.engine.paged import PagedEngine
 from switchyard.service.engine.pipeline import PipelineEngine, random_stage_weights
@@ -213,6 +216,11 @@ def serving_engine(args) -> tuple:
               f"steps carry up to {engine.step_tokens} prompt tokens", flush=True)
     warmup_s = engine.warmup()
     print(f"warm-up: {warmup_s:.1f} s", flush=True)
+    frozen, collect_ms = freeze_warm_heap()  # as switchyard serve does
+    t0 = time.perf_counter()
+    gc.collect()
+    print(f"heap: {frozen} objects frozen; a full collection took {collect_ms:.0f} ms before, "
+          f"{1e3 * (time.perf_counter() - t0):.1f} ms after", flush=True)
     return engine, tokenizer, warmup_s
 
 

@@ -1,0 +1,19 @@
+"""The Python heap of a serving process once its engine is warm."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+
+def freeze_warm_heap() -> tuple[int, float]:
+    """Collect garbage once, then move every object alive now (the engine's traced and compiled
+    programs, the jit caches, the weights' handles) to the collector's permanent generation, where
+    no later collection scans them. Serving allocates all the time, so full collections come
+    regularly, and each one scanning the warm engine's heap stalls the scheduler thread, and with it
+    every stream. Returns the objects frozen and the milliseconds of the collection before."""
+    t0 = time.perf_counter()
+    gc.collect()
+    collect_ms = 1e3 * (time.perf_counter() - t0)
+    gc.freeze()
+    return gc.get_freeze_count(), collect_ms
