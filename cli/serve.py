@@ -331,14 +331,12 @@ def run(args: argparse.Namespace) -> int:
             engine = leader.engine = LeaderEngine(pipeline, CommandChannel.open(layout))
             if not args.no_warmup:
                 log.info("warm-up: compiled every program on every stage in %.1f s", engine.warmup())
-                log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)",
-                         *freeze_warm_heap())
         else:
             engine = PagedEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
             if not args.no_warmup:
                 log.info("warm-up: compiled every step in %.1f s", engine.warmup())
-                log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)",
-                         *freeze_warm_heap())
+        if not args.no_warmup:
+            log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
         scheduler = Scheduler(
             engine, tokenizer, max_queue=args.max_queue, on_finish=recorder.on_finish, model_name=model_name
         )
