@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Token-budget steps under a mixed state: sequences decoding while a prompt goes through in chunks.
+
+For each ``--state N:C`` (N sequences decoding at context C, their blocks and random K/V set up without
+running their prompts), a prompt of ``--prompt`` random tokens is computed in chunks of ``--step-tokens``
+beside them, then the same sequences decode alone for ``--decode-steps`` steps. Steps are launched as the
+scheduler launches them: the next one before the previous one's tokens are collected, so the host's
+launch overlaps the device's work. Reported per state: the median over ``--repeats`` of ms per step with
+a chunk and per decode-only step; with ``--profile-dir``, a profiler summary of one prompt's chunk steps
+(GPU busy time and span per step, top kernels): where a chunk step's time goes.
+
+    python benchmarks/chunk_steps.py --state 20:1536 8:1024 --prompt 3072 --profile-dir /tmp/prof \\
+        --out benchmarks/results/current/chunk-steps-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import runpy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+@functools.cache
+def sibling(name: str) -> dict:
+    """Another benchmark script's functions (decode.py's profiler, variants.py's occupy_paged)."""
+    return runpy.run_path(str(Path(__file__).with_name(f"{name}.py")))
+
+
+def parse_state(text: str) -> tuple[int, int]:
+    try:
+        count, context = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a state is DECODING:CONTEXT, got {text!r}") from None
+    if count < 0 or context < 1:
+        raise argparse.ArgumentTypeError(f"a state needs DECODING >= 0 and CONTEXT >= 1, got {text!r}")
+    return count, context
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument("--batch-slots", type=int, default=64)
+    parser.add_argument("--max-seq-len", type=int, default=4352)
+    parser.add_argument("--step-tokens", type=int, default=256)
+    parser.add_argument("--state", type=parse_state, nargs="+", default=[(20, 1536), (8, 1024)],
+                        help="DECODING:CONTEXT, one or more")
+    parser.add_argument("--prompt", type=int, default=3072, help="tokens of the prompt computed in chunks")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-steps", type=int, default=40, help="decode-only steps per repeat")
+    parser.add_argument("--profile-dir", default=None, help="also profile one prompt's chunk steps per state")
+    parser.add_argument("--cpu", action="store_true", help="host devices (JAX_PLATFORMS=cpu): a smoke test of tiny")
+    parser.add_argument("--out", default=None, help="result JSON path")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.decode_steps < 2:
+        parser.error("--repeats must be at least 1 and --decode-steps at least 2")
+    for count, context in args.state:
+        if count >= args.batch_slots:
+            parser.error(f"{count} decoding sequences leave no slot of {args.batch_slots} for the prompt")
+        # Every step moves the decoding sequences one position on; they must stay inside their context.
+        chunks = -(-args.prompt // args.step_tokens)
+        steps = (args.repeats + 2) * (chunks + args.decode_steps) + 8
+        if context + steps >= args.max_seq_len or args.prompt >= args.max_seq_len:
+            parser.error(f"state {count}:{context} with a {args.prompt}-token prompt runs past --max-seq-len "
+                         f"{args.max_seq_len} ({steps} steps)")
+    return args
+
+
+def pipelined(engine, launch, more) -> float:
+    """ms per step of the steps ``launch()`` launches while ``more()``, each launched before the
+    previous one is collected."""
+    previous, marks = None, []
+    while more():
+        pending = launch()
+        if previous is not None:
+            engine.collect(previous)
+            marks.append(time.perf_counter())
+        previous = pending
+    engine.collect(previous)
+    marks.append(time.perf_counter())
+    return 1e3 * (marks[-1] - marks[0]) / max(len(marks) - 1, 1)
+
+
+def chunk_steps(engine, slot: int, prompt: list[int]) -> tuple[float, int]:
+    """ms per step of ``prompt``'s chunk steps beside the decoding sequences, and how many there were."""
+    from switchyard.service.engine.sampling import SamplingParams
+
+    if engine.begin(slot, prompt, SamplingParams(), reuse_prefix=False) is None:
+        raise RuntimeError("the pool has too few blocks for the prompt")
+    count = 0
+
+    def launch():
+        nonlocal count
+        if not engine.ensure_decode_blocks():
+            raise RuntimeError("the pool ran out of blocks")
+        count += 1
+        return engine.dispatch(engine.next_chunk(slot))
+
+    ms = pipelined(engine, launch, lambda: slot in engine.prefilling())
+    engine.evict(slot)
+    return ms, count
+
+
+def decode_steps(engine, steps: int) -> float:
+    def launch():
+        if not engine.ensure_decode_blocks():
+            raise RuntimeError("the pool ran out of blocks")
+        return engine.dispatch()
+
+    left = iter(range(steps))
+    return pipelined(engine, launch, lambda: next(left, None) is not None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cpu:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import numpy as np
+    from switchyard.service.engine.paged import PagedEngine
+    from switchyard.service.modelspec import KV_BLOCK_TOKENS, ServingLayout, preset
+
+    spec = preset(args.preset)
+    most = max(count for count, _ in args.state)
+    blocks_per_seq = -(-args.max_seq_len // KV_BLOCK_TOKENS)
+    layout = ServingLayout(tp=1, strategy="xla", batch_slots=args.batch_slots, max_seq_len=args.max_seq_len,
+                           kv_tokens=(most + 1) * blocks_per_seq * KV_BLOCK_TOKENS, step_tokens=args.step_tokens)
+    engine = PagedEngine.from_random(spec, layout)
+    rng = np.random.default_rng(0)
+    rows = []
+    for count, context in args.state:
+        sibling("variants")["occupy_paged"](engine, context, count)
+        prompt = [int(t) for t in rng.integers(3, spec.vocab_size, args.prompt)]
+        t0 = time.perf_counter()
+        _, chunks = chunk_steps(engine, count, prompt)  # compiles what this state runs
+        if count:
+            decode_steps(engine, 2)
+        compile_s = time.perf_counter() - t0
+        chunk_ms = statistics.median(chunk_steps(engine, count, prompt)[0] for _ in range(args.repeats))
+        decode_ms = statistics.median(decode_steps(engine, args.decode_steps)
+                                      for _ in range(args.repeats)) if count else None
+        row = {"decoding": count, "context": context, "prompt": args.prompt, "chunk_steps": chunks,
+               "chunk_step_ms": round(chunk_ms, 3),
+               "decode_step_ms": None if decode_ms is None else round(decode_ms, 3), "first_run_s": round(compile_s, 1)}
+        print(f"{count} decoding at {context}: chunk step {chunk_ms:.3f} ms ({chunks} per prompt), decode-only "
+              f"step {'-' if decode_ms is None else f'{decode_ms:.3f} ms'}", flush=True)
+        if args.profile_dir:
+            decode = sibling("decode")
+            kernels, _ = decode["trace_gpu"](functools.partial(chunk_steps, engine, count, prompt),
+                                             f"{args.profile_dir}/{count}-{context}")
+            busy, span, top = decode["kernel_totals"](kernels, name_chars=100, top=30)
+            row["profile"] = {"gpu_busy_us_per_step": round(busy / chunks, 1),
+                              "gpu_span_us_per_step": round(span / chunks, 1),
+                              "top_kernels": [{"name": n, "count": len(d),
+                                               "total_us_per_step": round(sum(d) / chunks, 1)} for n, d in top]}
+        rows.append(row)
+        for slot in range(count):
+            engine.evict(slot)
+    result = {
+        "command": "python benchmarks/chunk_steps.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": sibling("decode")["source_commit"](),
+        "jax": jax.__version__,
+        "config": {"preset": args.preset, "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len,
+                   "step_tokens": args.step_tokens, "kv_block_tokens": KV_BLOCK_TOKENS},
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
