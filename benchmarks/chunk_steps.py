@@ -24,6 +24,7 @@ import runpy
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -72,19 +73,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def pipelined(engine, launch, more) -> float:
-    """ms per step of the steps ``launch()`` launches while ``more()``, each launched before the
-    previous one is collected."""
+def pipelined(engine, launches: Iterator) -> tuple[float, int]:
+    """ms per step of the steps ``launches`` launches, each before the previous one is collected, and
+    how many there were."""
     previous, marks = None, []
-    while more():
-        pending = launch()
+    for pending in launches:
         if previous is not None:
             engine.collect(previous)
             marks.append(time.perf_counter())
         previous = pending
     engine.collect(previous)
     marks.append(time.perf_counter())
-    return 1e3 * (marks[-1] - marks[0]) / max(len(marks) - 1, 1)
+    return 1e3 * (marks[-1] - marks[0]) / max(len(marks) - 1, 1), len(marks)
+
+
+def launch(engine, chunk=None):
+    """One step (with ``chunk``), after making room for the decoding sequences' next tokens."""
+    if not engine.ensure_decode_blocks():
+        raise RuntimeError("the pool ran out of blocks")
+    return engine.dispatch(chunk)
 
 
 def chunk_steps(engine, slot: int, prompt: list[int]) -> tuple[float, int]:
@@ -93,28 +100,18 @@ def chunk_steps(engine, slot: int, prompt: list[int]) -> tuple[float, int]:
 
     if engine.begin(slot, prompt, SamplingParams(), reuse_prefix=False) is None:
         raise RuntimeError("the pool has too few blocks for the prompt")
-    count = 0
 
-    def launch():
-        nonlocal count
-        if not engine.ensure_decode_blocks():
-            raise RuntimeError("the pool ran out of blocks")
-        count += 1
-        return engine.dispatch(engine.next_chunk(slot))
+    def launches() -> Iterator:
+        while slot in engine.prefilling():
+            yield launch(engine, engine.next_chunk(slot))
 
-    ms = pipelined(engine, launch, lambda: slot in engine.prefilling())
+    timed = pipelined(engine, launches())
     engine.evict(slot)
-    return ms, count
+    return timed
 
 
 def decode_steps(engine, steps: int) -> float:
-    def launch():
-        if not engine.ensure_decode_blocks():
-            raise RuntimeError("the pool ran out of blocks")
-        return engine.dispatch()
-
-    left = iter(range(steps))
-    return pipelined(engine, launch, lambda: next(left, None) is not None)
+    return pipelined(engine, (launch(engine) for _ in range(steps)))[0]
 
 
 def main(argv: list[str] | None = None) -> int:
