@@ -151,11 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             decode = sibling("decode")
             kernels, _ = decode["trace_gpu"](functools.partial(chunk_steps, engine, count, prompt),
                                              f"{args.profile_dir}/{count}-{context}")
-            busy, span, top = decode["kernel_totals"](kernels, name_chars=100, top=30)
-            row["profile"] = {"gpu_busy_us_per_step": round(busy / chunks, 1),
-                              "gpu_span_us_per_step": round(span / chunks, 1),
-                              "top_kernels": [{"name": n, "count": len(d),
-                                               "total_us_per_step": round(sum(d) / chunks, 1)} for n, d in top]}
+            row["profile"] = decode["step_profile"](kernels, chunks)
         rows.append(row)
         for slot in range(count):
             engine.evict(slot)

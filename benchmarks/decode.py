@@ -135,6 +135,16 @@ def kernel_totals(kernels: list[dict], name_chars: int, top: int) -> tuple[float
     return busy, span, sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
 
 
+def step_profile(kernels: list[dict], steps: int, name_chars: int = 90, top: int = 25) -> dict:
+    """Per-step GPU busy time and span (µs) of ``steps`` steps' kernel events, and the top kernels with
+    their counts and time per step."""
+    busy, span, ranked = kernel_totals(kernels, name_chars=name_chars, top=top)
+    return {"steps": steps, "gpu_busy_us_per_step": round(busy / steps, 1),
+            "gpu_span_us_per_step": round(span / steps, 1),
+            "top_kernels": [{"name": n, "count": len(d), "total_us_per_step": round(sum(d) / steps, 1)}
+                            for n, d in ranked]}
+
+
 def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
     """Trace ``steps`` engine steps with the JAX profiler and summarise GPU kernel time from the
     Perfetto trace: how much of each step the GPU is busy, and with what."""

@@ -91,24 +91,16 @@ def _decode_benchmark() -> dict:
     return runpy.run_path(str(Path(__file__).with_name("decode.py")))
 
 
-def _summarise(kernels: list[dict], steps: int) -> dict:
-    busy, span, top = _decode_benchmark()["kernel_totals"](kernels, name_chars=90, top=25)
-    return {"steps": steps, "gpu_busy_us_per_step": round(busy / steps, 1),
-            "gpu_span_us_per_step": round(span / steps, 1),
-            "top_kernels": [{"name": n, "count": len(d), "total_us_per_step": round(sum(d) / steps, 1)}
-                            for n, d in top]}
-
-
 def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
     """Profiler summaries of a prompt alone and of chunk steps beside decoding sequences."""
     from switchyard.service.engine.sampling import SamplingParams
 
-    trace_gpu = _decode_benchmark()["trace_gpu"]
+    trace_gpu, summarise = _decode_benchmark()["trace_gpu"], _decode_benchmark()["step_profile"]
     vocab = engine.spec.vocab_size
     alone = [int(t) for t in rng.integers(3, vocab, max(args.prompt))]
     runs: list[tuple[float, int, int]] = []
     kernels, _ = trace_gpu(lambda: runs.append(time_to_first_token(engine, alone, False)), f"{out_dir}/alone")
-    out = {"prompt_alone": {"prompt": len(alone), **_summarise(kernels, runs[-1][2])}}
+    out = {"prompt_alone": {"prompt": len(alone), **summarise(kernels, runs[-1][2])}}
     prefix = [int(t) for t in rng.integers(3, vocab, args.shared_prefix)]
     engine.pool.clear_cache()
     time_to_first_token(engine, prefix + [int(t) for t in rng.integers(3, vocab, args.suffix)], True)
@@ -116,7 +108,7 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
     kernels, _ = trace_gpu(lambda: runs.append(time_to_first_token(engine, prefix + suffix, True)),
                            f"{out_dir}/cached")
     out["cached_prefix"] = {"shared_prefix": args.shared_prefix, "suffix": args.suffix,
-                            "wall_us": round(1e6 * runs[-1][0], 1), **_summarise(kernels, runs[-1][2])}
+                            "wall_us": round(1e6 * runs[-1][0], 1), **summarise(kernels, runs[-1][2])}
     n = min(args.profile_decoding, engine.max_slots - 1)
     for slot in range(n):  # sequences decoding at about --profile-context
         engine.begin(slot, [int(t) for t in rng.integers(3, vocab, args.profile_context)], SamplingParams())
@@ -130,7 +122,7 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
 
     decode_steps(4)
     kernels, _ = trace_gpu(lambda: decode_steps(16), f"{out_dir}/decode")
-    out["decode_only"] = {"decoding": n, "context": args.profile_context, **_summarise(kernels, 16)}
+    out["decode_only"] = {"decoding": n, "context": args.profile_context, **summarise(kernels, 16)}
     prompt = [int(t) for t in rng.integers(3, vocab, args.shared_prefix)]
 
     def chunk_steps() -> int:
@@ -147,7 +139,7 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
     steps = []
     kernels, _ = trace_gpu(lambda: steps.append(chunk_steps()), f"{out_dir}/mixed")
     out["chunk_beside_decoding"] = {"decoding": n, "context": args.profile_context, "prompt": len(prompt),
-                                    **_summarise(kernels, steps[0])}
+                                    **summarise(kernels, steps[0])}
     for slot in range(n):
         engine.evict(slot)
     for name, row in out.items():

@@ -51,3 +51,13 @@ def test_decode_benchmark_times_the_torch_peer_in_the_same_run(tmp_path):
     assert [(r["batch"], r["context"]) for r in peer] == [(1, 16), (2, 16)]
     assert all(r["ms_per_token"] > 0 and r["impl"] == "torch-eager" for r in peer)
     assert "ours / peer" in run.stdout
+
+
+def test_step_profile_sums_kernel_events_per_step():
+    decode = scripts.load("decode")
+    events = [{"name": "gemm_a", "ts": 0.0, "dur": 10.0}, {"name": "attention", "ts": 12.0, "dur": 20.0},
+              {"name": "gemm_b", "ts": 40.0, "dur": 4.0}]
+    summary = decode.step_profile(events, steps=2, name_chars=4, top=1)
+    # busy 34 us, span 0..44 us; names cut to 4 characters merge the two products (14 us) under "gemm"
+    assert summary == {"steps": 2, "gpu_busy_us_per_step": 17.0, "gpu_span_us_per_step": 22.0,
+                       "top_kernels": [{"name": "atte", "count": 1, "total_us_per_step": 10.0}]}
