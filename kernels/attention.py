@@ -31,10 +31,9 @@ MIN_SLICE = 64  # positions per block below which splitting the sequence further
 MAX_SPLITS = 8  # kAttnMaxSplits in csrc/decode_attention.cuh: the slices of a (row, head) form one cluster
 MAX_PAIRS = (1 << 31) - 1  # (row, KV head) pairs: the grid's x dimension
 # Paged pools: the block sizes the kernel is built and tested for (it needs a power of two), and the
-# pool rows (blocks x KV heads x block size) must stay below NEW_ROW, the index that stands for the
-# new token.
+# pool rows (blocks x KV heads x block size) must stay below POOL_ROW_LIMIT (a row's index is 32-bit).
 KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
-NEW_ROW = 0xFFFFFFFF  # kAttnNewRow in csrc/decode_attention.cuh
+POOL_ROW_LIMIT = 0xFFFFFFFF  # kPagedRowLimit in csrc/paged_attention.cuh
 MAX_TABLE_POSITIONS = (1 << 31) - 1  # M x B: positions are int32
 
 
@@ -231,7 +230,7 @@ def paged_decode_attention_packed(
     heads = qkv.shape[1] - 2 * kv
     usable = (use_kernel and qkv.dtype == k_pool.dtype == v_pool.dtype
               and paged_kernel_supports(qkv.dtype, d, heads // kv, bs) and n * kv <= MAX_PAIRS
-              and num_blocks * kv * bs < NEW_ROW and m * bs <= MAX_TABLE_POSITIONS and native.attention_ready())
+              and num_blocks * kv * bs < POOL_ROW_LIMIT and m * bs <= MAX_TABLE_POSITIONS and native.attention_ready())
     if not usable:
         return reference_paged_decode_attention_packed(*args)
     return jax.lax.platform_dependent(*args, default=reference_paged_decode_attention_packed, cuda=_paged_kernel)

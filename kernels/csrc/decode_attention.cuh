@@ -40,20 +40,9 @@
 // read by at most one block, which uses k_new/v_new for it instead of the cache. Block s == 0
 // stores them into the cache. No block reads what another writes, so one launch suffices.
 //
-// Paged caches (Paged = true). The caches are pools of blocks, k_pool / v_pool
-// [num_blocks, kv, B, D] (B a power of two), and row b's logical position p lives in block
-// tables[b, p / B] at offset p % B. Nothing else changes: each lane looks up the block of the
-// position it loads K for (the chunk's table entries are requested one chunk ahead, so only the
-// first chunk waits for its entry), keeps that row's index, and the V loads take row j's index
-// from lane j by a shuffle. So any block size works and a chunk may span blocks. With blocks of
-// at least 32 positions and a launch of many blocks (AttnArgs::whole), the slices are cut on
-// chunk boundaries instead: a chunk then lies in one block, one table entry gives its first row
-// and the rest follow it, as in the contiguous layout. The per-lane lookups and shuffles cost
-// about 14% at batch 32, where the launch is bound by its instructions and bandwidth; at batch 1
-// (8 slices, a grid smaller than the GPU) per-lane rows measured faster (benchmarks/NOTES.md,
-// 2026-11-24). Row indices fit 32 bits (the host checks num_blocks * kv * B < 2^32 - 1; the top
-// value marks the new token). Table entries outside [0, num_blocks) are read as block 0 (no
-// access outside the pool); the new K/V are stored only where the entry for write_at is inside it.
+// Paged caches: paged_attention.cuh's kernel takes the same AttnArgs (with the block tables), cuts
+// slices the same way (on 32-position boundaries), treats the new K/V the same way and ends with
+// the same merge (attn_finish).
 //
 // Numerics: scores, softmax and accumulation in fp32; products of bf16/fp16 inputs.
 #pragma once
@@ -89,16 +78,7 @@ struct AttnArgs {
   int M = 0;                        // table entries per row
   int block_shift = 0;              // log2(B)
   uint32_t blocks = 0;              // num_blocks in the pools
-  bool whole = false;               // slices cut on chunk boundaries (the launch decides; needs B >= 32)
 };
-
-// A pool row (one position of one KV head): its index, from which the address is row * D.
-constexpr uint32_t kAttnNewRow = 0xFFFFFFFFu;  // the row that stands for the new token's K/V
-
-__device__ __forceinline__ uint32_t attn_pool_row(const AttnArgs& a, int32_t block, int h, int t) {
-  const uint32_t blk = static_cast<uint32_t>(block) < a.blocks ? static_cast<uint32_t>(block) : 0u;
-  return ((blk * a.kv + h) << a.block_shift) + (static_cast<uint32_t>(t) & ((1u << a.block_shift) - 1u));
-}
 
 template <typename T, int E>
 __device__ __forceinline__ void attn_copy(const T* src, T* dst) {
@@ -120,9 +100,85 @@ __device__ __forceinline__ float attn_warp_sum(float v) {
   return v;
 }
 
-template <typename T, int D, int G, bool Paged = false>
-__global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a) {
+// The end of both decode-attention kernels. Each warp has left its (max, sum) per query head in
+// sm_m / sm_l [kAttnWarps][G] and its unnormalised output in sm_acc [kAttnWarps][G][D] (natural-log
+// scale); the block merges its warps, and with S > 1 the cluster (the S blocks of this row and
+// head) merges its blocks through distributed shared memory: blk_* [G] / [G][D] are the block's
+// result that its peers read.
+template <typename T, int D, int G>
+__device__ __forceinline__ void attn_finish(const AttnArgs& a, int b, int h, const float* sm_m, const float* sm_l,
+                                            const float* sm_acc, float* blk_m, float* blk_l, float* blk_acc,
+                                            PhaseClock& clock) {
   namespace cg = cooperative_groups;
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += kAttnWarps * 32) {
+    const int g = i / D, d = i % D;
+    float mx = kAttnFloor;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, sm_m[w * G + g]);
+    float sum = 0.f, val = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) {
+      const float f = __expf(sm_m[w * G + g] - mx);
+      sum += sm_l[w * G + g] * f;
+      val += sm_acc[(w * G + g) * D + d] * f;
+    }
+    if (a.S == 1) {
+      T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;
+      out[d] = from_f32<T>(val / sum);
+    } else {
+      blk_acc[i] = val;
+      if (d == 0) {
+        blk_m[g] = mx;
+        blk_l[g] = sum;
+      }
+    }
+  }
+  clock.mark(4);
+  if (a.S == 1) return;
+
+  // cluster.sync() is a release/acquire barrier across the cluster: every block's blk_* writes
+  // are visible to every other block's reads after it.
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  clock.mark(5);
+  const int rank = static_cast<int>(cluster.block_rank());
+  for (int i = rank * kAttnWarps * 32 + threadIdx.x; i < G * D; i += a.S * kAttnWarps * 32) {
+    const int g = i / D, d = i % D;
+    // Every remote read is issued before any is used (unrolled over the largest cluster): one
+    // distributed-shared-memory round trip instead of 3 x S dependent ones.
+    float rm[kAttnMaxSplits], rl[kAttnMaxSplits], rv[kAttnMaxSplits];
+#pragma unroll
+    for (int r = 0; r < kAttnMaxSplits; ++r) {
+      if (r < a.S) {
+        rm[r] = *cluster.map_shared_rank(&blk_m[g], r);
+        rl[r] = *cluster.map_shared_rank(&blk_l[g], r);
+        rv[r] = *cluster.map_shared_rank(&blk_acc[i], r);
+      } else {
+        rm[r] = kAttnFloor;
+        rl[r] = rv[r] = 0.f;
+      }
+    }
+    float mx = kAttnFloor;
+#pragma unroll
+    for (int r = 0; r < kAttnMaxSplits; ++r) mx = fmaxf(mx, rm[r]);
+    float sum = 0.f, val = 0.f;
+#pragma unroll
+    for (int r = 0; r < kAttnMaxSplits; ++r) {
+      const float f = __expf(rm[r] - mx);
+      sum += rl[r] * f;
+      val += rv[r] * f;
+    }
+    T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;
+    out[d] = from_f32<T>(val / sum);
+  }
+  clock.mark(6);
+  cluster.sync();  // keep every block's shared memory alive until all reads are done
+  clock.mark(7);
+}
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a) {
   PhaseClock clock;
   constexpr int E = D / 32;      // output elements per lane
   constexpr int P16 = D / 8;     // 16-byte pieces of one K row
@@ -140,11 +196,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   const bool tail = writes && wat == total - 1;
   const bool takes_tail = tail && s == 0 && warp == 0;
   const int cached = tail ? total - 1 : total;
-  // Whole chunks: slices start on chunk boundaries, so every chunk lies in one block and its rows
-  // are consecutive in the pool (one table entry per chunk, no shuffles).
-  const bool whole = Paged && a.whole && a.block_shift >= 5;
-  const int chunk = whole ? ((cached + a.S - 1) / a.S + kAttnChunk - 1) / kAttnChunk * kAttnChunk
-                          : (cached + a.S - 1) / a.S;
+  const int chunk = (cached + a.S - 1) / a.S;
   const int t0 = s * chunk, t1 = min(cached, t0 + chunk);
 
   const T* row = static_cast<const T*>(a.qkv) + static_cast<int64_t>(b) * (a.kv * G + 2 * a.kv) * D;
@@ -152,13 +204,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   const T* kn = row + (a.kv * G + h) * D;
   const T* vn = row + (a.kv * G + a.kv + h) * D;
   const int64_t head = (static_cast<int64_t>(b) * a.kv + h);
-  // Contiguous: this (row, head)'s cache. Paged: the pools (rows are found through the table).
-  T* kc = static_cast<T*>(a.k_cache) + (Paged ? 0 : head * a.L * D);
-  T* vc = static_cast<T*>(a.v_cache) + (Paged ? 0 : head * a.L * D);
-  const int32_t* table = Paged ? a.tables + static_cast<int64_t>(b) * a.M : nullptr;
-  // Paged, slice 0's warp 0: the block the new K/V go to (requested now, stored before the barrier).
-  int32_t write_block = -1;
-  if (Paged && s == 0 && warp == 0 && writes) write_block = table[wat >> a.block_shift];
+  T* kc = static_cast<T*>(a.k_cache) + head * a.L * D;  // this (row, head)'s cache
+  T* vc = static_cast<T*>(a.v_cache) + head * a.L * D;
 
   // The queries' loads go out first: they are few, and their trip to shared memory (and the
   // barrier after it) then overlaps the K/V loads instead of queueing behind them.
@@ -174,50 +221,17 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // the slice's end they re-read its last position (no branch around the loads); masked below.
   uint4 kraw[P16];
   VRaw vraw[kAttnChunk];
-  int32_t block = 0;  // paged: the table entry of this lane's position in the next chunk loaded
-  uint32_t prow = 0;  // paged, not whole: the pool row of this lane's position in the chunk last loaded
-  uint32_t crow = 0;  // paged, whole: the pool row of the first position of the chunk last loaded
-  auto load_block = [&](int base) {
-    if constexpr (Paged) block = table[(whole ? base : min(base + lane, t1 - 1)) >> a.block_shift];
-  };
   auto load_k = [&](int base) {
     const int t = min(base + lane, t1 - 1);
-    const T* krow;
-    if constexpr (Paged) {
-      if (whole) {
-        crow = attn_pool_row(a, block, h, base);  // load_v(base) reads the same rows
-        krow = (writes && t == wat) ? kn : kc + static_cast<uint64_t>(crow + static_cast<uint32_t>(t - base)) * D;
-      } else {
-        prow = (writes && t == wat) ? kAttnNewRow : attn_pool_row(a, block, h, t);
-        krow = prow == kAttnNewRow ? kn : kc + static_cast<uint64_t>(prow) * D;
-      }
-    } else {
-      krow = (writes && t == wat) ? kn : kc + static_cast<int64_t>(t) * D;
-    }
+    const T* krow = (writes && t == wat) ? kn : kc + static_cast<int64_t>(t) * D;
 #pragma unroll
     for (int c = 0; c < P16; ++c) kraw[c] = *reinterpret_cast<const uint4*>(krow + c * 8);
   };
   auto load_v = [&](int base) {
-    if (whole) {  // the chunk's rows are consecutive from its first position's
-      const T* vchunk = vc + static_cast<uint64_t>(crow) * D;
-#pragma unroll
-      for (int j = 0; j < kAttnChunk; ++j) {
-        const int tj = min(base + j, t1 - 1);
-        const T* vrow = (writes && tj == wat) ? vn : vchunk + static_cast<int64_t>(tj - base) * D;
-        vraw[j] = *reinterpret_cast<const VRaw*>(vrow + lane * E);
-      }
-      return;
-    }
 #pragma unroll
     for (int j = 0; j < kAttnChunk; ++j) {
-      const T* vrow;
-      if constexpr (Paged) {
-        const uint32_t r = __shfl_sync(0xffffffffu, prow, j);  // lane j loaded position base + j
-        vrow = r == kAttnNewRow ? vn : vc + static_cast<uint64_t>(r) * D;
-      } else {
-        const int tj = min(base + j, t1 - 1);
-        vrow = (writes && tj == wat) ? vn : vc + static_cast<int64_t>(tj) * D;
-      }
+      const int tj = min(base + j, t1 - 1);
+      const T* vrow = (writes && tj == wat) ? vn : vc + static_cast<int64_t>(tj) * D;
       vraw[j] = *reinterpret_cast<const VRaw*>(vrow + lane * E);
     }
   };
@@ -226,7 +240,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   // may land before or after these loads: the position it writes is read from k_new/v_new.
   const int first = t0 + warp * kAttnChunk;
   if (first < t1) {
-    load_block(first);
     load_k(first);
     load_v(first);
   }
@@ -244,16 +257,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
     if (i < G * D) qs[i / D][i % D] = to_f32(qv[j]) * a.scale;
   }
   if (s == 0 && warp == 0 && writes) {
-    if constexpr (Paged) {
-      if (static_cast<uint32_t>(write_block) < a.blocks) {
-        const uint64_t at = static_cast<uint64_t>(attn_pool_row(a, write_block, h, wat)) * D + lane * E;
-        attn_copy<T, E>(kn + lane * E, kc + at);
-        attn_copy<T, E>(vn + lane * E, vc + at);
-      }
-    } else {
-      attn_copy<T, E>(kn + lane * E, kc + static_cast<int64_t>(wat) * D + lane * E);
-      attn_copy<T, E>(vn + lane * E, vc + static_cast<int64_t>(wat) * D + lane * E);
-    }
+    attn_copy<T, E>(kn + lane * E, kc + static_cast<int64_t>(wat) * D + lane * E);
+    attn_copy<T, E>(vn + lane * E, vc + static_cast<int64_t>(wat) * D + lane * E);
   }
   __syncthreads();
   clock.mark(1);
@@ -287,7 +292,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   for (int base = first; base < t1; base += kAttnWarps * kAttnChunk) {
     const int next = base + kAttnWarps * kAttnChunk;
     const bool valid = base + lane < t1;
-    if (next < t1) load_block(next);  // paged: the next chunk's table entries, used by load_k(next)
 
     // Scores of this lane's position for the G query heads.
     float sc[G];
@@ -341,8 +345,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   }
   clock.mark(3);
 
-  // Merge the warps: every warp leaves (m, l) per query head and its acc slice in shared memory;
-  // the block's result (max, sum, unnormalised acc) goes to blk_* for the cluster merge.
+  // Merge the warps: every warp leaves (m, l) per query head and its acc slice in shared memory.
   __shared__ float sm_m[kAttnWarps][G];
   __shared__ float sm_l[kAttnWarps][G];
   __shared__ float sm_acc[kAttnWarps][G][D];
@@ -357,72 +360,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
 #pragma unroll
     for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += kAttnWarps * 32) {
-    const int g = i / D, d = i % D;
-    float mx = kAttnFloor;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
-    float sum = 0.f, val = 0.f;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) {
-      const float f = __expf(sm_m[w][g] - mx);
-      sum += sm_l[w][g] * f;
-      val += sm_acc[w][g][d] * f;
-    }
-    if (a.S == 1) {
-      T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;
-      out[d] = from_f32<T>(val / sum);
-    } else {
-      blk_acc[g][d] = val;
-      if (d == 0) {
-        blk_m[g] = mx;
-        blk_l[g] = sum;
-      }
-    }
-  }
-  clock.mark(4);
-  if (a.S == 1) return;
-
-  // The cluster (the S blocks of this row and head) merges through distributed shared memory.
-  // cluster.sync() is a release/acquire barrier across the cluster: every block's blk_* writes
-  // are visible to every other block's reads after it.
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  clock.mark(5);
-  const int rank = static_cast<int>(cluster.block_rank());
-  for (int i = rank * kAttnWarps * 32 + threadIdx.x; i < G * D; i += a.S * kAttnWarps * 32) {
-    const int g = i / D, d = i % D;
-    // Every remote read is issued before any is used (unrolled over the largest cluster): one
-    // distributed-shared-memory round trip instead of 3 x S dependent ones.
-    float rm[kAttnMaxSplits], rl[kAttnMaxSplits], rv[kAttnMaxSplits];
-#pragma unroll
-    for (int r = 0; r < kAttnMaxSplits; ++r) {
-      if (r < a.S) {
-        rm[r] = *cluster.map_shared_rank(&blk_m[g], r);
-        rl[r] = *cluster.map_shared_rank(&blk_l[g], r);
-        rv[r] = *cluster.map_shared_rank(&blk_acc[g][d], r);
-      } else {
-        rm[r] = kAttnFloor;
-        rl[r] = rv[r] = 0.f;
-      }
-    }
-    float mx = kAttnFloor;
-#pragma unroll
-    for (int r = 0; r < kAttnMaxSplits; ++r) mx = fmaxf(mx, rm[r]);
-    float sum = 0.f, val = 0.f;
-#pragma unroll
-    for (int r = 0; r < kAttnMaxSplits; ++r) {
-      const float f = __expf(rm[r] - mx);
-      sum += rl[r] * f;
-      val += rv[r] * f;
-    }
-    T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;
-    out[d] = from_f32<T>(val / sum);
-  }
-  clock.mark(6);
-  cluster.sync();  // keep every block's shared memory alive until all reads are done
-  clock.mark(7);
+  attn_finish<T, D, G>(a, b, h, &sm_m[0][0], &sm_l[0][0], &sm_acc[0][0][0], blk_m, blk_l, &blk_acc[0][0], clock);
 }
 
 }  // namespace switchyard

@@ -1,7 +1,8 @@
-// XLA FFI handlers of the decode-attention kernel (decode_attention.cuh), over contiguous caches
-// and over paged pools with block tables, and their C API entry sy_preload_attention. It needs no workspace and no init, only its kernels loaded on the GPU
-// (and, per GPU, how many clusters of each split count fit at once). The handler makes no CUDA call
-// but the launch: it is safe inside XLA's command buffers.
+// XLA FFI handlers of the decode-attention kernels, over contiguous caches (decode_attention.cuh)
+// and over paged pools with block tables (paged_attention.cuh), and their C API entry
+// sy_preload_attention. They need no workspace and no init, only their kernels loaded on the GPU
+// (and, per GPU, how many clusters of each split count fit at once). The handlers make no CUDA call
+// but the launch: they are safe inside XLA's command buffers.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <type_traits>
 
 #include "decode_attention.cuh"
+#include "paged_attention.cuh"
 #include "registry.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -26,15 +28,25 @@ bool g_attn_loaded[kMaxOrdinals] = {};
 // find S free slots in one GPC, so a grid that fits by block count alone can still leave half its
 // clusters waiting for the first half to finish (at 8 rows x 8 KV heads x 4 splits it did:
 // benchmarks/results/kernel-phases-before-h200x2.json, 13 us between the first and last block start).
-constexpr int kAttnKernels = 2 * 2 * 4 * 2;
+constexpr int kAttnKernels = 2 * 2 * 4 * 2;  // dtype x head_dim x group x (contiguous, paged)
 int g_attn_clusters[kMaxOrdinals][kAttnKernels][kAttnMaxSplits + 1] = {};
-// Per GPU, its multiprocessors (at preload).
-int g_attn_sms[kMaxOrdinals] = {};
 
 template <typename T, int D, int G, bool Paged>
 constexpr int attn_kernel_index() {
   return (Paged ? 16 : 0) + (std::is_same<T, __half>::value ? 8 : 0) + (D == 64 ? 4 : 0) +
          (G == 1 ? 0 : G == 2 ? 1 : G == 4 ? 2 : 3);
+}
+
+template <typename T, int D, int G, bool Paged>
+constexpr auto attn_kernel() {
+  if constexpr (Paged) return paged_attn_kernel<T, D, G>;
+  else return attn_split_kernel<T, D, G>;
+}
+
+// Dynamic shared memory: the paged kernel's ring (the contiguous kernel's arrays are static).
+template <typename T, int D, int G, bool Paged>
+constexpr int attn_smem_bytes() {
+  return Paged ? paged_attn_smem_bytes<T, D, G>() : 0;
 }
 
 template <typename A, typename B>
@@ -46,10 +58,11 @@ bool same_dims(const A& a, const B& b) {
 }
 
 // The S slices of one (row, KV head) run as one thread-block cluster (decode_attention.cuh).
-cudaLaunchConfig_t attention_config(const AttnArgs& a, cudaStream_t stream, cudaLaunchAttribute* cluster) {
+cudaLaunchConfig_t attention_config(const AttnArgs& a, int smem, cudaStream_t stream, cudaLaunchAttribute* cluster) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(a.n * a.kv, a.S);
   cfg.blockDim = dim3(kAttnWarps * 32);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cluster->id = cudaLaunchAttributeClusterDimension;
   cluster->val.clusterDim.x = 1;
@@ -64,26 +77,24 @@ template <typename T, int D, int G, bool Paged>
 cudaError_t launch_attention(AttnArgs a, int device, cudaStream_t stream) {
   const int* fits = g_attn_clusters[device][attn_kernel_index<T, D, G, Paged>()];
   while (a.S > 1 && static_cast<int64_t>(a.n) * a.kv > fits[a.S]) --a.S;
-  // Paged: whole-chunk slices unless the grid is smaller than the GPU (decode_attention.cuh).
-  a.whole = Paged && static_cast<int64_t>(a.n) * a.kv * a.S >= g_attn_sms[device];
   cudaLaunchAttribute cluster;
-  const cudaLaunchConfig_t cfg = attention_config(a, stream, &cluster);
-  return cudaLaunchKernelEx(&cfg, attn_split_kernel<T, D, G, Paged>, a);
+  const cudaLaunchConfig_t cfg = attention_config(a, attn_smem_bytes<T, D, G, Paged>(), stream, &cluster);
+  return cudaLaunchKernelEx(&cfg, attn_kernel<T, D, G, Paged>(), a);
 }
 
 template <typename T, int D, int G, bool Paged>
 cudaError_t preload_attention(int device) {
-  cudaFuncAttributes f;
-  cudaError_t e = cudaFuncGetAttributes(&f, attn_split_kernel<T, D, G, Paged>);
+  constexpr int smem = attn_smem_bytes<T, D, G, Paged>();
+  cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, D, G, Paged>(), cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   for (int S = 1; S <= kAttnMaxSplits && e == cudaSuccess; ++S) {
     AttnArgs a{};
     a.n = 1;
     a.kv = 1;
     a.S = S;
     cudaLaunchAttribute cluster;
-    const cudaLaunchConfig_t cfg = attention_config(a, nullptr, &cluster);
+    const cudaLaunchConfig_t cfg = attention_config(a, smem, nullptr, &cluster);
     int clusters = 0;
-    e = cudaOccupancyMaxActiveClusters(&clusters, attn_split_kernel<T, D, G, Paged>, &cfg);
+    e = cudaOccupancyMaxActiveClusters(&clusters, attn_kernel<T, D, G, Paged>(), &cfg);
     g_attn_clusters[device][attn_kernel_index<T, D, G, Paged>()][S] = clusters;
   }
   return e;
@@ -191,7 +202,7 @@ ffi::Error PagedAttentionImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   const int64_t n = pd[0], blocks = cd[0], kv = cd[1], bs = cd[2], m = td[1];
   if (td[0] != n) return bad_argument("paged decode attention: the block tables need one row per qkv row");
   if (bs < 1 || (bs & (bs - 1)) != 0) return bad_argument("paged decode attention: the block size must be a power of two");
-  if (blocks < 1 || blocks * kv * bs >= static_cast<int64_t>(kAttnNewRow))
+  if (blocks < 1 || blocks * kv * bs >= static_cast<int64_t>(kPagedRowLimit))
     return bad_argument("paged decode attention: the pools need 1 to 2^32 - 2 rows (blocks x KV heads x block size)");
   if (m < 1 || m * bs > std::numeric_limits<int32_t>::max())
     return bad_argument("paged decode attention: block tables need 1 to 2^31 / B entries per row");
@@ -273,7 +284,6 @@ int sy_preload_attention(int ordinal) {
   cudaGetDevice(&prev);
   if (ordinal < 0 || ordinal >= kMaxOrdinals) return fail("preload attention kernels: bad device ordinal");
   cudaError_t e = cudaSetDevice(ordinal);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&g_attn_sms[ordinal], cudaDevAttrMultiProcessorCount, ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 128>(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__nv_bfloat16, 64>(ordinal);
   if (e == cudaSuccess) e = preload_attention_dtype_dim<__half, 128>(ordinal);

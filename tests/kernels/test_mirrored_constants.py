@@ -45,7 +45,7 @@ MIRRORS = {
     "kMaxPartials": collectives.MAX_PARTIALS,
     "kAttnMaxSplits": attention.MAX_SPLITS,
     "kAttnMaxGroup": max(attention.KERNEL_GROUPS),
-    "kAttnNewRow": attention.NEW_ROW,
+    "kPagedRowLimit": attention.POOL_ROW_LIMIT,
     "kPhaseSlots": native.PHASE_SLOTS,
     "kPhaseBlocks": native.PHASE_BLOCKS,
 }

@@ -206,9 +206,13 @@ def test_paged_support_rules():
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------
+# Grids smaller and larger than the GPU, blocks smaller and larger than the kernel's 32-position
+# stages, every group size; float16 at the first four.
 GPU_CASES = [  # n, kv, group, head_dim, block size, table entries per row
     (1, 8, 4, 128, 64, 18),
     (3, 2, 8, 64, 16, 13),
+    (40, 8, 8, 128, 16, 20),
+    (33, 4, 2, 64, 16, 15),
     (7, 1, 1, 128, 32, 5),
     (7, 4, 4, 64, 128, 3),
     (64, 8, 4, 128, 64, 18),
@@ -232,8 +236,8 @@ def uses_the_kernel(fn, *args) -> bool:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("shape", GPU_CASES, ids=lambda c: "n{}-kv{}-g{}-d{}-B{}-M{}".format(*c))
 def test_kernel_matches_float64_and_writes_only_its_positions(shape, dtype, rng):
-    if dtype == "float16" and shape not in GPU_CASES[:2]:
-        pytest.skip("float16 at two shapes only")
+    if dtype == "float16" and shape not in GPU_CASES[:4]:
+        pytest.skip("float16 at four shapes only")
     kernel_ready()
     case = paged_case(rng, *shape, dtype=dtype)
     want_out, want_k, want_v = reference_f64(case)

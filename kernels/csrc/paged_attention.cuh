@@ -1,0 +1,342 @@
+// Decode attention over a paged KV cache, on tensor cores. The caches are pools of blocks,
+// k_pool / v_pool [num_blocks, kv, B, D] (B a power of two), and row b's logical position p lives
+// in block tables[b, p / B] at offset p % B. Same arguments, slices, new-K/V handling and merge as
+// the contiguous kernel, attn_split_kernel (decode_attention.cuh); what differs is how a block
+// finds, moves and multiplies K/V.
+//
+// Why not attn_split_kernel's way. Holding a chunk of K/V in registers takes 229 registers a
+// thread: two blocks of 4 warps share a multiprocessor, each warp has one chunk in flight, and its
+// CUDA-core arithmetic is a long chain. Over block tables it ran at 1.75 TB/s beside 20 decoding
+// sequences; this kernel is faster at every batch and context measured, batch 1 included
+// (benchmarks/NOTES.md, 2026-11-25).
+//
+// Loads. The block moves stages of kPagedStage positions (K and V rows, 16 KB at D = 128) from
+// the pools into a ring of kPagedStages stages in shared memory with cp.async, kPagedStages - 1
+// stages ahead of the one it computes, so several stages of every block are in flight while its
+// warps multiply. Each thread copies 16-byte pieces of a few rows of a stage; it looks up each
+// row's block in the table (any block size works), the entries fetched one stage ahead. Rows are
+// stored with their 16-byte pieces permuted by row (piece c of row r at c ^ (r % 8)), so the
+// 8 rows an ldmatrix reads fall in 8 different bank groups.
+//
+// Products. Warp w takes positions 8w .. 8w + 7 of every stage. The scores S[g, t] = q_g . k_t are
+// an m16n8k16 product: A = the G query heads (rows G..15 zero; loaded once into registers),
+// B = the 8 positions' K rows (ldmatrix); its result is laid out exactly as the A operand of the
+// m16n8k8 product P . V, so the probabilities go from one to the other in registers (as bf16/fp16,
+// the softmax's running max and sums in fp32), and V's rows come by ldmatrix.trans. Rows G..15 of
+// the products are wasted; at decode the tensor cores are far from the limit, the memory is not.
+// The online softmax is per warp, in base 2 (the scale folded into one multiply).
+//
+// The end is attn_finish's: warps, then the slices of the cluster, merged in shared memory.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "decode_attention.cuh"
+
+namespace switchyard {
+
+// A pool row (one position of one KV head) has a 32-bit index, from which its address is row * D:
+// the host keeps num_blocks * kv * B below kPagedRowLimit. Table entries outside [0, num_blocks)
+// are read as block 0 (no access outside the pool); the new K/V are stored only where the entry
+// for write_at is inside it.
+constexpr uint32_t kPagedRowLimit = 0xFFFFFFFFu;
+
+__device__ __forceinline__ uint32_t attn_pool_row(const AttnArgs& a, int32_t block, int h, int t) {
+  const uint32_t blk = static_cast<uint32_t>(block) < a.blocks ? static_cast<uint32_t>(block) : 0u;
+  return ((blk * a.kv + h) << a.block_shift) + (static_cast<uint32_t>(t) & ((1u << a.block_shift) - 1u));
+}
+
+constexpr int kPagedStage = 32;   // positions per stage: 8 for each of the kAttnWarps warps
+constexpr int kPagedStages = 4;   // stages in the shared-memory ring
+static_assert(kPagedStage == 8 * kAttnWarps, "a warp takes 8 positions (one n8 tile) of a stage");
+
+// Shared memory of one block: the ring, reused by attn_finish's arrays once the loop is done.
+template <typename T, int D, int G>
+constexpr int paged_attn_smem_bytes() {
+  constexpr int ring = kPagedStages * 2 * kPagedStage * D * static_cast<int>(sizeof(T));
+  constexpr int finish = static_cast<int>(sizeof(float)) * ((kAttnWarps + 1) * G * (D + 2));
+  return ring > finish ? ring : finish;
+}
+
+__device__ __forceinline__ uint32_t paged_smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void paged_cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void paged_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void paged_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void paged_ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void paged_ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += A (m16 x k16, rows 8..15 zero: a1 = a3 = 0) . B (k16 x n8)
+template <typename T>
+__device__ __forceinline__ void paged_mma_k16(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  const uint32_t z = 0;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+  }
+}
+
+// c += A (m16 x k8, rows 8..15 zero) . B (k8 x n8)
+template <typename T>
+__device__ __forceinline__ void paged_mma_k8(float (&c)[4], uint32_t a0, uint32_t b0) {
+  const uint32_t z = 0;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(z), "r"(b0));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(z), "r"(b0));
+  }
+}
+
+// Two floats as one register of two T (the first in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t paged_pack(float lo, float hi) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a) {
+  static_assert(D % 32 == 0 && G <= 8, "head_dim a multiple of 32, at most 8 query heads per KV head");
+  PhaseClock clock;
+  constexpr int KS = D / 16;                       // k16 steps of the scores
+  constexpr int NT = D / 8;                        // n8 tiles of the output
+  constexpr int CH = D / 8;                        // 16-byte pieces of one row
+  constexpr int kRowsPerPass = kAttnWarps * 32 / CH;
+  constexpr int kPasses = kPagedStage / kRowsPerPass;  // rows of a stage each thread copies
+  constexpr int kStageElems = 2 * kPagedStage * D;     // K rows, then V rows
+  constexpr float kLog2e = 1.4426950408889634f;
+  static_assert(kPagedStage % kRowsPerPass == 0, "whole passes per stage");
+  extern __shared__ __align__(128) unsigned char paged_smem[];
+  T* ring = reinterpret_cast<T*>(paged_smem);
+
+  const int b = blockIdx.x / a.kv, h = blockIdx.x % a.kv, s = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pos = a.pos[b];
+  const int wat = a.write_at[b];
+  const bool writes = wat >= 0 && wat < a.L;
+  const int total = min(pos + 1, a.L);
+  const bool tail = writes && wat == total - 1;  // as in attn_split_kernel: the new token apart
+  const int cached = tail ? total - 1 : total;
+  // Slices start on stage boundaries, so only a slice's last stage is partial.
+  const int span = ((cached + a.S - 1) / a.S + kPagedStage - 1) / kPagedStage * kPagedStage;
+  const int t0 = s * span, t1 = min(cached, t0 + span);
+  const int stages = t0 < t1 ? (t1 - t0 + kPagedStage - 1) / kPagedStage : 0;
+
+  const T* row = static_cast<const T*>(a.qkv) + static_cast<int64_t>(b) * (a.kv * G + 2 * a.kv) * D;
+  const T* q = row + h * G * D;
+  const T* kn = row + (a.kv * G + h) * D;
+  const T* vn = row + (a.kv * G + a.kv + h) * D;
+  T* kc = static_cast<T*>(a.k_cache);
+  T* vc = static_cast<T*>(a.v_cache);
+  const int32_t* table = a.tables + static_cast<int64_t>(b) * a.M;
+  int32_t write_block = -1;
+  if (s == 0 && warp == 0 && writes) write_block = table[wat >> a.block_shift];
+
+  // This thread copies piece `piece` of rows first_row + p * kRowsPerPass of every stage; past the
+  // slice's end it copies its last position again (finite data, masked below).
+  const int piece = tid % CH, first_row = tid / CH;
+  auto stage_pos = [&](int i, int p) { return min(t0 + i * kPagedStage + first_row + p * kRowsPerPass, t1 - 1); };
+  auto fetch_entries = [&](int i, int32_t (&e)[kPasses]) {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) e[p] = i < stages ? table[stage_pos(i, p) >> a.block_shift] : 0;
+  };
+  auto issue = [&](int i, const int32_t (&e)[kPasses]) {
+    if (i >= stages) return;
+    T* ks = ring + (i % kPagedStages) * kStageElems;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int r = first_row + p * kRowsPerPass;
+      const uint64_t src = static_cast<uint64_t>(attn_pool_row(a, e[p], h, stage_pos(i, p))) * D + piece * 8;
+      const int dst = r * D + ((piece ^ (r & 7)) * 8);
+      paged_cp_async16(paged_smem_addr(ks + dst), kc + src);
+      paged_cp_async16(paged_smem_addr(ks + kPagedStage * D + dst), vc + src);
+    }
+  };
+
+  // The first stages' table entries, then their copies, before anything else.
+  int32_t first_entries[kPagedStages - 1][kPasses];
+  int32_t next_entries[kPasses];
+#pragma unroll
+  for (int i = 0; i < kPagedStages - 1; ++i) fetch_entries(i, first_entries[i]);
+  fetch_entries(kPagedStages - 1, next_entries);
+#pragma unroll
+  for (int i = 0; i < kPagedStages - 1; ++i) {
+    issue(i, first_entries[i]);
+    paged_cp_async_commit();
+  }
+
+  // The queries as the A operand (row g = lane / 4; rows past G are zero).
+  const int g_row = lane >> 2, quad = lane & 3;
+  uint32_t qa[KS][2];
+#pragma unroll
+  for (int k = 0; k < KS; ++k) {
+    qa[k][0] = qa[k][1] = 0u;
+    if (g_row < G) {
+      const T* qg = q + g_row * D + k * 16 + quad * 2;
+      qa[k][0] = *reinterpret_cast<const uint32_t*>(qg);
+      qa[k][1] = *reinterpret_cast<const uint32_t*>(qg + 8);
+    }
+  }
+  constexpr int E = D / 32;
+  if (s == 0 && warp == 0 && writes) {  // the new K/V into the pool (read from qkv by this launch)
+    if (static_cast<uint32_t>(write_block) < a.blocks) {
+      const uint64_t at = static_cast<uint64_t>(attn_pool_row(a, write_block, h, wat)) * D + lane * E;
+      attn_copy<T, E>(kn + lane * E, kc + at);
+      attn_copy<T, E>(vn + lane * E, vc + at);
+    }
+  }
+
+  // This thread's share of its warp's running softmax: row g_row, output columns 8j + 2 quad + {0, 1}.
+  const float scale = a.scale * kLog2e;
+  float m = kAttnFloor, l = 0.f;
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  if (tail && s == 0 && warp == 0) {  // the new token alone: m = its score, l = 1, acc = its V
+    float part[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      part[g] = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) part[g] += to_f32(q[g * D + lane * E + e]) * to_f32(kn[lane * E + e]);
+      part[g] = attn_warp_sum(part[g]);
+    }
+    if (g_row < G) {
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+        if (g == g_row) m = part[g] * scale;
+      l = quad == 0 ? 1.f : 0.f;  // the four threads of a row sum their l at the end
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[j][0] = to_f32(vn[8 * j + 2 * quad]);
+        acc[j][1] = to_f32(vn[8 * j + 2 * quad + 1]);
+      }
+    }
+  }
+  clock.mark(1);
+
+  // ldmatrix addresses: lane supplies row 8 * warp + lane % 8 of matrix lane / 8.
+  const int my_row = 8 * warp + (lane & 7), my_mat = lane >> 3;
+  for (int i = 0; i < stages; ++i) {
+    paged_cp_async_wait<kPagedStages - 2>();
+    __syncthreads();  // stage i has landed for every thread; every warp is done with stage i - 1
+    issue(i + kPagedStages - 1, next_entries);  // into stage i - 1's place
+    paged_cp_async_commit();
+    fetch_entries(i + kPagedStages, next_entries);
+    const T* ks = ring + (i % kPagedStages) * kStageElems;
+    const T* vs = ks + kPagedStage * D;
+    const int base = t0 + i * kPagedStage;
+    if (writes && !tail && wat >= base && wat < min(base + kPagedStage, t1)) {
+      // The new K/V inside the range, not at its end: this stage's copy of it came from the pool,
+      // written or not; the block takes qkv's instead (block-uniform branch).
+      const int r = wat - base;
+      T* dst = const_cast<T*>(ks);
+      for (int c = tid; c < 2 * CH; c += kAttnWarps * 32) {
+        const int pc = c % CH;
+        const T* src = (c < CH ? kn : vn) + pc * 8;
+        *reinterpret_cast<uint4*>(dst + (c < CH ? 0 : kPagedStage * D) + r * D + ((pc ^ (r & 7)) * 8)) =
+            *reinterpret_cast<const uint4*>(src);
+      }
+      __syncthreads();
+    }
+    const int first = base + 8 * warp;  // this warp's first position
+    if (first >= t1) continue;          // warp-uniform
+
+    // Scores: two accumulators, so that the k16 steps form two chains of KS / 2.
+    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < KS; k += 2) {
+      uint32_t kb[4];
+      const int chunk = 2 * k + my_mat;  // pieces 2k, 2k + 1 (step k), 2k + 2, 2k + 3 (step k + 1)
+      paged_ldmatrix_x4(kb, paged_smem_addr(ks + my_row * D + ((chunk ^ (my_row & 7)) * 8)));
+      paged_mma_k16<T>(c0, qa[k][0], qa[k][1], kb[0], kb[1]);
+      paged_mma_k16<T>(c1, qa[k + 1][0], qa[k + 1][1], kb[2], kb[3]);
+    }
+    const bool valid0 = first + 2 * quad < t1, valid1 = first + 2 * quad + 1 < t1;
+    const float s0 = (c0[0] + c1[0]) * scale, s1 = (c0[1] + c1[1]) * scale;
+    float mx = fmaxf(valid0 ? s0 : kAttnFloor, valid1 ? s1 : kAttnFloor);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float corr = exp2f(m - m_new);
+    const float p0 = valid0 ? exp2f(s0 - m_new) : 0.f, p1 = valid1 ? exp2f(s1 - m_new) : 0.f;
+    l = l * corr + p0 + p1;
+    m = m_new;
+    const uint32_t pa = paged_pack<T>(p0, p1);
+#pragma unroll
+    for (int j = 0; j < NT; j += 4) {
+      uint32_t vb[4];
+      const int chunk = j + my_mat;  // output tiles j .. j + 3
+      paged_ldmatrix_x4_trans(vb, paged_smem_addr(vs + my_row * D + ((chunk ^ (my_row & 7)) * 8)));
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        acc[j + t][0] *= corr;
+        acc[j + t][1] *= corr;
+        paged_mma_k8<T>(acc[j + t], pa, vb[t]);
+      }
+    }
+  }
+  clock.mark(3);
+
+  // Into attn_finish's arrays, which take the ring's place once every copy has landed.
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  paged_cp_async_wait<0>();
+  __syncthreads();
+  float* sm_m = reinterpret_cast<float*>(paged_smem);
+  float* sm_l = sm_m + kAttnWarps * G;
+  float* sm_acc = sm_l + kAttnWarps * G;
+  float* blk_m = sm_acc + kAttnWarps * G * D;
+  float* blk_l = blk_m + G;
+  float* blk_acc = blk_l + G;
+  if (g_row < G) {
+    if (quad == 0) {
+      sm_m[warp * G + g_row] = m / kLog2e;
+      sm_l[warp * G + g_row] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      *reinterpret_cast<float2*>(&sm_acc[(warp * G + g_row) * D + 8 * j + 2 * quad]) = make_float2(acc[j][0], acc[j][1]);
+  }
+  attn_finish<T, D, G>(a, b, h, sm_m, sm_l, sm_acc, blk_m, blk_l, blk_acc, clock);
+}
+
+}  // namespace switchyard
