@@ -177,6 +177,35 @@ __device__ __forceinline__ void attn_finish(const AttnArgs& a, int b, int h, con
   clock.mark(7);
 }
 
+// One row's part of a launch, as both kernels (this one and paged_attention.cuh's) read it: its new
+// token's query heads for KV head h and that head's new K and V (pointers into qkv), where the new
+// K/V go, and the cached positions the slices split. The usual decode step writes the new token at
+// the end of the range (tail): that position is then taken from k_new/v_new by warp 0 of slice 0,
+// outside the chunk loop, and the slices split only the cached positions: a context of 1024 is 32
+// chunks for the 32 warps of 8 slices, not 33 (one warp doing a second chunk for one position cost
+// a whole extra HBM round trip).
+template <typename T, int D, int G>
+struct AttnRow {
+  const T* q;
+  const T* kn;
+  const T* vn;
+  int wat;      // write_at[b]
+  bool writes;  // wat inside [0, L)
+  bool tail;    // wat is the last attended position
+  int cached;   // positions read from the cache: [0, cached)
+  __device__ __forceinline__ AttnRow(const AttnArgs& a, int b, int h) {
+    const T* row = static_cast<const T*>(a.qkv) + static_cast<int64_t>(b) * (a.kv * G + 2 * a.kv) * D;
+    q = row + h * G * D;
+    kn = row + (a.kv * G + h) * D;
+    vn = row + (a.kv * G + a.kv + h) * D;
+    wat = a.write_at[b];
+    writes = wat >= 0 && wat < a.L;
+    const int total = min(a.pos[b] + 1, a.L);
+    tail = writes && wat == total - 1;
+    cached = tail ? total - 1 : total;
+  }
+};
+
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a) {
   PhaseClock clock;
@@ -185,24 +214,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attn_split_kernel(AttnArgs a)
   using VRaw = typename std::conditional<E == 4, uint2, uint32_t>::type;  // E elements of V
   const int b = blockIdx.x / a.kv, h = blockIdx.x % a.kv, s = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int pos = a.pos[b];
-  const int wat = a.write_at[b];
-  const bool writes = wat >= 0 && wat < a.L;
-  const int total = min(pos + 1, a.L);
-  // The usual decode step writes the new token at the end of the range. That position is then
-  // taken from k_new/v_new by warp 0 of slice 0, outside the chunk loop, and the slices split
-  // only the cached positions: a context of 1024 is 32 chunks for the 32 warps of 8 slices, not
-  // 33 (one warp doing a second chunk for one position cost a whole extra HBM round trip).
-  const bool tail = writes && wat == total - 1;
-  const bool takes_tail = tail && s == 0 && warp == 0;
-  const int cached = tail ? total - 1 : total;
+  const AttnRow<T, D, G> row(a, b, h);
+  const T *q = row.q, *kn = row.kn, *vn = row.vn;
+  const int wat = row.wat, cached = row.cached;
+  const bool writes = row.writes, takes_tail = row.tail && s == 0 && warp == 0;
   const int chunk = (cached + a.S - 1) / a.S;
   const int t0 = s * chunk, t1 = min(cached, t0 + chunk);
-
-  const T* row = static_cast<const T*>(a.qkv) + static_cast<int64_t>(b) * (a.kv * G + 2 * a.kv) * D;
-  const T* q = row + h * G * D;
-  const T* kn = row + (a.kv * G + h) * D;
-  const T* vn = row + (a.kv * G + a.kv + h) * D;
   const int64_t head = (static_cast<int64_t>(b) * a.kv + h);
   T* kc = static_cast<T*>(a.k_cache) + head * a.L * D;  // this (row, head)'s cache
   T* vc = static_cast<T*>(a.v_cache) + head * a.L * D;

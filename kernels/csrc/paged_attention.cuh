@@ -15,8 +15,8 @@
 // stages ahead of the one it computes, so several stages of every block are in flight while its
 // warps multiply. Each thread copies 16-byte pieces of a few rows of a stage; it looks up each
 // row's block in the table (any block size works), the entries fetched one stage ahead. Rows are
-// stored with their 16-byte pieces permuted by row (piece c of row r at c ^ (r % 8)), so the
-// 8 rows an ldmatrix reads fall in 8 different bank groups.
+// stored with their 16-byte pieces permuted by row (piece c of row r at c ^ (r % 8),
+// paged_stage_offset), so the 8 rows an ldmatrix reads fall in 8 different bank groups.
 //
 // Products. Warp w takes positions 8w .. 8w + 7 of every stage. The scores S[g, t] = q_g . k_t are
 // an m16n8k16 product: A = the G query heads (rows G..15 zero; loaded once into registers),
@@ -60,6 +60,13 @@ constexpr int paged_attn_smem_bytes() {
   constexpr int ring = kPagedStages * 2 * kPagedStage * D * static_cast<int>(sizeof(T));
   constexpr int finish = static_cast<int>(sizeof(float)) * ((kAttnWarps + 1) * G * (D + 2));
   return ring > finish ? ring : finish;
+}
+
+// Where piece `piece` (8 elements, 16 bytes) of row r of a stage's K or V lives in the stage: pieces
+// permuted by row, so the 8 rows an ldmatrix reads fall in 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int paged_stage_offset(int r, int piece) {
+  return r * D + ((piece ^ (r & 7)) * 8);
 }
 
 __device__ __forceinline__ uint32_t paged_smem_addr(const void* p) {
@@ -149,21 +156,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
 
   const int b = blockIdx.x / a.kv, h = blockIdx.x % a.kv, s = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int pos = a.pos[b];
-  const int wat = a.write_at[b];
-  const bool writes = wat >= 0 && wat < a.L;
-  const int total = min(pos + 1, a.L);
-  const bool tail = writes && wat == total - 1;  // as in attn_split_kernel: the new token apart
-  const int cached = tail ? total - 1 : total;
+  const AttnRow<T, D, G> row(a, b, h);
+  const T *q = row.q, *kn = row.kn, *vn = row.vn;
+  const int wat = row.wat, cached = row.cached;
+  const bool writes = row.writes, tail = row.tail;
   // Slices start on stage boundaries, so only a slice's last stage is partial.
   const int span = ((cached + a.S - 1) / a.S + kPagedStage - 1) / kPagedStage * kPagedStage;
   const int t0 = s * span, t1 = min(cached, t0 + span);
   const int stages = t0 < t1 ? (t1 - t0 + kPagedStage - 1) / kPagedStage : 0;
 
-  const T* row = static_cast<const T*>(a.qkv) + static_cast<int64_t>(b) * (a.kv * G + 2 * a.kv) * D;
-  const T* q = row + h * G * D;
-  const T* kn = row + (a.kv * G + h) * D;
-  const T* vn = row + (a.kv * G + a.kv + h) * D;
   T* kc = static_cast<T*>(a.k_cache);
   T* vc = static_cast<T*>(a.v_cache);
   const int32_t* table = a.tables + static_cast<int64_t>(b) * a.M;
@@ -185,7 +186,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     for (int p = 0; p < kPasses; ++p) {
       const int r = first_row + p * kRowsPerPass;
       const uint64_t src = static_cast<uint64_t>(attn_pool_row(a, e[p], h, stage_pos(i, p))) * D + piece * 8;
-      const int dst = r * D + ((piece ^ (r & 7)) * 8);
+      const int dst = paged_stage_offset<D>(r, piece);
       paged_cp_async16(paged_smem_addr(ks + dst), kc + src);
       paged_cp_async16(paged_smem_addr(ks + kPagedStage * D + dst), vc + src);
     }
@@ -261,19 +262,17 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     issue(i + kPagedStages - 1, next_entries);  // into stage i - 1's place
     paged_cp_async_commit();
     fetch_entries(i + kPagedStages, next_entries);
-    const T* ks = ring + (i % kPagedStages) * kStageElems;
-    const T* vs = ks + kPagedStage * D;
+    T* ks = ring + (i % kPagedStages) * kStageElems;
+    T* vs = ks + kPagedStage * D;
     const int base = t0 + i * kPagedStage;
     if (writes && !tail && wat >= base && wat < min(base + kPagedStage, t1)) {
       // The new K/V inside the range, not at its end: this stage's copy of it came from the pool,
       // written or not; the block takes qkv's instead (block-uniform branch).
       const int r = wat - base;
-      T* dst = const_cast<T*>(ks);
       for (int c = tid; c < 2 * CH; c += kAttnWarps * 32) {
         const int pc = c % CH;
-        const T* src = (c < CH ? kn : vn) + pc * 8;
-        *reinterpret_cast<uint4*>(dst + (c < CH ? 0 : kPagedStage * D) + r * D + ((pc ^ (r & 7)) * 8)) =
-            *reinterpret_cast<const uint4*>(src);
+        *reinterpret_cast<uint4*>((c < CH ? ks : vs) + paged_stage_offset<D>(r, pc)) =
+            *reinterpret_cast<const uint4*>((c < CH ? kn : vn) + pc * 8);
       }
       __syncthreads();
     }
@@ -286,7 +285,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     for (int k = 0; k < KS; k += 2) {
       uint32_t kb[4];
       const int chunk = 2 * k + my_mat;  // pieces 2k, 2k + 1 (step k), 2k + 2, 2k + 3 (step k + 1)
-      paged_ldmatrix_x4(kb, paged_smem_addr(ks + my_row * D + ((chunk ^ (my_row & 7)) * 8)));
+      paged_ldmatrix_x4(kb, paged_smem_addr(ks + paged_stage_offset<D>(my_row, chunk)));
       paged_mma_k16<T>(c0, qa[k][0], qa[k][1], kb[0], kb[1]);
       paged_mma_k16<T>(c1, qa[k + 1][0], qa[k + 1][1], kb[2], kb[3]);
     }
@@ -305,7 +304,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     for (int j = 0; j < NT; j += 4) {
       uint32_t vb[4];
       const int chunk = j + my_mat;  // output tiles j .. j + 3
-      paged_ldmatrix_x4_trans(vb, paged_smem_addr(vs + my_row * D + ((chunk ^ (my_row & 7)) * 8)));
+      paged_ldmatrix_x4_trans(vb, paged_smem_addr(vs + paged_stage_offset<D>(my_row, chunk)));
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         acc[j + t][0] *= corr;
