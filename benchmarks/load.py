@@ -39,7 +39,8 @@ Per (path, rate):
   tokens, so that a gap the client saw splits into the engine's and the path's;
 - in process, ``engine_steps_per_s``: engine steps over the span, and ``host``: the host's time to launch
   a step, with and without a prompt chunk, the time ``collect`` waits for a step's tokens, and the
-  fraction of steps already done when it asked (then the host, not the device, set the pace).
+  fraction of steps already done when it asked (then the host, not the device, set the pace); per kind
+  of step, how many ran at each width (decode rows) and their time on the device, p50 and p99.
 
 Percentiles interpolate linearly between the two nearest ranks (numpy's default): p of n sorted values is
 at position p/100 * (n - 1).
@@ -55,6 +56,7 @@ run writes only to ``--out``, or prints only).
 # No ``from __future__ import annotations``: tests load this file with importlib without registering it in
 # sys.modules, where dataclasses cannot resolve string annotations.
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import datetime
@@ -383,13 +385,22 @@ class StepClock:
     """Times the engine's host calls in process (a benchmark-only wrap of one engine object): how long
     each step's launch (``dispatch``) takes on the host, per kind of step, and how long ``collect``
     then waits for the step's tokens. A wait near zero means the device had finished before the host
-    asked: the host, not the device, set that step's pace."""
+    asked: the host, not the device, set that step's pace.
+
+    Where two consecutive collects both waited, the device went from the first step's end straight to
+    the next (launched before the first was collected): the time between their returns is the next
+    step's time on the device. Those times, and the decode rows each step ran (its width), are
+    reported per kind of step."""
 
     IDLE_WAIT_S = 1e-4
 
     def __init__(self, engine: Any) -> None:
         self.launch: dict[str, list[float]] = {"decode": [], "chunk": []}
         self.wait: list[float] = []
+        self.widths: dict[str, list[int]] = {"decode": [], "chunk": []}
+        self.device: dict[str, list[float]] = {"decode": [], "chunk": []}
+        self._kinds: dict[int, str] = {}
+        self._last_return: float | None = None  # when the previous collect returned, if it waited
         self._engine = engine
         dispatch, collect = engine.dispatch, engine.collect
 
@@ -397,13 +408,22 @@ class StepClock:
             t0 = time.perf_counter()
             pending = dispatch(*args, **kwargs)
             chunk = args[0] if args else kwargs.get("chunk")
-            self.launch["chunk" if chunk is not None else "decode"].append(time.perf_counter() - t0)
+            kind = "chunk" if chunk is not None else "decode"
+            self.launch[kind].append(time.perf_counter() - t0)
+            self.widths[kind].append(int(getattr(pending, "width", pending.batch)))
+            self._kinds[pending.step] = kind
             return pending
 
         def timed_collect(pending: Any) -> Any:
             t0 = time.perf_counter()
             result = collect(pending)
-            self.wait.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self.wait.append(t1 - t0)
+            kind = self._kinds.pop(pending.step, "decode")
+            waited = t1 - t0 >= self.IDLE_WAIT_S
+            if waited and self._last_return is not None:
+                self.device[kind].append(t1 - self._last_return)
+            self._last_return = t1 if waited else None
             return result
 
         engine.dispatch, engine.collect = timed_dispatch, timed_collect
@@ -416,6 +436,10 @@ class StepClock:
         for kind, times in self.launch.items():
             out[f"{kind}_steps"] = len(times)
             out[f"{kind}_launch_ms_mean"] = _ms(sum(times) / len(times)) if times else None
+            out[f"{kind}_step_widths"] = {str(w): n for w, n in sorted(collections.Counter(self.widths[kind]).items())}
+            device = self.device[kind]
+            out[f"{kind}_device_ms_p50"] = _ms(percentile(device, 50))
+            out[f"{kind}_device_ms_p99"] = _ms(percentile(device, 99))
         out["collect_wait_ms_mean"] = _ms(sum(self.wait) / len(self.wait)) if self.wait else None
         out["collect_found_done_fraction"] = (round(sum(w < self.IDLE_WAIT_S for w in self.wait) / len(self.wait), 4)
                                               if self.wait else None)

@@ -114,45 +114,55 @@ class PlannedChunk:
 
 @dataclasses.dataclass
 class BudgetPendingStep(PendingStep):
-    """A launched step, with the chunk it carried."""
+    """A launched step, with the chunk it carried. Its program ran ``width`` decode rows, the first
+    ``len(rows)`` of them the decoding slots ``rows`` (ascending); ``tokens`` and ``logits`` are by row,
+    ``active`` and ``generations`` by slot, as the result's."""
 
     chunk: PlannedChunk | None = None
     chunk_generation: int = -1
     chunk_token: jax.Array | None = None
+    rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    width: int = 0
 
 
 @dataclasses.dataclass
 class BudgetStepResult(StepResult):
-    """A step's tokens; ``chunk_token`` is the first output token of the sequence whose prompt the
-    step completed (-1 when it completed none)."""
+    """A step's tokens, by slot as every engine's; ``chunk_token`` is the first output token of the
+    sequence whose prompt the step completed (-1 when it completed none). ``logits`` are by row: row i
+    is slot ``rows[i]``, then padding rows, then (with a chunk) the chunk's last position."""
 
     chunk: PlannedChunk | None = None
     chunk_generation: int = -1
     chunk_token: int = -1
+    rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 # A step's chunk travels as one int32 array (one host-to-device copy, not one per field):
-# [tokens (padded to the chunk size), slot, start, length, completes, temperature, top_k, top_p,
-# seed, counter], temperature and top_p as float32 bits.
+# [tokens (padded to the chunk size), the sequence's block table, slot, start, length, completes,
+# temperature, top_k, top_p, seed, counter], temperature and top_p as float32 bits.
 _CHUNK_FIELDS = 9
 
 
-def _pack_chunk(chunk_tokens: int, tokens: Sequence[int], slot: int, start: int, completes: bool,
+def _pack_chunk(chunk_tokens: int, table: np.ndarray, tokens: Sequence[int], slot: int, start: int, completes: bool,
                 sampling: SamplingParams, counter: int) -> np.ndarray:
-    out = np.zeros(chunk_tokens + _CHUNK_FIELDS, np.int32)
+    m = table.shape[0]
+    out = np.zeros(chunk_tokens + m + _CHUNK_FIELDS, np.int32)
     out[: len(tokens)] = tokens
+    out[chunk_tokens: chunk_tokens + m] = table
     floats = np.array([sampling.temperature, sampling.top_p], np.float32).view(np.int32)
-    out[chunk_tokens:] = (slot, start, len(tokens), completes, floats[0], sampling.top_k, floats[1], sampling.seed,
-                          counter)
+    out[chunk_tokens + m:] = (slot, start, len(tokens), completes, floats[0], sampling.top_k, floats[1], sampling.seed,
+                              counter)
     return out
 
 
-def _unpack_chunk(packed: jax.Array) -> tuple[jax.Array, ...]:
-    """(tokens, slot, start, length, completes, (temperature, top_k, top_p, seed, counter))."""
-    c = packed.shape[0] - _CHUNK_FIELDS
-    slot, start, length, completes, temp, top_k, top_p, seed, counter = (packed[c + i] for i in range(_CHUNK_FIELDS))
+def _unpack_chunk(packed: jax.Array, table_len: int) -> tuple[jax.Array, ...]:
+    """(tokens, table, slot, start, length, completes, (temperature, top_k, top_p, seed, counter))."""
+    c = packed.shape[0] - table_len - _CHUNK_FIELDS
+    f = c + table_len
+    slot, start, length, completes, temp, top_k, top_p, seed, counter = (packed[f + i] for i in range(_CHUNK_FIELDS))
     as_float = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
-    return packed[:c], slot, start, length, completes != 0, (as_float(temp), top_k, as_float(top_p), seed, counter)
+    return (packed[:c], packed[c:f], slot, start, length, completes != 0,
+            (as_float(temp), top_k, as_float(top_p), seed, counter))
 
 
 @dataclasses.dataclass
@@ -215,7 +225,7 @@ class PagedEngine(SlotBook):
         self.chunk_sizes = [small, step_tokens] if small >= block_size else [step_tokens]
         self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
         # Steps with a chunk run the decode rows of the narrower of the two largest batch buckets that
-        # holds every decoding slot, where the two differ by NARROW_CHUNK_MIN_ROWS or more. A chunk's
+        # holds the decoding sequences, where the two differ by NARROW_CHUNK_MIN_ROWS or more. A chunk's
         # programs are per width and context bucket.
         wide, narrow = self.batch_buckets[-1], self.batch_buckets[-2:][0]
         self.chunk_batches = [narrow, wide] if wide - narrow >= NARROW_CHUNK_MIN_ROWS else [wide]
@@ -239,7 +249,7 @@ class PagedEngine(SlotBook):
         self._decoding = np.zeros(batch_slots, dtype=bool)
         self._tables = np.full((batch_slots, self.blocks_per_seq), NULL_BLOCK, np.int32)
         self._tables_dirty = True
-        self._tables_dev: tuple[jax.Array, jax.Array] | None = None
+        self._rows_dev: tuple[jax.Array, jax.Array] | None = None
         self._state = self._new_state()
 
     # ---- construction ----------------------------------------------------------------------------
@@ -312,10 +322,15 @@ class PagedEngine(SlotBook):
         k, v = new_cache(shape, NamedSharding(self.mesh, POOL_SPEC), self.dtype, s.num_layers)
         return {"k": k, "v": v, **slot_state(self.mesh, self.max_slots)}
 
+    def _empty_chunk_args(self, chunk_tokens: int, sampling: SamplingParams) -> np.ndarray:
+        """A chunk argument of ``chunk_tokens`` that carries no token (nothing is written)."""
+        return _pack_chunk(chunk_tokens, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32), [], 0, 0, False,
+                           sampling, 0)
+
     @functools.cached_property
     def _no_chunk_args(self) -> jax.Array:
         """The chunk argument of a step without one (unread), kept on the devices."""
-        return jax.device_put(_pack_chunk(0, [], 0, 0, False, SamplingParams(), 0), NamedSharding(self.mesh, P()))
+        return jax.device_put(self._empty_chunk_args(0, SamplingParams()), NamedSharding(self.mesh, P()))
 
     @functools.cached_property
     def _state_shardings(self) -> dict[str, Any]:
@@ -426,13 +441,20 @@ class PagedEngine(SlotBook):
         self._tables[slot, : len(blocks)] = blocks
         self._tables_dirty = True
 
-    def _device_tables(self) -> tuple[jax.Array, jax.Array]:
-        if self._tables_dirty or self._tables_dev is None:
+    def _device_rows(self) -> tuple[jax.Array, jax.Array]:
+        """The decode rows of the next step, on the devices: the decoding slots in ascending order, then
+        ``max_slots`` (no slot) [max_slots], and their block tables [max_slots, M]. A step runs the
+        first rows of a width; uploaded again only when the decoding set or a table changed."""
+        if self._tables_dirty or self._rows_dev is None:
+            slots = np.flatnonzero(self._decoding)
+            rows = np.full(self.max_slots, self.max_slots, np.int32)
+            rows[: slots.size] = slots
+            tables = np.full_like(self._tables, NULL_BLOCK)
+            tables[: slots.size] = self._tables[slots]  # a copy: the books keep changing theirs
             rep = NamedSharding(self.mesh, P())
-            # Copies: a host device may alias the numpy buffer, which the books keep changing.
-            self._tables_dev = (jax.device_put(self._tables.copy(), rep), jax.device_put(self._decoding.copy(), rep))
+            self._rows_dev = (jax.device_put(rows, rep), jax.device_put(tables, rep))
             self._tables_dirty = False
-        return self._tables_dev
+        return self._rows_dev
 
     # ---- compiled steps --------------------------------------------------------------------------
     def _step_fn(self, batch: int, chunk_tokens: int, kv_len: int, greedy_only: bool, return_logits: bool = False):
@@ -486,23 +508,28 @@ class PagedEngine(SlotBook):
             in_specs=(self._pspecs, pools, pools) + (rep,) * 13,
             out_specs=(rep, rep, pools, pools), check_vma=False)
 
-        def step(params, state, tables, decoding, c_args):
-            b = slice(0, batch)
-            write = decoding[b]
-            samp = [state[key][b] for key in ("temperature", "top_k", "top_p", "seeds", "counters")]
-            c_tokens, c_slot, c_start, c_len, c_completes, c_sampling = _unpack_chunk(c_args)
+        slots_count = self.max_slots
+
+        def step(params, state, rows, tables, c_args):
+            # Row i decodes slot rows[i]; padding rows (rows[i] == slots_count) read the last slot's
+            # state, write nothing and are dropped from the updates.
+            slots = rows[:batch]
+            write = slots < slots_count
+            take = jnp.minimum(slots, slots_count - 1)
+            samp = [state[key][take] for key in ("temperature", "top_k", "top_p", "seeds", "counters")]
+            c_tokens, c_table, c_slot, c_start, c_len, c_completes, c_sampling = _unpack_chunk(c_args,
+                                                                                               tables.shape[1])
             if with_chunk:
                 samp = [jnp.concatenate([a, jnp.asarray(c)[None].astype(a.dtype)]) for a, c in zip(samp, c_sampling,
                                                                                                   strict=True)]
-            c_table = tables[c_slot]
-            tok, logits, k, v = mapped(params, state["k"], state["v"], state["tokens"][b], state["positions"][b],
-                               tables[b], write, *samp, c_tokens, c_start, c_len, c_table)
+            positions = state["positions"][take]
+            tok, logits, k, v = mapped(params, state["k"], state["v"], state["tokens"][take], positions,
+                                       tables[:batch], write, *samp, c_tokens, c_start, c_len, c_table)
             new = dict(state, k=k, v=v)
             step_tok = tok[:batch]
-            new["tokens"] = state["tokens"].at[b].set(jnp.where(write, step_tok, state["tokens"][b]))
-            new["positions"] = state["positions"].at[b].set(
-                jnp.minimum(state["positions"][b] + write.astype(jnp.int32), last))
-            new["counters"] = state["counters"].at[b].add(write.astype(jnp.int32))
+            new["tokens"] = state["tokens"].at[slots].set(step_tok, mode="drop")
+            new["positions"] = state["positions"].at[slots].set(jnp.minimum(positions + 1, last), mode="drop")
+            new["counters"] = state["counters"].at[slots].add(1, mode="drop")
             chunk_tok = jnp.int32(-1)
             if with_chunk:
                 chunk_tok = tok[batch]
@@ -519,13 +546,15 @@ class PagedEngine(SlotBook):
     # ---- the step --------------------------------------------------------------------------------
     def dispatch(self, chunk: PlannedChunk | None = None, return_logits: bool = False) -> BudgetPendingStep:
         """Launch one step: a token for every decoding slot, and ``chunk`` when given. The decoding
-        slots' blocks must be in place (:meth:`ensure_decode_blocks`). With ``return_logits`` the
-        result carries the logits [batch (+ 1 for the chunk's last position), padded_vocab]."""
+        slots' blocks must be in place (:meth:`ensure_decode_blocks`). The decoding slots run as the
+        first rows of the narrowest width that holds them all, whatever their slot numbers. With
+        ``return_logits`` the result carries the logits by row [width (+ 1 for the chunk's last
+        position), padded_vocab]."""
         decoding = np.flatnonzero(self._decoding)
         if decoding.size == 0 and chunk is None:
             raise RuntimeError("dispatch() with nothing to do")
         widths = self.chunk_batches if chunk is not None else self.batch_buckets
-        batch = next(b for b in widths if b > decoding[-1]) if decoding.size else widths[0]
+        width = next(b for b in widths if b >= decoding.size)
         kv_len = chunk_tokens = 0
         if chunk is None:
             c_args = self._no_chunk_args
@@ -535,18 +564,19 @@ class PagedEngine(SlotBook):
             end = chunk.start + chunk.length
             kv_len = next(b for b in self.kv_buckets if b >= end)
             chunk_tokens = self.chunk_size_for(chunk.length)
-            c_args = _pack_chunk(chunk_tokens, seq.tokens[chunk.start:end], chunk.slot, chunk.start, chunk.completes,
-                                 seq.sampling, seq.counter)
+            c_args = _pack_chunk(chunk_tokens, self._tables[chunk.slot], seq.tokens[chunk.start:end], chunk.slot,
+                                 chunk.start, chunk.completes, seq.sampling, seq.counter)
             greedy = bool(self.greedy[decoding].all()) and seq.sampling.greedy
-        tables, writing = self._device_tables()
-        fn = self._step_fn(batch, chunk_tokens, kv_len, greedy, return_logits)
-        self._state, tok, chunk_tok, logits = fn(self.params, self._state, tables, writing, c_args)
+        rows, tables = self._device_rows()
+        fn = self._step_fn(width, chunk_tokens, kv_len, greedy, return_logits)
+        self._state, tok, chunk_tok, logits = fn(self.params, self._state, rows, tables, c_args)
         tok.copy_to_host_async()
         self.positions[decoding] += 1
         self.step_count += 1
-        pending = BudgetPendingStep(step=self.step_count, batch=batch, tokens=tok, active=self._decoding[:batch].copy(),
-                                    generations=self.generation[:batch].copy(),
-                                    logits=logits if return_logits else None, chunk=chunk)
+        top = int(decoding[-1]) + 1 if decoding.size else 0
+        pending = BudgetPendingStep(step=self.step_count, batch=top, tokens=tok, active=self._decoding[:top].copy(),
+                                    generations=self.generation[:top].copy(),
+                                    logits=logits if return_logits else None, chunk=chunk, rows=decoding, width=width)
         if chunk is not None:
             seq = self._seqs[chunk.slot]
             seq.computed = chunk.start + chunk.length
@@ -566,10 +596,11 @@ class PagedEngine(SlotBook):
         chunk_token = -1
         if pending.chunk is not None and pending.chunk.completes:
             chunk_token = int(np.asarray(pending.chunk_token))
-        return BudgetStepResult(step=pending.step, batch=pending.batch, tokens=np.asarray(pending.tokens),
-                                active=pending.active, generations=pending.generations, logits=pending.logits,
-                                chunk=pending.chunk,
-                                chunk_generation=pending.chunk_generation, chunk_token=chunk_token)
+        tokens = np.zeros(pending.batch, np.int32)
+        tokens[pending.rows] = np.asarray(pending.tokens)[: pending.rows.size]
+        return BudgetStepResult(step=pending.step, batch=pending.batch, tokens=tokens, active=pending.active,
+                                generations=pending.generations, logits=pending.logits, chunk=pending.chunk,
+                                chunk_generation=pending.chunk_generation, chunk_token=chunk_token, rows=pending.rows)
 
     def warmup(self) -> float:
         """Compile and run every step program once (no slot is in use, so nothing is written).
@@ -582,20 +613,20 @@ class PagedEngine(SlotBook):
         if self.active.any():
             raise RuntimeError("warm up before beginning requests")
         t0 = time.perf_counter()
-        tables, writing = self._device_tables()
+        rows, tables = self._device_rows()
         programs = []
         for greedy in (True, False):
             programs += [(self._step_fn(batch, 0, 0, greedy), self._no_chunk_args) for batch in self.batch_buckets]
             sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
             for batch, chunk_tokens, kv_len in self._chunk_programs():
-                args = _pack_chunk(chunk_tokens, [], 0, 0, False, sampling, 0)  # length 0: nothing written
+                args = self._empty_chunk_args(chunk_tokens, sampling)
                 programs.append((self._step_fn(batch, chunk_tokens, kv_len, greedy), args))
         with ThreadPoolExecutor(compile_workers()) as pool:
-            compiling = [pool.submit(fn.lower(self.params, self._state, tables, writing, args).compile)
+            compiling = [pool.submit(fn.lower(self.params, self._state, rows, tables, args).compile)
                          for fn, args in programs]
             for done in compiling:
                 done.result()
         for fn, args in programs:
-            self._state, *_ = fn(self.params, self._state, tables, writing, args)
+            self._state, *_ = fn(self.params, self._state, rows, tables, args)
         jax.block_until_ready(self._state)
         return time.perf_counter() - t0

@@ -239,6 +239,11 @@ def test_load_script_on_the_tiny_preset_through_both_paths(tmp_path):
             assert host["chunk_steps"] >= len(plan)  # every prompt took at least one chunk
             assert host["chunk_launch_ms_mean"] > 0 and host["collect_wait_ms_mean"] >= 0
             assert 0 <= host["collect_found_done_fraction"] <= 1
+            for kind in ("decode", "chunk"):  # every step counted at one width of the engine's
+                assert sum(host[f"{kind}_step_widths"].values()) == host[f"{kind}_steps"]
+                assert {int(w) for w in host[f"{kind}_step_widths"]} <= {1, 2, 4}
+                p50, p99 = host[f"{kind}_device_ms_p50"], host[f"{kind}_device_ms_p99"]
+                assert p50 is None or 0 < p50 <= p99
         groups = row["by_prompt_length"]
         assert [g["prompt_tokens"] for g in groups] == sorted({len(p.prompt_ids) for p in plan})
         assert sum(g["requests"] for g in groups) == len(plan)

@@ -11,6 +11,7 @@ import pytest
 from helpers.engine_fixtures import tiny_engine, tiny_paged_engine, varied_checkpoint
 from switchyard.service.engine import paged
 from switchyard.service.engine.kv_blocks import BlockPool, SequenceBlocks
+from switchyard.service.engine.sampling import SamplingParams
 from switchyard.service.engine.scheduler import GenerationRequest, RequestRecord, Scheduler
 from switchyard.service.engine.tokenizer import Tokenizer
 
@@ -220,8 +221,8 @@ def test_serving_after_warm_up_compiles_nothing(checkpoint, tokenizer, prompts, 
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
 
 
-def test_chunk_steps_run_the_narrower_batch_width_that_holds_the_decoding_slots(checkpoint, tokenizer, prompts,
-                                                                                reference, monkeypatch):
+def test_chunk_steps_run_the_narrower_batch_width_that_holds_the_decoding_sequences(checkpoint, tokenizer, prompts,
+                                                                                    reference, monkeypatch):
     # Widths 32 and 64 apart by the threshold; 2 and 4 within it, as 16 and 32 would be.
     assert tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=BLOCK,
                              block_size=BLOCK).chunk_batches == [4]
@@ -230,22 +231,58 @@ def test_chunk_steps_run_the_narrower_batch_width_that_holds_the_decoding_slots(
     assert engine.batch_buckets == [2, 4] and engine.chunk_batches == [2, 4]
     engine.warmup()
     compiled = engine.compiled_count()
-    seen: list[tuple[int, int]] = []  # (step width, highest decoding slot or -1) of each step with a chunk
+    seen: list[tuple[int, int, int]] = []  # (width, decoding sequences, highest decoding slot) of each chunk step
     dispatch = engine.dispatch
 
     def recording_dispatch(chunk=None, return_logits=False):
-        top = max(engine.decoding(), default=-1)
+        decoding = engine.decoding()
         pending = dispatch(chunk, return_logits)
         if chunk is not None:
-            seen.append((pending.batch, top))
+            seen.append((pending.width, len(decoding), max(decoding, default=-1)))
         return pending
 
     engine.dispatch = recording_dispatch
     tokens, _ = serve_all(engine, tokenizer, greedy_requests(prompts))
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
-    assert all(width == (2 if top < 2 else 4) for width, top in seen), seen
-    assert {width for width, _ in seen} == {2, 4}, "both widths ran"
+    assert all(width == (2 if count <= 2 else 4) for width, count, _ in seen), seen
+    assert {width for width, _, _ in seen} == {2, 4}, "both widths ran"
+    assert any(width == 2 and top >= 2 for width, _, top in seen), "no step ran high slots in the narrow width"
     assert engine.compiled_count() == compiled, "a chunk step compiled a new program after warm-up"
+    assert_pool_empty(engine)
+
+
+def test_decoding_slots_run_as_the_first_rows_whatever_their_numbers(checkpoint, prompts, reference):
+    """Sequences in two high slots of 8 decode in the narrowest width (2 rows), their tokens reported
+    by slot and equal to each prompt alone."""
+    engine = tiny_paged_engine(checkpoint, slots=8, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    assert engine.batch_buckets[0] == 2
+    picks = {7: 3, 5: 6}  # slot: prompt
+    made: dict[int, list[int]] = {slot: [] for slot in picks}
+    widths = []
+
+    def step(chunk=None) -> None:
+        assert engine.ensure_decode_blocks()
+        pending = engine.dispatch(chunk)
+        if chunk is None:
+            widths.append(pending.width)
+        result = engine.collect(pending)
+        assert result.batch <= 8 and set(np.flatnonzero(result.active)) <= set(picks)
+        for slot in np.flatnonzero(result.active):
+            made[int(slot)].append(int(result.tokens[slot]))
+        if chunk is not None and chunk.completes:
+            made[chunk.slot].append(result.chunk_token)
+
+    for slot, i in picks.items():  # slot 7 decodes beside slot 5's chunks
+        assert engine.begin(slot, prompts[i], SamplingParams()) == 0
+        while slot in engine.prefilling():
+            step(engine.next_chunk(slot))
+    while min(len(t) for t in made.values()) < OUT:
+        step()
+    assert set(widths) == {2}
+    for slot, i in picks.items():
+        assert made[slot][:OUT] == reference[i], f"slot {slot}"
+    for slot in picks:
+        engine.evict(slot)
     assert_pool_empty(engine)
 
 
