@@ -2,13 +2,18 @@
 
 The two parts are computed apart and merged by their log-sum-exps (as FlashAttention merges the
 blocks it visits). Split so, each part has a mask a library kernel takes natively: the earlier keys
-a padding mask (the first ``start`` of the gathered context bucket), the chunk's own keys a causal
-one. cuDNN then stops at the last real key instead of reading a bias over the whole bucket, which
-made it about three times slower per query-key pair than causal flash attention.
+a padding mask (the first ``start`` positions of the sequence), the chunk's own keys a causal one.
+cuDNN then stops at the last real key instead of reading a bias over the whole bucket, which made it
+about three times slower per query-key pair than causal flash attention.
+
+The earlier keys are in the KV pool, [blocks, kv, B, D], found through the sequence's block table
+[M]. cuDNN reads them there through the table (paged attention); XLA's ops gather the first
+``kv_len`` positions into one array first.
 
 A partial attention is ``(q [C, H, D], k [S, kv, D], v [S, kv, D], kv_len | None, causal) ->
 (out [C, H, D] float32, lse [C, H] float32)`` with grouped queries (H a multiple of kv); a query that
-sees no key has lse -inf.
+sees no key has lse -inf. An earlier-keys attention is ``(q, k_pool, v_pool, table, start, kv_len)
+-> (out, lse)`` over positions ``[0, start)``, ``start <= kv_len`` (static, a whole number of blocks).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 PartialAttention = Callable[..., tuple[jax.Array, jax.Array]]
+EarlierAttention = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def xla_partial(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | None = None,
@@ -68,6 +74,41 @@ def cudnn_partial(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | 
     return out[0].astype(jnp.float32), lse[0].T  # lse [1, H, C] -> [C, H]
 
 
+def gather_earlier(pool: jax.Array, table: jax.Array, start: jax.Array, kv_len: int) -> jax.Array:
+    """Positions ``[0, kv_len)`` of a sequence from a pool [blocks, kv, B, D] as [kv_len, kv, D], those
+    at or past ``start`` zeroed (they may hold anything, stale or not yet written)."""
+    _, kv, bs, d = pool.shape
+    seq = jnp.swapaxes(pool[table[: kv_len // bs]], 1, 2).reshape(kv_len, kv, d)
+    return jnp.where((jnp.arange(kv_len) < start)[:, None, None], seq, jnp.zeros((), seq.dtype))
+
+
+def xla_earlier(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array,
+                kv_len: int) -> tuple[jax.Array, jax.Array]:
+    """The earlier keys' partial attention in XLA's ops: gathered from the pool, then attended."""
+    k, v = (gather_earlier(pool, table, start, kv_len).astype(q.dtype) for pool in (k_pool, v_pool))
+    return xla_partial(q, k, v, start)
+
+
+def cudnn_earlier(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array,
+                  kv_len: int) -> tuple[jax.Array, jax.Array]:
+    """The earlier keys' partial attention through cuDNN's paged flash attention, reading the pool in
+    place through the table. The pool [blocks, kv, B, D] is cuDNN's BNSH block layout, so queries go
+    in (and come out) head-major. The module's ``paged_attention`` wants a pool of exactly the
+    table's blocks; the call under it takes any pool, as cuDNN does."""
+    from jax._src.cudnn import fused_attention_stablehlo as sdpa
+
+    c, _, d = q.shape
+    bs = k_pool.shape[2]
+    pages = table[: kv_len // bs].astype(jnp.int32).reshape(1, 1, -1, 1)
+    unused = jnp.zeros(0, q.dtype)
+    out, lse = sdpa._dot_product_attention(
+        jnp.swapaxes(q, 0, 1)[None], k_pool, v_pool, unused, jnp.full((1,), c, jnp.int32),
+        jnp.reshape(start, (1,)).astype(jnp.int32), unused, unused, pages, pages, 1.0 / math.sqrt(d), 42, 0.0,
+        (False, False), sdpa.MaskType.PADDING, sdpa.AttentionLayout.BNTH.value, None, sdpa.check_cudnn_version(),
+        True)
+    return jnp.swapaxes(out[0], 0, 1).astype(jnp.float32), lse[0].T  # [1, H, C, D] -> [C, H, D]; [1, H, C] -> [C, H]
+
+
 def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:
     """Two partial attentions of the same queries over disjoint keys, as one (lse_b finite)."""
     top = jnp.maximum(lse_a, lse_b)
@@ -75,16 +116,17 @@ def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
     return (out_a * wa + out_b * wb) / (wa + wb)
 
 
-def split_chunk_attention(partial: PartialAttention, q: jax.Array, k_earlier: jax.Array, v_earlier: jax.Array,
-                          start: jax.Array, k_chunk: jax.Array, v_chunk: jax.Array) -> jax.Array:
-    """Queries q [C, H, D] at positions start.. against the keys at positions < start (the first
-    ``start`` rows of k_earlier, v_earlier [S, kv, D]) and their own (k_chunk, v_chunk [C, kv, D],
-    causal); returns [C, H, D] in q's dtype.
+def split_chunk_attention(own: PartialAttention, earlier: EarlierAttention, q: jax.Array, k_pool: jax.Array,
+                          v_pool: jax.Array, table: jax.Array, start: jax.Array, kv_len: int, k_chunk: jax.Array,
+                          v_chunk: jax.Array) -> jax.Array:
+    """Queries q [C, H, D] at positions start.. against the sequence's keys at positions < start (in
+    the pools, through ``table``) and their own (k_chunk, v_chunk [C, kv, D], causal); returns
+    [C, H, D] in q's dtype.
 
     Padded queries past the chunk's real end see padded own keys only, never a real query's.
     """
-    out_b, lse_b = partial(q, k_chunk, v_chunk, None, True)
-    out_a, lse_a = partial(q, k_earlier, v_earlier, start, False)
+    out_b, lse_b = own(q, k_chunk, v_chunk, None, True)
+    out_a, lse_a = earlier(q, k_pool, v_pool, table, start, kv_len)
     # A first chunk has no earlier keys; whatever a kernel returns for an empty key set is unused.
     has_earlier = start > 0
     out_a = jnp.where(has_earlier, out_a, 0.0)
@@ -92,15 +134,17 @@ def split_chunk_attention(partial: PartialAttention, q: jax.Array, k_earlier: ja
     return merge(out_a, lse_a, out_b, lse_b).astype(q.dtype)
 
 
-def chunk_attention(q: jax.Array, k_earlier: jax.Array, v_earlier: jax.Array, start: jax.Array,
-                    k_chunk: jax.Array, v_chunk: jax.Array) -> jax.Array:
+def chunk_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array,
+                    kv_len: int, k_chunk: jax.Array, v_chunk: jax.Array) -> jax.Array:
     """:func:`split_chunk_attention` in XLA's ops (any platform, any dtype)."""
-    return split_chunk_attention(xla_partial, q, k_earlier, v_earlier, start, k_chunk, v_chunk)
+    return split_chunk_attention(xla_partial, xla_earlier, q, k_pool, v_pool, table, start, kv_len, k_chunk, v_chunk)
 
 
-def cudnn_chunk_attention(q: jax.Array, k_earlier: jax.Array, v_earlier: jax.Array, start: jax.Array,
-                          k_chunk: jax.Array, v_chunk: jax.Array) -> jax.Array:
-    """:func:`split_chunk_attention` through cuDNN (16-bit inputs; others go through XLA's ops)."""
-    if jnp.dtype(q.dtype).name not in ("bfloat16", "float16"):
-        return chunk_attention(q, k_earlier, v_earlier, start, k_chunk, v_chunk)
-    return split_chunk_attention(cudnn_partial, q, k_earlier, v_earlier, start, k_chunk, v_chunk)
+def cudnn_chunk_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array,
+                          kv_len: int, k_chunk: jax.Array, v_chunk: jax.Array) -> jax.Array:
+    """:func:`split_chunk_attention` through cuDNN (16-bit inputs, pools of the queries' dtype; others go
+    through XLA's ops)."""
+    if jnp.dtype(q.dtype).name not in ("bfloat16", "float16") or k_pool.dtype != q.dtype:
+        return chunk_attention(q, k_pool, v_pool, table, start, kv_len, k_chunk, v_chunk)
+    return split_chunk_attention(cudnn_partial, cudnn_earlier, q, k_pool, v_pool, table, start, kv_len, k_chunk,
+                                 v_chunk)

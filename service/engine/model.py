@@ -44,8 +44,9 @@ RowParallel = Callable[..., jax.Array]
 DecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 # (qkv, k_pool, v_pool, block_tables, positions, write_at) -> (out, k_pool, v_pool)
 PagedDecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
-# (q [C, H, D], k, v [S, kv, D] (keys below start count), start, k_chunk, v_chunk [C, kv, D]) -> out
-# [C, H, D]: a prompt chunk's queries against its sequence's earlier keys and, causally, its own
+# (q [C, H, D], k_pool, v_pool [blocks, kv, B, D], table [M], start, kv_len (static), k_chunk, v_chunk
+# [C, kv, D]) -> out [C, H, D]: a prompt chunk's queries against its sequence's keys before start (in
+# the pools) and, causally, its own
 ChunkAttention = Callable[..., jax.Array]
 
 
@@ -334,6 +335,7 @@ class Chunk:
     length: jax.Array
     table: jax.Array
     kv_len: int
+    block_aligned: bool = False  # (static) start is a multiple of the block size
 
 
 def _pack_rope(qkv: jax.Array, positions: jax.Array, shape: ShardShape, cfg: ForwardConfig) -> jax.Array:
@@ -349,28 +351,40 @@ def _chunk_layer_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     """A chunk's attention in one layer: its queries against the sequence's earlier keys (read from
     its blocks) and its own; its K/V written into its blocks. qkv [C, q + 2 kv, hd] (roped)."""
     shape = cfg.shape
-    nb, kv, bs, hd = k_pool.shape
-    m = chunk.table.shape[0]
-    C = qkv.shape[0]
+    kv = k_pool.shape[1]
     dt = qkv.dtype
     q = qkv[:, : shape.q_heads]
     # The chunk's own K/V as the pool stores them, so its queries see what later steps will read.
     k_new = qkv[:, shape.q_heads: shape.q_heads + kv].astype(k_pool.dtype)
     v_new = qkv[:, shape.q_heads + kv:].astype(v_pool.dtype)
-    blocks = chunk.table[: chunk.kv_len // bs]
-    k = jnp.swapaxes(k_pool[blocks], 1, 2).reshape(chunk.kv_len, kv, hd)
-    v = jnp.swapaxes(v_pool[blocks], 1, 2).reshape(chunk.kv_len, kv, hd)
-    earlier = (jnp.arange(chunk.kv_len) < chunk.start)[:, None, None]
-    k, v = jnp.where(earlier, k, 0), jnp.where(earlier, v, 0)  # positions not written may hold anything
     attend = cfg.chunk_attention or chunk_attention
-    out = attend(q, k.astype(dt), v.astype(dt), chunk.start, k_new.astype(dt), v_new.astype(dt))
-    pos = chunk.start + jnp.arange(C)
-    real = jnp.arange(C) < chunk.length
-    block = jnp.where(real, chunk.table[jnp.minimum(pos // bs, m - 1)], nb)  # nb: dropped
-    offset = pos % bs
-    k_pool = k_pool.at[block, :, offset, :].set(k_new, mode="drop")
-    v_pool = v_pool.at[block, :, offset, :].set(v_new, mode="drop")
-    return out, k_pool, v_pool
+    out = attend(q, k_pool, v_pool, chunk.table, chunk.start, chunk.kv_len, k_new.astype(dt), v_new.astype(dt))
+    write = _write_chunk_blocks if chunk.block_aligned else _write_chunk_positions
+    return out, write(k_pool, k_new, chunk), write(v_pool, v_new, chunk)
+
+
+def _write_chunk_positions(pool: jax.Array, new: jax.Array, chunk: Chunk) -> jax.Array:
+    """The chunk's real rows of ``new`` [C, kv, D] into the pool at their positions, one by one."""
+    nb, _, bs, _ = pool.shape
+    m = chunk.table.shape[0]
+    c = new.shape[0]
+    pos = chunk.start + jnp.arange(c)
+    block = jnp.where(jnp.arange(c) < chunk.length, chunk.table[jnp.minimum(pos // bs, m - 1)], nb)  # nb: dropped
+    return pool.at[block, :, pos % bs, :].set(new, mode="drop")
+
+
+def _write_chunk_blocks(pool: jax.Array, new: jax.Array, chunk: Chunk) -> jax.Array:
+    """``new`` [C, kv, D] into the pool a whole block at a time, for a chunk that starts on a block
+    boundary. Every block holding a real row is written whole: its positions past the chunk's end
+    (only a prompt's last chunk has them) are the sequence's own, written again before they are read."""
+    nb, kv, bs, d = pool.shape
+    m = chunk.table.shape[0]
+    c = new.shape[0]
+    n = -(-c // bs)
+    blocks = jnp.pad(new, ((0, n * bs - c), (0, 0), (0, 0))).reshape(n, bs, kv, d).transpose(0, 2, 1, 3)
+    index = chunk.start // bs + jnp.arange(n)
+    real = (index * bs < chunk.start + chunk.length) & (index < m)
+    return pool.at[jnp.where(real, chunk.table[jnp.minimum(index, m - 1)], nb)].set(blocks, mode="drop")
 
 
 def budget_forward(

@@ -218,6 +218,9 @@ class PagedEngine(SlotBook):
         # The chunk of a step that no decoding sequence waits for (a whole number of blocks, at most a
         # sequence's table); equal to step_tokens when the context is too short for a larger one.
         self.idle_step_tokens = max(step_tokens, min(idle_step_tokens, self.blocks_per_seq * block_size))
+        # Chunks start where the cached prefix (whole blocks) or the previous chunk ended: on a block
+        # boundary when every chunk but a prompt's last is a whole number of blocks.
+        self._chunks_block_aligned = step_tokens % block_size == 0 and self.idle_step_tokens % block_size == 0
         # A chunk of at most a quarter of the budget (a prompt's short last chunk, what follows a cached
         # prefix) runs in a program of that size: a 64-token remainder does not pay for 256 rows of
         # work. Each size is a program per context bucket to compile, hence only two.
@@ -488,7 +491,7 @@ class PagedEngine(SlotBook):
 
         def shard_fn(params, k, v, tokens, positions, tables, write, temp, top_k, top_p, seeds, counters,
                      c_tokens, c_start, c_len, c_table):
-            chunk = Chunk(c_tokens, c_start, c_len, c_table, kv_len) if with_chunk else None
+            chunk = Chunk(c_tokens, c_start, c_len, c_table, kv_len, self._chunks_block_aligned) if with_chunk else None
             logits, k, v = budget_forward(params, k, v, tokens, positions, tables, write, chunk, cfg)
             def sample(rows: slice) -> jax.Array:
                 return sample_sharded(logits[rows], vocab, AXIS, greedy_only=greedy_only, temperature=temp[rows],

@@ -1,6 +1,6 @@
-"""A prompt chunk's attention, split into its earlier keys and its own and merged by log-sum-exp,
-against a float64 attention over the whole causal context; on CPU through XLA's ops, on a GPU
-through cuDNN."""
+"""A prompt chunk's attention, split into its earlier keys (in a paged pool, through a block table)
+and its own and merged by log-sum-exp, against a float64 attention over the whole causal context; on
+CPU through XLA's ops, on a GPU through cuDNN."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from switchyard.service.engine.chunk_attention import (
     merge,
     xla_partial,
 )
+from switchyard.service.engine.model import Chunk, _write_chunk_blocks, _write_chunk_positions
 
-POISON = 1e4  # earlier-key rows at or past start: the attention must not read them
+POISON = 1e4  # pool positions at or past start, and blocks outside the table: the attention must not read them
 
 
 def float64_chunk_attention(q, k_earlier, v_earlier, start, k_chunk, v_chunk, length) -> np.ndarray:
@@ -35,6 +36,7 @@ def float64_chunk_attention(q, k_earlier, v_earlier, start, k_chunk, v_chunk, le
 
 
 def _inputs(rng, chunk, context, start, heads, kv, dim, dtype):
+    """(q, k_earlier, v_earlier [context, kv, dim], k_chunk, v_chunk) with rows at or past start poisoned."""
     def normal(*shape):
         return rng.standard_normal(shape).astype(np.float32)
 
@@ -43,6 +45,25 @@ def _inputs(rng, chunk, context, start, heads, kv, dim, dtype):
     v_earlier[start:] = POISON
     return tuple(jnp.asarray(a, dtype) for a in (normal(chunk, heads, dim), k_earlier, v_earlier,
                                                   normal(chunk, kv, dim), normal(chunk, kv, dim)))
+
+
+def _paged(seq: jax.Array, block: int, order: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """A sequence [context, kv, dim] as a pool [blocks, kv, block, dim] whose block order[i] holds its
+    block i, the pool's other blocks poisoned; and its block table."""
+    context, kv, dim = seq.shape
+    n = context // block
+    pool = np.full((len(order), kv, block, dim), POISON, np.float32)
+    pool[order[:n]] = np.asarray(seq.astype(jnp.float32)).reshape(n, block, kv, dim).transpose(0, 2, 1, 3)
+    return jnp.asarray(pool, seq.dtype), jnp.asarray(order[:n], jnp.int32)
+
+
+def _run(fn, rng, args, start: int, block: int) -> jax.Array:
+    """``fn`` on the inputs of :func:`_inputs`, the earlier keys paged in shuffled blocks among 3 spare ones."""
+    q, k_earlier, v_earlier, k_chunk, v_chunk = args
+    order = rng.permutation(k_earlier.shape[0] // block + 3)
+    (k_pool, table), (v_pool, _) = _paged(k_earlier, block, order), _paged(v_earlier, block, order)
+    return jax.jit(fn, static_argnums=5)(q, k_pool, v_pool, table, jnp.int32(start), k_earlier.shape[0], k_chunk,
+                                         v_chunk)
 
 
 @pytest.mark.parametrize(("chunk", "context", "start", "length", "heads", "kv", "dim"), [
@@ -55,7 +76,7 @@ def _inputs(rng, chunk, context, start, heads, kv, dim, dtype):
 def test_split_attention_matches_float64(rng, chunk, context, start, length, heads, kv, dim):
     args = _inputs(rng, chunk, context, start, heads, kv, dim, jnp.float32)
     expected = float64_chunk_attention(*args[:3], start, *args[3:], length)
-    out = np.asarray(jax.jit(chunk_attention)(args[0], args[1], args[2], jnp.int32(start), args[3], args[4]))
+    out = np.asarray(_run(chunk_attention, rng, args, start, block=8))
     assert np.isfinite(out).all()  # padded queries included
     assert np.abs(out[:length] - expected).max() < 1e-4
 
@@ -91,6 +112,27 @@ def test_cudnn_split_attention_matches_float64(rng, chunk, context, start, lengt
     args = _inputs(rng, chunk, context, start, heads, kv, dim, jnp.bfloat16)
     expected = float64_chunk_attention(*args[:3], start, *args[3:], length)
     for fn in (cudnn_chunk_attention, chunk_attention):
-        out = np.asarray(jax.jit(fn)(args[0], args[1], args[2], jnp.int32(start), args[3], args[4]), np.float64)
+        out = np.asarray(_run(fn, rng, args, start, block=64), np.float64)
         assert np.isfinite(out).all(), fn.__name__
         assert np.abs(out[:length] - expected).max() < 2e-2, fn.__name__
+
+
+@pytest.mark.parametrize(("start_block", "length", "chunk"), [(2, 12, 24), (0, 24, 24), (3, 1, 8), (5, 8, 24)])
+def test_block_writes_put_each_real_row_where_position_writes_do(rng, start_block, length, chunk):
+    """A chunk's K/V written a block at a time (chunks that start on a block boundary) against one
+    position at a time: the same values at every real position, no block outside the chunk's real
+    ones touched (a table past its end included)."""
+    bs, kv, dim, m = 8, 2, 4, 7
+    pool = jnp.asarray(rng.standard_normal((12, kv, bs, dim)), jnp.float32)
+    table = jnp.asarray(rng.permutation(12)[:m], jnp.int32)
+    new = jnp.asarray(rng.standard_normal((chunk, kv, dim)), jnp.float32)
+    c = Chunk(jnp.zeros(chunk, jnp.int32), jnp.int32(start_block * bs), jnp.int32(length), table, m * bs, True)
+    by_block = np.asarray(jax.jit(lambda p, n: _write_chunk_blocks(p, n, c))(pool, new))
+    by_position = np.asarray(jax.jit(lambda p, n: _write_chunk_positions(p, n, c))(pool, new))
+    positions = np.arange(start_block * bs, start_block * bs + length)
+    blocks, offsets = np.asarray(table)[positions // bs], positions % bs
+    assert (by_position[blocks, :, offsets] == np.asarray(new)[:length]).all()
+    assert (by_block[blocks, :, offsets] == by_position[blocks, :, offsets]).all()
+    untouched = np.setdiff1d(np.arange(12), blocks)
+    assert (by_block[untouched] == np.asarray(pool)[untouched]).all()
+    assert (by_position[untouched] == np.asarray(pool)[untouched]).all()

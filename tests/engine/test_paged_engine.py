@@ -85,15 +85,18 @@ def assert_pool_empty(engine) -> None:
     assert engine.free_slots() == list(range(engine.max_slots))
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_chunked_paged_greedy_tokens_match_whole_prompt_prefill(checkpoint, tokenizer, prompts, reference, tp):
-    engine = tiny_paged_engine(checkpoint, tp=tp, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+# Chunks of whole blocks (written into the pool a block at a time), and of a block and a half (chunks
+# that start inside a block, written a position at a time).
+@pytest.mark.parametrize(("tp", "step"), [(1, BLOCK), (2, BLOCK), (4, BLOCK), (1, BLOCK + BLOCK // 2)])
+def test_chunked_paged_greedy_tokens_match_whole_prompt_prefill(checkpoint, tokenizer, prompts, reference, tp, step):
+    engine = tiny_paged_engine(checkpoint, tp=tp, slots=4, max_seq_len=128, step_tokens=step, block_size=BLOCK)
+    assert engine._chunks_block_aligned == (step % BLOCK == 0)
     tokens, records = serve_all(engine, tokenizer, greedy_requests(prompts))
     for i, prompt in enumerate(prompts):
         assert tokens[f"r{i}"] == reference[i], f"prompt of {len(prompt)} tokens"
         rec = records[f"r{i}"]
-        assert rec.chunk_tokens.sum() == len(prompt) and (rec.chunk_tokens <= BLOCK).all()
-        assert len(rec.chunk_steps) == -(-len(prompt) // BLOCK)
+        assert rec.chunk_tokens.sum() == len(prompt) and (rec.chunk_tokens <= step).all()
+        assert len(rec.chunk_steps) == -(-len(prompt) // step)
         assert rec.token_steps[0] == rec.chunk_steps[-1], "the first token comes from the last chunk's step"
     assert_pool_empty(engine)
 
