@@ -387,10 +387,10 @@ class StepClock:
     then waits for the step's tokens. A wait near zero means the device had finished before the host
     asked: the host, not the device, set that step's pace.
 
-    Where two consecutive collects both waited, the device went from the first step's end straight to
-    the next (launched before the first was collected): the time between their returns is the next
-    step's time on the device. Those times, and the decode rows each step ran (its width), are
-    reported per kind of step."""
+    Where two consecutive collects both waited and the second step was launched before the first
+    returned, the device went from the first step's end straight to the second: the time between
+    their returns is the second step's time on the device. Those times, and the decode rows each step
+    ran (its width), are reported per kind of step."""
 
     IDLE_WAIT_S = 1e-4
 
@@ -399,7 +399,7 @@ class StepClock:
         self.wait: list[float] = []
         self.widths: dict[str, list[int]] = {"decode": [], "chunk": []}
         self.device: dict[str, list[float]] = {"decode": [], "chunk": []}
-        self._kinds: dict[int, str] = {}
+        self._launched: dict[int, tuple[str, float]] = {}  # step: (kind, when its launch returned)
         self._last_return: float | None = None  # when the previous collect returned, if it waited
         self._engine = engine
         dispatch, collect = engine.dispatch, engine.collect
@@ -409,9 +409,10 @@ class StepClock:
             pending = dispatch(*args, **kwargs)
             chunk = args[0] if args else kwargs.get("chunk")
             kind = "chunk" if chunk is not None else "decode"
-            self.launch[kind].append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self.launch[kind].append(t1 - t0)
             self.widths[kind].append(int(getattr(pending, "width", pending.batch)))
-            self._kinds[pending.step] = kind
+            self._launched[pending.step] = (kind, t1)
             return pending
 
         def timed_collect(pending: Any) -> Any:
@@ -419,9 +420,9 @@ class StepClock:
             result = collect(pending)
             t1 = time.perf_counter()
             self.wait.append(t1 - t0)
-            kind = self._kinds.pop(pending.step, "decode")
+            kind, launched = self._launched.pop(pending.step, ("decode", t0))
             waited = t1 - t0 >= self.IDLE_WAIT_S
-            if waited and self._last_return is not None:
+            if waited and self._last_return is not None and launched <= self._last_return:
                 self.device[kind].append(t1 - self._last_return)
             self._last_return = t1 if waited else None
             return result
