@@ -444,12 +444,11 @@ class PagedEngine(SlotBook):
         self._tables[slot, : len(blocks)] = blocks
         self._tables_dirty = True
 
-    def _device_rows(self) -> tuple[jax.Array, jax.Array]:
-        """The decode rows of the next step, on the devices: the decoding slots in ascending order, then
+    def _device_rows(self, slots: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """The decode rows of the next step, on the devices: the decoding ``slots`` (ascending), then
         ``max_slots`` (no slot) [max_slots], and their block tables [max_slots, M]. A step runs the
         first rows of a width; uploaded again only when the decoding set or a table changed."""
         if self._tables_dirty or self._rows_dev is None:
-            slots = np.flatnonzero(self._decoding)
             rows = np.full(self.max_slots, self.max_slots, np.int32)
             rows[: slots.size] = slots
             tables = np.full_like(self._tables, NULL_BLOCK)
@@ -570,7 +569,7 @@ class PagedEngine(SlotBook):
             c_args = _pack_chunk(chunk_tokens, self._tables[chunk.slot], seq.tokens[chunk.start:end], chunk.slot,
                                  chunk.start, chunk.completes, seq.sampling, seq.counter)
             greedy = bool(self.greedy[decoding].all()) and seq.sampling.greedy
-        rows, tables = self._device_rows()
+        rows, tables = self._device_rows(decoding)
         fn = self._step_fn(width, chunk_tokens, kv_len, greedy, return_logits)
         self._state, tok, chunk_tok, logits = fn(self.params, self._state, rows, tables, c_args)
         tok.copy_to_host_async()
@@ -616,7 +615,7 @@ class PagedEngine(SlotBook):
         if self.active.any():
             raise RuntimeError("warm up before beginning requests")
         t0 = time.perf_counter()
-        rows, tables = self._device_rows()
+        rows, tables = self._device_rows(np.flatnonzero(self._decoding))
         programs = []
         for greedy in (True, False):
             programs += [(self._step_fn(batch, 0, 0, greedy), self._no_chunk_args) for batch in self.batch_buckets]
