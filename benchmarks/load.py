@@ -37,6 +37,9 @@ Per (path, rate):
   the step with the prompt's first chunk, so that a TTFT splits into waiting and computing;
 - through gRPC, ``server_itl_ms_p99/max``: the inter-token gaps as the server's scheduler emitted the
   tokens, so that a gap the client saw splits into the engine's and the path's;
+- with ``--stall-report MS``, ``stalls``: for the longest gaps over MS between a request's tokens as this
+  process emitted them (one per stretch of time), the stacks each of its threads was seen in most often
+  during the gap (sampled every millisecond), to tell a slow step from a thread held back;
 - in process, ``engine_steps_per_s``: engine steps over the span, and ``host``: the host's time to launch
   a step, with and without a prompt chunk, the time ``collect`` waits for a step's tokens, and the
   fraction of steps already done when it asked (then the host, not the device, set the pace); per kind
@@ -56,11 +59,13 @@ run writes only to ``--out``, or prints only).
 # No ``from __future__ import annotations``: tests load this file with importlib without registering it in
 # sys.modules, where dataclasses cannot resolve string annotations.
 import argparse
+import bisect
 import collections
 import concurrent.futures
 import dataclasses
 import datetime
 import functools
+import gc
 import itertools
 import json
 import math
@@ -447,6 +452,87 @@ class StepClock:
         return out
 
 
+def _frame(code: Any, line: int) -> str:
+    return f"{Path(code.co_filename).name}:{line} {code.co_name}"
+
+
+class StallSampler:
+    """Where this process's threads were during the longest gaps between a request's tokens
+    (``--stall-report``). A thread samples every other thread's innermost frames each ``interval``
+    seconds; it takes the GIL to do so, so the run it watches is a little slower. :meth:`report` takes
+    the gaps longer than a threshold, the longest first (one per stretch of time: many requests see the
+    same stall), and lists the stacks each thread was seen in most often during each, the longest
+    stretch without a sample (the GIL held elsewhere, or the process off the CPU) and the garbage
+    collections that overlapped it."""
+
+    def __init__(self, interval: float = 1e-3, depth: int = 8) -> None:
+        self.samples: list[tuple[float, dict[str, tuple[tuple[Any, int], ...]]]] = []
+        # The garbage collector's collections: start, end, generation, the thread that ran it.
+        self.collections: list[tuple[float, float, int, str]] = []
+        self._gc_start = 0.0
+        self._interval, self._depth = interval, depth
+        self._stop = threading.Event()
+        gc.callbacks.append(self._on_gc)
+        self._thread = threading.Thread(target=self._run, name="load-stall-sampler", daemon=True)
+        self._thread.start()
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:  # the collecting thread, holding the GIL
+        if phase == "start":
+            self._gc_start = time.monotonic()
+        else:
+            self.collections.append((self._gc_start, time.monotonic(), info["generation"],
+                                     threading.current_thread().name))
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self._interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            sample = {}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                stack = []
+                while frame is not None and len(stack) < self._depth:
+                    stack.append((frame.f_code, frame.f_lineno))
+                    frame = frame.f_back
+                sample[names.get(ident, str(ident))] = tuple(stack)
+            self.samples.append((time.monotonic(), sample))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        gc.callbacks.remove(self._on_gc)
+
+    def report(self, token_times: Sequence[Sequence[float]], threshold_s: float, most: int = 5) -> list[dict[str, Any]]:
+        """``token_times``: each request's token times on ``time.monotonic``'s clock."""
+        gaps = sorted(((b - a, a, b) for times in token_times for a, b in itertools.pairwise(times)
+                       if b - a > threshold_s), reverse=True)
+        chosen: list[tuple[float, float, float]] = []
+        for gap in gaps:
+            if len(chosen) == most:
+                break
+            if all(gap[2] <= a or gap[1] >= b for _, a, b in chosen):
+                chosen.append(gap)
+        times = [t for t, _ in self.samples]
+        out = []
+        for gap, a, b in chosen:
+            seen: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+            inside = self.samples[bisect.bisect_right(times, a): bisect.bisect_left(times, b)]
+            for _, sample in inside:
+                for name, stack in sample.items():
+                    seen[name][stack] += 1
+            stamps = [a] + [t for t, _ in inside] + [b]
+            held = [{"generation": g, "ms": _ms(end - start), "thread": name}
+                    for start, end, g, name in self.collections if start < b and end > a]
+            out.append({"gap_ms": _ms(gap), "samples": len(inside),
+                        "longest_without_sample_ms": _ms(max(y - x for x, y in itertools.pairwise(stamps))),
+                        "collections": held,
+                        "threads": {name: [{"samples": n, "stack": [_frame(code, line) for code, line in stack]}
+                                           for stack, n in counter.most_common(3)]
+                                    for name, counter in sorted(seen.items())}})
+        return out
+
+
 def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float,
                    peak: dict[str, int] | None = None) -> list[RequestTimes]:
     """Run ``plan`` through the scheduler in this process; ``peak["generating"]`` gets the most
@@ -463,7 +549,7 @@ def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], time
 
     scheduler = Scheduler(engine, tokenizer, max_queue=len(plan) + 8, on_finish=on_finish)
     stop = threading.Event()
-    thread = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
+    thread = threading.Thread(target=scheduler.run, args=(stop,), name="load-scheduler", daemon=True)
     thread.start()
     ended = threading.Condition()
     open_requests = len(plan)
@@ -571,6 +657,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval, as switchyard serve --switch-interval (default: CPython's)")
+    parser.add_argument("--stall-report", type=float, default=None, metavar="MS",
+                        help="sample this process's threads every millisecond and report, for the longest gaps "
+                             "over MS between a request's tokens (as emitted here), where each thread was "
+                             "(the rows' stalls; sampling slows the run a little)")
     parser.add_argument("--out", default=None,
                         help="default: benchmarks/results/current/load-<device>.json; a --cpu run writes only here")
     args = parser.parse_args(argv)
@@ -612,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
                              avoid=avoid, shared_prefix=args.shared_prefix, seed=args.seed * 1000 + i)
         for path in args.path:
             extra: dict[str, Any] = {}
+            sampler = StallSampler() if args.stall_report is not None else None
             if path == "grpc":
                 emitted: list[list[float]] = []
                 measured = run_grpc(engine, tokenizer, plan, args.timeout, clients, emitted)
@@ -628,6 +719,10 @@ def main(argv: list[str] | None = None) -> int:
                     clock.remove()
                 extra["engine_steps"] = engine.step_count - steps
                 extra["host"] = clock.summary()
+            if sampler is not None:
+                sampler.stop()
+                emit_times = emitted if path == "grpc" else [r.token_times for r in measured]
+                extra["stalls"] = sampler.report(emit_times, args.stall_report / 1e3)
             row = {"path": path, "rate_rps": rate, **summarize(measured, ttft_s, itl_s),
                    "by_prompt_length": by_prompt_length(measured), **extra}
             if "engine_steps" in row:

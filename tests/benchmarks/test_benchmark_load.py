@@ -279,3 +279,49 @@ def test_requests_cut_off_by_the_timeout_are_counted_and_a_cpu_run_without_out_w
     assert (path, rate) == ("in-process", "40")
     assert int(unfinished) > 0 and int(failed) == 0 and int(sent) == int(finished) + int(unfinished)
     assert run.stdout.strip().splitlines()[-1].split()[-1] == "no"  # the p99s cannot hold with requests cut off
+
+
+# ---- where the threads were during a stall -------------------------------------------------------
+
+
+def test_stall_report_takes_the_longest_gaps_once_each_with_the_stacks_seen_during_them():
+    sampler = load.StallSampler()
+    sampler.stop()
+    here = test_stall_report_takes_the_longest_gaps_once_each_with_the_stacks_seen_during_them.__code__
+    other = load.summarize.__code__
+    sampler.samples = [(t, {"scheduler": ((here, 10),), "loop": ((other, 20 if t < 1.5 else 21),)})
+                       for t in (1.0, 1.1, 1.2, 1.9, 5.0)]
+    sampler.collections = [(1.15, 1.17, 2, "scheduler"), (4.0, 4.01, 0, "loop")]
+    # Two requests see the same stall (0.95-1.95 and 1.05-2.0), a third a shorter one; 0.01 s is below the bar.
+    report = sampler.report([[0.95, 1.95, 1.96], [1.05, 2.0], [4.9, 5.5], [6.0, 6.01]], threshold_s=0.05)
+    assert [r["gap_ms"] for r in report] == [1000.0, 600.0]
+    stall, later = report
+    assert stall["samples"] == 4 and stall["longest_without_sample_ms"] == 700.0
+    assert stall["collections"] == [{"generation": 2, "ms": 20.0, "thread": "scheduler"}]
+    scheduler, = stall["threads"]["scheduler"]
+    assert scheduler["samples"] == 4 and here.co_name in scheduler["stack"][0]
+    assert [s["samples"] for s in stall["threads"]["loop"]] == [3, 1]
+    assert later["samples"] == 1 and later["collections"] == []
+    assert sampler.report([[0.0, 0.01]], threshold_s=0.05) == []
+
+
+def test_stall_sampler_sees_a_thread_where_it_waits():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def parked() -> None:
+        release.wait(5)
+
+    thread = threading.Thread(target=parked, name="parked")
+    sampler = load.StallSampler()
+    thread.start()
+    start = time.monotonic()
+    time.sleep(0.05)
+    release.set()
+    thread.join()
+    sampler.stop()
+    stall, = sampler.report([[start, time.monotonic()]], threshold_s=0.01)
+    assert stall["samples"] > 5
+    assert any("parked" in frame for s in stall["threads"]["parked"] for frame in s["stack"])
