@@ -10,9 +10,11 @@ and counted as ``unfinished``, requests refused or ended by an error as ``failed
 - ``in-process``: ``GenerationRequest``s submitted straight to the scheduler with ``ignore_eos``, so every
   request generates exactly its output length; arrival = submit time, token times = the scheduler's emit
   times (``TokenEvent.time``).
-- ``grpc``: the server in this process as ``switchyard serve`` runs it, the client (grpc.aio, one stream per
-  request, prompts as token ids) in a separate process that sends each request at its arrival time;
-  arrival and token times are the client's. The wire has no ignore-EOS, so a request asks for
+- ``grpc``: as ``switchyard serve`` runs them, the server in this process and the engine with its
+  scheduler in a process of its own (``service/api/engine_process.py``); the client (grpc.aio, one stream
+  per request, prompts as token ids) in a third process that sends each request at its arrival time;
+  arrival and token times are the client's. Its rates run before the in-process ones, since its engine
+  must have the devices to itself until it ends. The wire has no ignore-EOS, so a request asks for
   ``max_tokens`` = its output length and may stop early at an end-of-sequence token (with random weights);
   only generated tokens are counted (``stopped_early`` says how many requests did).
 
@@ -597,13 +599,14 @@ def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], time
     return results
 
 
-def run_grpc(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float,
+def run_grpc(engine_process: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float,
              clients: concurrent.futures.Executor, emitted: list[list[float]] | None = None) -> list[RequestTimes]:
-    """Run ``plan`` through a gRPC server in this process and the client process; ``emitted`` gets
-    each request's token times as the server's scheduler emitted them (its own clock)."""
+    """Run ``plan`` through a gRPC server in this process over the engine in its own process, as
+    ``switchyard serve`` runs them, and the client process; ``emitted`` gets each request's token
+    times as the engine's scheduler emitted them (the machine's monotonic clock)."""
     from switchyard.service.api.server import DecodeApp, ServerThread
     from switchyard.service.api.wire import Limits
-    from switchyard.service.engine.scheduler import RequestRecord, Scheduler
+    from switchyard.service.engine.scheduler import RequestRecord
     from switchyard.service.telemetry.tracing import RequestRecorder
 
     recorder = RequestRecorder(None)
@@ -613,29 +616,97 @@ def run_grpc(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: f
             emitted.append(record.token_times.tolist())
         recorder.on_finish(record)
 
-    scheduler = Scheduler(engine, tokenizer, max_queue=len(plan) + 8, on_finish=on_finish)
+    engine_process.on_finish = on_finish
     app = DecodeApp(model_name="load", limits=Limits(default_max_tokens=max((p.output_tokens for p in plan),
                                                                              default=1)), recorder=recorder)
-    server = ServerThread(app, scheduler, tokenizer)
+    server = ServerThread(app, engine_process, tokenizer)
     wire = [(p.offset, p.prompt_ids, p.output_tokens) for p in plan]
     last = max((p.offset for p in plan), default=0.0)
     try:
         measured = clients.submit(grpc_load, server.target, wire, timeout).result(timeout=last + timeout + 120)
     finally:
-        server.stop(grace=10)  # also closes the recorder
+        server.stop(grace=10)  # also closes the recorder; the engine process goes on
     return [RequestTimes(m["arrival"], m["token_times"], m["status"], m["finish_reason"]) for m in measured]
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, Any, float]:
+    """The engine process's builder for the gRPC path (runs there): the benchmark's engine."""
+    return variants().serving_engine(args)
+
+
+def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], tokenizer: Any) -> dict[str, Any]:
+    """Every rate through gRPC, the engine in a process of its own (started here, ended before this
+    returns, so the devices are free again): {"rows", "warmup_s", "device", "facts"}."""
+    from switchyard.service.api.engine_process import EngineProcess
+
+    process = EngineProcess(build_engine, args, scheduler_options={
+        "max_queue": max(len(plan) for plan in plans) + 8, "model_name": "load"})
+    clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        devices = process.wait_devices()
+        facts = process.wait_ready()
+        # Unmeasured: starts the client process and its imports, and the server's first call.
+        warm = PlannedRequest(0.0, [3] * args.prompt_mix.shortest, args.output_mix.shortest)
+        run_grpc(process, tokenizer, [warm], args.timeout, clients)
+        rows = []
+        for rate, plan in zip(args.rates, plans, strict=True):
+            sampler = StallSampler() if args.stall_report is not None else None
+            emitted: list[list[float]] = []
+            measured = run_grpc(process, tokenizer, plan, args.timeout, clients, emitted)
+            for planned, request in zip(plan, measured, strict=True):
+                request.prompt_tokens = len(planned.prompt_ids)
+            server_gaps = [g for times in emitted for g in gaps(times)]
+            extra: dict[str, Any] = {"server_itl_ms_p99": _ms(percentile(server_gaps, 99)),
+                                     "server_itl_ms_max": _ms(max(server_gaps, default=None))}
+            if sampler is not None:
+                sampler.stop()
+                extra["stalls"] = sampler.report(emitted, args.stall_report / 1e3)
+            rows.append(finish_row("grpc", rate, measured, args, extra))
+        return {"rows": rows, "warmup_s": facts.warmup_s, "device": devices.label, "facts": facts}
+    finally:
+        clients.shutdown()
+        process.close()
+
+
+def in_process_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]]) -> dict[str, Any]:
+    """Every rate with the scheduler in this process: {"rows", "warmup_s", "device", "facts"}."""
+    engine, tokenizer, warmup_s = variants().serving_engine(args)
+    rows = []
+    for rate, plan in zip(args.rates, plans, strict=True):
+        sampler = StallSampler() if args.stall_report is not None else None
+        extra: dict[str, Any] = {}
+        steps, clock = engine.step_count, StepClock(engine)
+        try:
+            measured = run_in_process(engine, tokenizer, plan, args.timeout, extra)
+        finally:
+            clock.remove()
+        extra["engine_steps"] = engine.step_count - steps
+        extra["host"] = clock.summary()
+        if sampler is not None:
+            sampler.stop()
+            extra["stalls"] = sampler.report([r.token_times for r in measured], args.stall_report / 1e3)
+        row = finish_row("in-process", rate, measured, args, extra)
+        row["engine_steps_per_s"] = round(row["engine_steps"] / row["span_s"], 1) if row["span_s"] else None
+        rows.append(row)
+    return {"rows": rows, "warmup_s": warmup_s, "device": device_name(), "facts": engine}
+
+
+def finish_row(path: str, rate: float, measured: list[RequestTimes], args: argparse.Namespace,
+               extra: dict[str, Any]) -> dict[str, Any]:
+    row = {"path": path, "rate_rps": rate, **summarize(measured, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3),
+           "by_prompt_length": by_prompt_length(measured), **extra}
+    print(f"{path} {rate:g}/s: sent {row['sent']} finished {row['finished']} failed {row['failed']} "
+          f"unfinished {row['unfinished']}", flush=True)
+    return row
 
 
 # ---- main ----------------------------------------------------------------------------------------
 
 
-def device_name() -> tuple[str, str]:
+def device_name() -> str:
     import jax
 
-    kind = jax.devices()[0].device_kind
-    label = f"{jax.device_count()}x {kind}"
-    slug = re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
-    return label, slug
+    return f"{jax.device_count()}x {jax.devices()[0].device_kind}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -686,52 +757,23 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
     if args.switch_interval is not None:  # as `switchyard serve --switch-interval` does, without importing gRPC
         sys.setswitchinterval(args.switch_interval)
-    engine, tokenizer, warmup_s = variants().serving_engine(args)
-    label, slug = device_name()
-    avoid = set(tokenizer.eos_token_ids) | {engine.spec.bos_token_id}
-    ttft_s, itl_s = args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3
-    clients = None
+    spec, tokenizer = variants().serving_tokenizer(args)
+    avoid = set(tokenizer.eos_token_ids) | {spec.bos_token_id}
+    plans = [plan_requests(rate, args.duration, args.prompt_mix, args.output_mix, vocab_size=spec.vocab_size,
+                           avoid=avoid, shared_prefix=args.shared_prefix, seed=args.seed * 1000 + i)
+             for i, rate in enumerate(args.rates)]
+    # Through gRPC first: its engine runs in a process of its own, as serve runs it, and must have the
+    # devices to itself until it ends; only then does this process take them.
+    runs = {}
     if "grpc" in args.path:
-        clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        # Unmeasured: starts the client process and its imports, and the server's first call.
-        warm = PlannedRequest(0.0, [3] * args.prompt_mix.shortest, args.output_mix.shortest)
-        run_grpc(engine, tokenizer, [warm], args.timeout, clients)
-    rows = []
-    for i, rate in enumerate(args.rates):
-        plan = plan_requests(rate, args.duration, args.prompt_mix, args.output_mix, vocab_size=engine.spec.vocab_size,
-                             avoid=avoid, shared_prefix=args.shared_prefix, seed=args.seed * 1000 + i)
-        for path in args.path:
-            extra: dict[str, Any] = {}
-            sampler = StallSampler() if args.stall_report is not None else None
-            if path == "grpc":
-                emitted: list[list[float]] = []
-                measured = run_grpc(engine, tokenizer, plan, args.timeout, clients, emitted)
-                for planned, request in zip(plan, measured, strict=True):
-                    request.prompt_tokens = len(planned.prompt_ids)
-                server_gaps = [g for times in emitted for g in gaps(times)]
-                extra["server_itl_ms_p99"] = _ms(percentile(server_gaps, 99))
-                extra["server_itl_ms_max"] = _ms(max(server_gaps, default=None))
-            else:
-                steps, clock = engine.step_count, StepClock(engine)
-                try:
-                    measured = run_in_process(engine, tokenizer, plan, args.timeout, extra)
-                finally:
-                    clock.remove()
-                extra["engine_steps"] = engine.step_count - steps
-                extra["host"] = clock.summary()
-            if sampler is not None:
-                sampler.stop()
-                emit_times = emitted if path == "grpc" else [r.token_times for r in measured]
-                extra["stalls"] = sampler.report(emit_times, args.stall_report / 1e3)
-            row = {"path": path, "rate_rps": rate, **summarize(measured, ttft_s, itl_s),
-                   "by_prompt_length": by_prompt_length(measured), **extra}
-            if "engine_steps" in row:
-                row["engine_steps_per_s"] = round(row["engine_steps"] / row["span_s"], 1) if row["span_s"] else None
-            rows.append(row)
-            print(f"{path} {rate:g}/s: sent {row['sent']} finished {row['finished']} failed {row['failed']} "
-                  f"unfinished {row['unfinished']}", flush=True)
-    if clients is not None:
-        clients.shutdown()
+        runs["grpc"] = grpc_rows(args, plans, tokenizer)
+    if "in-process" in args.path:
+        runs["in-process"] = in_process_rows(args, plans)
+    by_path = {path: runs[path]["rows"] for path in args.path}
+    rows = [by_path[path][i] for i in range(len(args.rates)) for path in args.path]
+    first = runs[args.path[0]]
+    label, facts = first["device"], first["facts"]
+    slug = re.sub(r"[^a-z0-9]+", "-", label.split("x ", 1)[-1].lower()).strip("-")
     result = {
         "command": "python benchmarks/load.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "device": label,
@@ -739,14 +781,15 @@ def main(argv: list[str] | None = None) -> int:
         "commit": os.environ.get("SWITCHYARD_COMMIT", ""),  # set by whoever runs it on a copy of the tree
         "config": {
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
-            "engine": args.engine, "step_tokens": engine.step_tokens, "kv_tokens": engine.kv_tokens,
-            "kv_block_size": engine.kv_block_size,
+            "engine": args.engine, "step_tokens": facts.step_tokens, "kv_tokens": facts.kv_tokens,
+            "kv_block_size": facts.kv_block_size,
             "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len, "rates_rps": args.rates,
             "duration_s": args.duration, "timeout_s": args.timeout, "prompt_lengths": args.prompt_lengths,
             "output_lengths": args.output_lengths, "shared_prefix": args.shared_prefix, "seed": args.seed,
             "paths": args.path, "switch_interval_s": sys.getswitchinterval(),
         },
-        "warmup_s": round(warmup_s, 1),  # compiling and running every step program once, before any request
+        # Per path, its engine's compiling and running every step program once, before any request.
+        "warmup_s": {path: round(run["warmup_s"], 1) for path, run in runs.items()},
         "slo": {
             "ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms,
             "request_meets": "finished, TTFT (arrival to first token) <= ttft_ms and the p99 of its own inter-token "

@@ -188,14 +188,23 @@ class VariantPipelineEngine(_Variant, PipelineEngine):
     random_weights = staticmethod(random_stage_weights)
 
 
+def serving_tokenizer(args) -> tuple:
+    """The model spec and tokenizer of :func:`serving_engine`'s engine, with no device touched."""
+    from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
+    from switchyard.service.modelspec import ModelSpec, preset
+
+    if args.model_path:
+        return ModelSpec.from_file(args.model_path), Tokenizer.from_dir(args.model_path)
+    spec = preset(args.preset)
+    return spec, Tokenizer(build_tokenizer(spec), spec.eos_token_ids, spec.vocab_size)
+
+
 def serving_engine(args) -> tuple:
     """The warmed-up engine, its tokenizer and the warm-up's seconds, for a serving benchmark (``args``:
     ``model_path`` or ``preset``, ``tp``, ``strategy``, ``batch_slots``, ``max_seq_len``, ``dtype``): a checkpoint's, as
     ``switchyard serve`` loads it, or random weights of a preset with a random KV cache (benchmarks
     never time on zeros)."""
-    from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
-    from switchyard.service.modelspec import preset
-
+    spec, tokenizer = serving_tokenizer(args)
     layout = ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
                            max_seq_len=args.max_seq_len, kv_tokens=getattr(args, "kv_tokens", 0),
                            kv_memory_fraction=getattr(args, "kv_memory_fraction", DEFAULT_KV_MEMORY_FRACTION),
@@ -204,12 +213,9 @@ def serving_engine(args) -> tuple:
     if args.model_path:
         cls = PagedEngine if paged else Engine
         engine = cls.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
-        tokenizer = Tokenizer.from_dir(args.model_path)
     else:
-        spec = preset(args.preset)
         cls = PagedEngine if paged else VariantEngine
         engine = cls.from_random(spec, layout, dtype=args.dtype or spec.dtype)
-        tokenizer = Tokenizer(build_tokenizer(spec), spec.eos_token_ids, spec.vocab_size)
     if paged:
         print(f"KV pool: {engine.kv_tokens} tokens in blocks of {engine.kv_block_size} "
               f"({engine.kv_tokens / layout.max_seq_len:.1f} sequences at the full context); "

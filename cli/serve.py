@@ -224,8 +224,8 @@ def check_port_free(host: str, port: int) -> None:
 
 def check_model(layout: Any, model_path: str, args: argparse.Namespace) -> tuple[Any, Any]:
     """Everything about the model that can be known before the port opens and the compile starts:
-    the folder and its files, the context and tensor-parallel size against the model and the devices,
-    the trace file. Returns (ModelSpec, Tokenizer); raises UsageError."""
+    the folder and its files, the context and tensor-parallel size against the model, the trace file
+    (the devices are the engine process's to count). Returns (ModelSpec, Tokenizer); raises UsageError."""
     from switchyard.service.engine.model import ShardShape
     from switchyard.service.engine.tokenizer import Tokenizer
     from switchyard.service.modelspec import ModelSpec, ModelSpecError
@@ -247,19 +247,59 @@ def check_model(layout: Any, model_path: str, args: argparse.Namespace) -> tuple
         ShardShape(spec, layout.tp)
     except ValueError as err:
         raise UsageError(f"--tp {layout.tp}: {err}") from None
-    if layout.pp == 1:  # a pipeline stage sees its devices only after joining its group
-        import jax
-
-        devices = jax.devices()
-        if layout.tp > len(devices):
-            raise UsageError(f"--tp {layout.tp} needs {layout.tp} devices; this process sees {len(devices)} "
-                             f"({devices[0].platform})")
     if args.trace_file:
         writable_file(args.trace_file, "--trace-file")
     try:
         return spec, Tokenizer.from_dir(folder, spec)
     except Exception as err:  # a tokenizer.json the tokenizers library cannot read
         raise UsageError(f"model folder {str(folder)!r}: tokenizer.json does not load: {err}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """What the engine process needs to build the engine (picklable)."""
+
+    model_path: str
+    layout: Any  # ServingLayout
+    dtype: str | None
+    warmup: bool
+
+
+def build_engine(options: EngineOptions) -> tuple[Any, Any, float]:
+    """The engine process's builder: the token-budget engine from the checkpoint, every step compiled
+    and the warm heap frozen. Returns (engine, tokenizer, warm-up seconds)."""
+    from switchyard.service.engine.heap import freeze_warm_heap
+    from switchyard.service.engine.paged import PagedEngine
+    from switchyard.service.engine.tokenizer import Tokenizer
+
+    log = logging.getLogger("switchyard.serve")
+    engine = PagedEngine.from_checkpoint(options.model_path, options.layout, dtype=options.dtype, progress=False)
+    warmup_s = 0.0
+    if options.warmup:
+        warmup_s = engine.warmup()
+        log.info("warm-up: compiled every step in %.1f s", warmup_s)
+        log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
+    return engine, Tokenizer.from_dir(options.model_path, engine.spec), warmup_s
+
+
+def start_engine_process(layout: Any, model_path: str, model_name: str, args: argparse.Namespace) -> Any:
+    """The engine in a process of its own (``service.api.engine_process``), once it has counted its
+    devices; UsageError (the process stopped) when they cannot hold the tensor-parallel group."""
+    from switchyard.service.api.engine_process import EngineProcess, EngineProcessLost, EngineStartError
+
+    process = EngineProcess(build_engine, EngineOptions(model_path, layout, args.dtype, not args.no_warmup),
+                            scheduler_options={"max_queue": args.max_queue, "model_name": model_name},
+                            log_level=args.log_level)
+    try:
+        devices = process.wait_devices()
+    except (EngineStartError, EngineProcessLost) as err:
+        process.close()
+        raise UsageError(f"the engine process could not start: {err}") from None
+    if layout.tp > devices.count:
+        process.close()
+        raise UsageError(f"--tp {layout.tp} needs {layout.tp} devices; the engine process sees {devices.count} "
+                         f"({devices.platform})")
+    return process
 
 
 def run(args: argparse.Namespace) -> int:
@@ -292,6 +332,10 @@ def run(args: argparse.Namespace) -> int:
         model_name = "tiny"
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
+    # One tensor-parallel group: the engine and its scheduler in a process of their own, so that the
+    # server's work never holds up a step (service/api/engine_process.py). Stage 0 of a pipeline
+    # group keeps its engine in this process, beside the group's runtime.
+    engine_process = start_engine_process(layout, model_path, model_name, args) if layout.pp == 1 else None
 
     from switchyard.service.api.server import STOPPED_WHILE_LOADING, DecodeApp, ServeOptions, serve, tune_interpreter
     from switchyard.service.api.wire import Limits
@@ -311,7 +355,6 @@ def run(args: argparse.Namespace) -> int:
 
     def load() -> tuple[Any, Any]:
         from switchyard.service.engine.heap import freeze_warm_heap
-        from switchyard.service.engine.paged import PagedEngine
         from switchyard.service.engine.scheduler import Scheduler
 
         log.info(
@@ -323,19 +366,17 @@ def run(args: argparse.Namespace) -> int:
             layout.batch_slots,
             layout.max_seq_len,
         )
-        if layout.pp > 1:
-            from switchyard.service.engine.pipeline import PipelineEngine
-            from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine
+        if engine_process is not None:  # the engine loads in its own process
+            engine_process.wait_ready()
+            engine_process.on_finish = recorder.on_finish
+            return engine_process, tokenizer
+        from switchyard.service.engine.pipeline import PipelineEngine
+        from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine
 
-            pipeline = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
-            engine = leader.engine = LeaderEngine(pipeline, CommandChannel.open(layout))
-            if not args.no_warmup:
-                log.info("warm-up: compiled every program on every stage in %.1f s", engine.warmup())
-        else:
-            engine = PagedEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
-            if not args.no_warmup:
-                log.info("warm-up: compiled every step in %.1f s", engine.warmup())
+        pipeline = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+        engine = leader.engine = LeaderEngine(pipeline, CommandChannel.open(layout))
         if not args.no_warmup:
+            log.info("warm-up: compiled every program on every stage in %.1f s", engine.warmup())
             log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
         scheduler = Scheduler(
             engine, tokenizer, max_queue=args.max_queue, on_finish=recorder.on_finish, model_name=model_name
@@ -380,6 +421,8 @@ def run(args: argparse.Namespace) -> int:
             exit_now(code)  # not the runtime's shutdown barrier, which waits minutes for the other stages
         return code
     finally:
+        if engine_process is not None:
+            engine_process.close()
         if scratch is not None:
             scratch.cleanup()
 

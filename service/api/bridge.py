@@ -1,7 +1,9 @@
 """Bridge between asyncio RPC handlers and the scheduler's thread.
 
 The scheduler runs its continuous-batching loop on one dedicated thread and calls each request's
-``on_event`` there. :meth:`EngineBridge.stream` turns those callbacks into an async iterator with
+``on_event`` there; for an engine in its own process
+(:class:`~switchyard.service.api.engine_process.EngineProcess`) that thread reads the engine's
+messages and makes the same calls. :meth:`EngineBridge.stream` turns those callbacks into an async iterator with
 ``loop.call_soon_threadsafe``; leaving the iterator early (client cancel, gRPC deadline, server
 shutdown) cancels the request in the scheduler, which frees its slot at the next step.
 """
@@ -131,7 +133,15 @@ class EngineBridge:
 
         deadline = None if timeout is None else time.monotonic() + timeout
         request = spec.to_generation_request(deadline=deadline, on_event=on_event)
-        self.scheduler.submit(request)
+        # A scheduler in this process raises its validation error here; one in the engine's own
+        # process (EngineProcess) answers with a future that raises it.
+        accepted = self.scheduler.submit(request)
+        if accepted is not None:
+            try:
+                await asyncio.wrap_future(accepted)
+            except asyncio.CancelledError:  # the caller left while the engine took the request
+                self.scheduler.cancel(spec.request_id)
+                raise
         self._in_flight[spec.request_id] = (pump, events)
         finished = False
         try:

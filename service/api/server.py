@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from switchyard.service.api import kserve, parsing
 from switchyard.service.api.bridge import EngineBridge
+from switchyard.service.api.engine_process import EngineStartError
 from switchyard.service.api.wire import (
     Limits,
     RequestSpec,
@@ -368,10 +369,10 @@ def build_server(app: DecodeApp, *, options: list[tuple[str, Any]] | None = None
 
 
 def tune_interpreter(switch_interval: float | None = None) -> None:
-    """The scheduler thread and the event-loop thread share one interpreter: after a step the
-    scheduler hands its tokens to the loop and must take the GIL back to launch the next step, which
-    can wait up to CPython's switch interval (5 ms by default). A shorter interval shortens that wait
-    and costs more switching; ``benchmarks/serve.py --switch-interval`` measures both. None: CPython's."""
+    """CPython's GIL switch interval for the server's process (5 ms by default): how long a thread
+    that wants the GIL waits before the one holding it is asked to let go. It mattered most while the
+    scheduler shared this process (a pipeline group's stage 0 still does); ``benchmarks/serve.py
+    --switch-interval`` measures it. None: CPython's."""
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
 
@@ -421,7 +422,7 @@ async def serve(
         return STOPPED_WHILE_LOADING
     try:
         scheduler, tokenizer = loader.result()
-    except ModelSpecError as err:  # the model or layout asks for what these devices cannot give
+    except (ModelSpecError, EngineStartError) as err:  # what these devices cannot give; the engine process's reason
         log.error("loading the model failed: %s", err)
         await server.stop(0)
         return 1

@@ -238,9 +238,14 @@ class Scheduler:
                 self._wake.notify()
 
     # ---- the scheduler thread --------------------------------------------------------------------
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event, after_step: Callable[[], None] | None = None) -> None:
+        """Step until ``stop``; ``after_step`` runs after every step (an engine in its own process
+        sends the step's events on from there, in one message)."""
         while not stop.is_set():
-            if not self.step():
+            worked = self.step()
+            if after_step is not None:
+                after_step()
+            if not worked:
                 with self._lock:
                     if not self._queue and not self._slots and not self._cancel:
                         self._wake.wait(timeout=0.05)

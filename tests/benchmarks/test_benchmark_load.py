@@ -212,7 +212,8 @@ def test_load_script_on_the_tiny_preset_through_both_paths(tmp_path):
     result = json.loads(out.read_text())
     assert {"command", "device", "date", "config", "slo", "highest_rate_slo_p99s_hold", "notes", "rows",
             "warmup_s"} <= set(result)
-    assert result["warmup_s"] > 0
+    assert set(result["warmup_s"]) == {"in-process", "grpc"}  # each path's engine, the gRPC one in its own process
+    assert all(seconds > 0 for seconds in result["warmup_s"].values())
     assert result["device"].endswith("cpu")
     assert "p99 of its own inter-token gaps" in result["slo"]["request_meets"]
     assert any("ignore-EOS" in note for note in result["notes"])

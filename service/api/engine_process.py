@@ -1,0 +1,339 @@
+"""The engine and its scheduler in a process of their own, seen by the server as a scheduler.
+
+The scheduler must hold the GIL to launch each step, and the gRPC server's event loop holds it for
+every message it sends. In one process the two take turns, and while the scheduler waits its turn
+the devices idle: through gRPC the longest gap between two tokens read 35-130 ms where the
+scheduler alone read 13 ms (benchmarks/NOTES.md). So ``switchyard serve`` runs the engine in a child
+process: nothing there wants the GIL but the scheduler, and the server's process keeps the network,
+the tokenizer's text conversions and the traces.
+
+Between the two, one pipe carries pickled messages. To the engine: go ahead and load (once the server
+has seen its devices), a request to begin (the
+:class:`~switchyard.service.engine.scheduler.GenerationRequest` without its callback), a cancel, a
+stop. To the server: the devices the child sees, then either the engine's facts (it is warm) or why
+it could not start; per request, accepted or rejected (the scheduler's own validation error, raised
+again here); after each engine step, every token event, finished request record and the queue and
+slot counts of that step, in one message.
+
+:class:`EngineProcess` is what the server's bridge drives: ``submit`` (returns a future that the
+acceptance settles), ``cancel``, and ``run(stop)``, the loop that reads the child's messages on the
+bridge's thread and calls each request's ``on_event`` there, as an in-process scheduler would.
+How the child builds its engine is a picklable ``builder(options) -> (engine, tokenizer, warm-up
+seconds)``, its module importable there: serve's from a checkpoint, a benchmark's from random weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from switchyard.service import errors
+from switchyard.service.api.wire import Unavailable
+from switchyard.service.modelspec import ModelSpecError
+
+log = logging.getLogger(__name__)
+
+# builder(options) -> (engine, tokenizer, warm-up seconds), run in the child; picklable by reference.
+Builder = Callable[[Any], tuple[Any, Any, float]]
+
+# The scheduler's validation errors, raised again on the server's side by name.
+_REJECTIONS = {cls.__name__: cls for cls in (errors.InvalidRequestError, errors.OutOfRangeError,
+                                             errors.QueueFullError, errors.DuplicateRequestError)}
+STOP_TIMEOUT_S = 30.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not start its engine (the message says why)."""
+
+
+class EngineProcessLost(RuntimeError):
+    """The engine process ended or broke its pipe while serving."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What the server needs to know of the engine: ModelInfo's sizes and the start-up log."""
+
+    max_slots: int
+    max_seq_len: int
+    kv_tokens: int
+    kv_block_size: int
+    step_tokens: int
+    warmup_s: float
+
+
+class Devices(NamedTuple):
+    """The devices the engine process sees."""
+
+    count: int
+    platform: str  # "gpu", "cpu"
+    kind: str  # "NVIDIA H200"
+
+    @property
+    def label(self) -> str:
+        return f"{self.count}x {self.kind}"
+
+
+class EngineProcess:
+    """The parent's end: a scheduler to the bridge (module docstring)."""
+
+    def __init__(self, builder: Builder, options: Any, *, scheduler_options: dict[str, Any] | None = None,
+                 log_level: str = "INFO") -> None:
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        self._conn, child_end = context.Pipe()
+        # Never written: when this process ends, however it ends, the child reads EOF on it and exits,
+        # also in the middle of loading or compiling.
+        lifeline, self._lifeline = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=_child_main, args=(builder, options, scheduler_options or {}, child_end, lifeline, log_level),
+            name="switchyard-engine", daemon=True)
+        self._process.start()
+        child_end.close()
+        lifeline.close()
+        self._send_lock = threading.Lock()
+        self._callbacks: dict[str, Callable[[Any], None]] = {}
+        self._accepting: dict[str, concurrent.futures.Future[None]] = {}
+        self.on_finish: Callable[[Any], None] | None = None  # a finished request's record (the recorder's)
+        self.facts: EngineFacts | None = None
+        self.engine: Any = None  # the facts, where code reads a scheduler's engine
+        self.active_slots = 0
+        self.queue_depth = 0
+        self._devices_seen = False
+
+    # ---- start-up (one reader: the caller) -------------------------------------------------------
+    def wait_devices(self, timeout: float | None = None) -> Devices:
+        """The devices the child sees, once it has looked (it loads nothing before :meth:`wait_ready`)."""
+        kind, *rest = self._receive(timeout)
+        if kind == "failed":
+            raise self._start_error(*rest)
+        if kind != "devices":
+            raise EngineProcessLost(f"the engine process said {kind!r} before its devices")
+        self._devices_seen = True
+        return rest[0]
+
+    def wait_ready(self, timeout: float | None = None) -> EngineFacts:
+        """Let the child build its engine (it waits for this after counting its devices) and block
+        until the engine is warm; raises ModelSpecError or EngineStartError if it cannot start."""
+        kind, *rest = ("devices",) if self._devices_seen else self._receive(timeout)
+        if kind == "devices":
+            self._send(("load",))
+            kind, *rest = self._receive(timeout)
+        if kind == "failed":
+            raise self._start_error(*rest)
+        if kind != "ready":
+            raise EngineProcessLost(f"the engine process said {kind!r} before it was ready")
+        self.facts = rest[0]
+        self.engine = self.facts
+        return self.facts
+
+    @staticmethod
+    def _start_error(reason: str, message: str) -> Exception:
+        return ModelSpecError(message) if reason == "model" else EngineStartError(message)
+
+    def _receive(self, timeout: float | None) -> tuple[Any, ...]:
+        if not self._conn.poll(timeout):
+            raise EngineStartError(f"the engine process said nothing in {timeout:.0f} s")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise EngineProcessLost(f"the engine process exited (code {self._exit_code()})") from None
+
+    # ---- as a scheduler --------------------------------------------------------------------------
+    @property
+    def max_seq_len(self) -> int:
+        assert self.facts is not None
+        return self.facts.max_seq_len
+
+    @property
+    def max_slots(self) -> int:
+        assert self.facts is not None
+        return self.facts.max_slots
+
+    def submit(self, request: Any) -> concurrent.futures.Future[None]:
+        """Send ``request`` to the engine's scheduler; the future raises its validation error, if any."""
+        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._callbacks[request.request_id] = request.on_event
+        self._accepting[request.request_id] = accepted
+        try:
+            self._send(("submit", dataclasses.replace(request, on_event=None)))
+        except Unavailable as err:
+            self._callbacks.pop(request.request_id, None)
+            self._accepting.pop(request.request_id, None)
+            accepted.set_exception(err)
+        return accepted
+
+    def cancel(self, request_id: str) -> None:
+        # A lost engine process has nothing left to cancel.
+        with contextlib.suppress(Unavailable):
+            self._send(("cancel", request_id))
+
+    def run(self, stop: threading.Event) -> None:
+        """Read the engine's messages until ``stop``; raises EngineProcessLost if the engine goes."""
+        try:
+            while not stop.is_set():
+                if self._conn.poll(0.05):
+                    self._handle(self._receive(None))
+        except BaseException as err:
+            for request_id, accepted in list(self._accepting.items()):
+                if not accepted.done():
+                    accepted.set_exception(Unavailable("the engine process is gone"))
+                self._accepting.pop(request_id, None)
+            if isinstance(err, EngineProcessLost | BrokenPipeError):
+                raise EngineProcessLost(str(err)) from None
+            raise
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, events, records, (self.active_slots, self.queue_depth) = message
+            for record in records:  # before the final events: a client that sees its end finds the trace
+                if self.on_finish is not None:
+                    self.on_finish(record)
+            for event in events:
+                callback = self._callbacks.get(event.request_id)
+                if event.finish_reason is not None:
+                    self._callbacks.pop(event.request_id, None)
+                if callback is not None:
+                    callback(event)
+        elif kind in ("accepted", "rejected"):
+            accepted = self._accepting.pop(message[1], None)
+            if kind == "rejected":
+                self._callbacks.pop(message[1], None)
+                if accepted is not None:
+                    accepted.set_exception(_REJECTIONS.get(message[2], RuntimeError)(message[3]))
+            elif accepted is not None:
+                accepted.set_result(None)
+        elif kind == "loop_failed":
+            raise EngineProcessLost(f"the engine loop failed: {message[1]}")
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (BrokenPipeError, OSError):
+            raise Unavailable("the engine process is gone; this server is going away") from None
+
+    # ---- the end ---------------------------------------------------------------------------------
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the engine process (its scheduler finishes nothing more) and wait for it."""
+        with contextlib.suppress(Unavailable):
+            self._send(("stop",))
+        self._process.join(timeout)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop in %.0f s: terminating it", timeout)
+            self._process.terminate()
+            self._process.join(5)
+        self._conn.close()
+        self._lifeline.close()
+
+    def _exit_code(self) -> int | None:
+        self._process.join(1)
+        return self._process.exitcode
+
+
+# ---- the child -----------------------------------------------------------------------------------
+
+
+class _Outbox:
+    """The child's end of the pipe: one message per engine step with its events and records."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._events: list[Any] = []
+        self._records: list[Any] = []
+
+    def event(self, event: Any) -> None:  # scheduler thread
+        self._events.append(event)
+
+    def record(self, record: Any) -> None:  # scheduler thread
+        self._records.append(record)
+
+    def flush(self, scheduler: Any) -> None:  # scheduler thread, after each step
+        if self._events or self._records:
+            events, self._events = self._events, []
+            records, self._records = self._records, []
+            self.send(("step", events, records, (scheduler.active_slots, scheduler.queue_depth)))
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+def _child_main(builder: Builder, options: Any, scheduler_options: dict[str, Any], conn: Any, lifeline: Any,
+                log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(lifeline,), name="switchyard-lifeline", daemon=True).start()
+    outbox = _Outbox(conn)
+    try:
+        import jax
+        from switchyard.service.engine.scheduler import Scheduler
+
+        devices = jax.devices()
+        outbox.send(("devices", Devices(len(devices), devices[0].platform, devices[0].device_kind)))
+        if conn.recv()[0] != "load":  # the server may find the devices too few, and stop here
+            return
+        engine, tokenizer, warmup_s = builder(options)
+        scheduler = Scheduler(engine, tokenizer, on_finish=outbox.record, **scheduler_options)
+    except (EOFError, OSError):  # the server's end closed before loading
+        return
+    except ModelSpecError as err:  # the model or layout asks for what these devices cannot give
+        outbox.send(("failed", "model", str(err)))
+        return
+    except Exception as err:
+        log.exception("the engine could not start")
+        outbox.send(("failed", "error", f"{type(err).__name__}: {err}"))
+        return
+    facts = EngineFacts(engine.max_slots, engine.max_seq_len, engine.kv_tokens, engine.kv_block_size,
+                        engine.step_tokens, warmup_s)
+    stop = threading.Event()
+    threading.Thread(target=_take_commands, args=(conn, scheduler, outbox, stop), name="switchyard-commands",
+                     daemon=True).start()
+    outbox.send(("ready", facts))
+    try:
+        scheduler.run(stop, after_step=lambda: outbox.flush(scheduler))
+    except Exception as err:
+        log.exception("the engine loop failed")
+        with contextlib.suppress(OSError):
+            outbox.flush(scheduler)
+            outbox.send(("loop_failed", f"{type(err).__name__}: {err}"))
+
+
+def _take_commands(conn: Any, scheduler: Any, outbox: _Outbox, stop: threading.Event) -> None:
+    """Requests and cancels from the server; the server's end closing (it exited) stops the engine."""
+    try:
+        while True:
+            kind, *rest = conn.recv()
+            if kind == "submit":
+                request = rest[0]
+                request.on_event = outbox.event
+                try:
+                    scheduler.submit(request)
+                except Exception as err:  # a validation error, raised again by name (others as INTERNAL)
+                    outbox.send(("rejected", request.request_id, type(err).__name__, str(err)))
+                else:
+                    outbox.send(("accepted", request.request_id))
+            elif kind == "cancel":
+                scheduler.cancel(rest[0])
+            elif kind == "stop":
+                break
+    except (EOFError, OSError):
+        log.warning("the server's end of the engine pipe closed: stopping")
+    finally:
+        stop.set()
+
+
+def _exit_with_parent(lifeline: Any) -> None:
+    """Wait for the server's process to end (EOF on a pipe it never writes), then end this one at once."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()
+    log.warning("the server's process is gone: the engine process exits")
+    logging.shutdown()
+    os._exit(1)

@@ -1,0 +1,34 @@
+"""Builders for :class:`~switchyard.service.api.engine_process.EngineProcess` in tests: each runs in
+the spawned engine process, so each is a module-level function of a module that process can import."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from switchyard.service.modelspec import ModelSpecError
+
+
+def tiny_from_checkpoint(options: Any) -> tuple[Any, Any, float]:
+    """serve's own builder, without the warm-up (steps compile on first use)."""
+    from switchyard.cli.serve import build_engine
+
+    return build_engine(options)
+
+
+def refuses_the_layout(options: Any) -> tuple[Any, Any, float]:
+    raise ModelSpecError("layout.kv_tokens 99 needs 1.00 GiB of KV cache per GPU, but only 0.50 GiB is free")
+
+
+def breaks(options: Any) -> tuple[Any, Any, float]:
+    raise RuntimeError("the checkpoint's shards disagree")
+
+
+def exits_while_loading(options: Any) -> tuple[Any, Any, float]:
+    os._exit(3)
+
+
+def loads_forever(options: Any) -> tuple[Any, Any, float]:
+    while True:
+        time.sleep(1)
