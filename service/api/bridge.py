@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from switchyard.service.api.engine_process import EngineProcessLost
 from switchyard.service.api.wire import RequestSpec, Unavailable
 from switchyard.service.errors import DuplicateRequestError, quoted
 
@@ -77,10 +78,14 @@ class EngineBridge:
     def _run(self) -> None:
         try:
             self.scheduler.run(self._stop)
-        except BaseException:
-            # A bug in the loop: nothing will ever finish the requests in flight. End each with an
-            # error event (their callers get INTERNAL, not a hang) and report the server unhealthy.
-            log.exception("the scheduler loop failed; failing %d request(s) in flight", len(self._in_flight))
+        except BaseException as err:
+            # A bug in the loop, or the engine process gone: nothing will ever finish the requests in
+            # flight. End each with an error event (their callers get INTERNAL, not a hang) and report
+            # the server unhealthy.
+            if isinstance(err, EngineProcessLost):  # its own process logged what it knew
+                log.error("%s; failing %d request(s) in flight", err, len(self._in_flight))
+            else:
+                log.exception("the scheduler loop failed; failing %d request(s) in flight", len(self._in_flight))
             self.failed = True
             self.accepting = False
             self._fail_in_flight()

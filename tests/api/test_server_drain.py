@@ -3,6 +3,7 @@ finishes every accepted one (generating or queued) within the grace period, and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -42,20 +43,50 @@ def _wait(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started that are still alive (Linux: /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _serve(tmp_path: Path, grace: float = 60, max_seq_len: int = 256) -> tuple[subprocess.Popen, str, Path]:
     port = _free_port()
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--no-warmup", "--host", "127.0.0.1",
-           "--port", str(port), "--batch-slots", str(SLOTS), "--max-seq-len", "256", "--grace-period", "60"]
+           "--port", str(port), "--batch-slots", str(SLOTS), "--max-seq-len", str(max_seq_len),
+           "--grace-period", str(grace)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    target = f"127.0.0.1:{port}"
+    return proc, f"127.0.0.1:{port}", log
+
+
+def _engine_process(proc: subprocess.Popen) -> int:
+    """The pid of serve's engine process (its one Python child that is not multiprocessing's tracker)."""
+    engines = [c for c in _children(proc.pid)
+               if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
+    assert len(engines) == 1, engines
+    return engines[0]
+
+
+def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
+    proc, target, log = _serve(tmp_path)
     try:
         channel = grpc.insecure_channel(target)
         health = health_pb2_grpc.HealthStub(channel)
         check = health_pb2.HealthCheckRequest(service="")
         serving = health_pb2.HealthCheckResponse.SERVING
         _wait(lambda: health.Check(check, timeout=2).status == serving, 120, f"SERVING; log:\n{log.read_text()}")
+        engine = _engine_process(proc)
         client = DecodeClient(target)
         client.generate(make_request("compile the steps", max_tokens=MAX_TOKENS), timeout=120)
 
@@ -93,6 +124,7 @@ def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
         for t in threads:
             t.join(120)
         assert proc.wait(60) == 0
+        assert not _alive(engine), "the engine process outlived serve"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -104,3 +136,42 @@ def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
         assert len(r.token_ids) == MAX_TOKENS or r.finish_reason == "stop"
     text = log.read_text()
     assert "draining" in text and "stopped" in text
+
+
+def test_a_lost_engine_process_fails_its_streams_and_stops_serve(tmp_path: Path) -> None:
+    proc, target, log = _serve(tmp_path, max_seq_len=2048)  # the tiny model's whole context
+    try:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+        check = health_pb2.HealthCheckRequest(service="")
+        _wait(lambda: health.Check(check, timeout=2).status == health_pb2.HealthCheckResponse.SERVING, 120,
+              f"SERVING; log:\n{log.read_text()}")
+        client = DecodeClient(target)
+        client.generate(make_request("compile the steps", max_tokens=4), timeout=120)
+        outcome: list[object] = []
+        tokens: list[object] = []
+
+        def stream() -> None:  # greedy over the tiny model's fixed weights, this prompt runs for hundreds of tokens
+            try:
+                for message in client.stream(make_request("hello there", max_tokens=2000), timeout=120):
+                    tokens.append(message)
+                outcome.append("finished")
+            except grpc.RpcError as err:
+                outcome.append(err)
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        _wait(lambda: len(tokens) > 2, 60, "the stream's first tokens")
+        os.kill(_engine_process(proc), signal.SIGKILL)
+        thread.join(60)
+        assert not thread.is_alive(), "the stream hung after its engine went away"
+        err, = outcome
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INTERNAL
+        assert "the engine failed while generating" in err.details()
+        assert proc.wait(60) == 1  # so that the pod restarts
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "the engine process exited (code -9); failing 1 request(s) in flight" in text
+    assert "stopping so that the pod restarts" in text
