@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -270,6 +271,10 @@ class _Outbox:
 def _child_main(builder: Builder, options: Any, scheduler_options: dict[str, Any], conn: Any, lifeline: Any,
                 log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A terminal's Ctrl-C, or a SIGTERM to the whole process group, reaches this process too: the
+    # server drains first and then stops it, and if the server is gone the lifeline ends it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(lifeline,), name="switchyard-lifeline", daemon=True).start()
     outbox = _Outbox(conn)
     try:

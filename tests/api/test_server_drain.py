@@ -59,14 +59,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _serve(tmp_path: Path, grace: float = 60, max_seq_len: int = 256) -> tuple[subprocess.Popen, str, Path]:
+def _serve(tmp_path: Path, grace: float = 60, max_seq_len: int = 256, **popen) -> tuple[subprocess.Popen, str, Path]:
     port = _free_port()
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--no-warmup", "--host", "127.0.0.1",
            "--port", str(port), "--batch-slots", str(SLOTS), "--max-seq-len", str(max_seq_len),
            "--grace-period", str(grace)]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ), **popen)
     return proc, f"127.0.0.1:{port}", log
 
 
@@ -175,3 +175,42 @@ def test_a_lost_engine_process_fails_its_streams_and_stops_serve(tmp_path: Path)
     text = log.read_text()
     assert "the engine process exited (code -9); failing 1 request(s) in flight" in text
     assert "stopping so that the pod restarts" in text
+
+
+def test_ctrl_c_to_the_process_group_drains_as_sigterm_does(tmp_path: Path) -> None:
+    # A terminal sends SIGINT to every process of the group, the engine process included.
+    proc, target, log = _serve(tmp_path, max_seq_len=2048, start_new_session=True)
+    try:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+        check = health_pb2.HealthCheckRequest(service="")
+        _wait(lambda: health.Check(check, timeout=2).status == health_pb2.HealthCheckResponse.SERVING, 120,
+              "SERVING")
+        engine = _engine_process(proc)
+        client = DecodeClient(target)
+        client.generate(make_request("compile the steps", max_tokens=4), timeout=120)
+        results: list[object] = []
+        tokens: list[object] = []
+
+        def stream() -> None:  # greedy over the tiny model's fixed weights, this prompt runs for hundreds of tokens
+            try:
+                result = client.generate(make_request("hello there", max_tokens=1000), timeout=120,
+                                         on_text=tokens.append)
+                results.append(result)
+            except grpc.RpcError as err:
+                results.append(err)
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        _wait(lambda: len(tokens) > 2, 60, "the stream's first tokens")
+        os.killpg(proc.pid, signal.SIGINT)
+        thread.join(120)
+        assert proc.wait(60) == 0
+        assert not _alive(engine), "the engine process outlived serve"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    result, = results
+    assert not isinstance(result, grpc.RpcError), f"the stream was lost: {result}"
+    assert result.finish_reason in ("length", "stop") and len(result.token_ids) > 2
+    assert "draining" in log.read_text()
