@@ -6,9 +6,10 @@ of greedy decoding are run twice, interleaved over ``--repeats`` rounds:
 
 - ``in-process``: requests submitted straight to the scheduler; times are the scheduler's emit times;
 - ``grpc``: the same requests through ``switchyard.v1.Decode/Generate`` on a localhost port, the server
-  in this process exactly as ``switchyard serve`` runs it, the clients (grpc.aio, one stream per
-  request) in a separate process so that they do not share the server's interpreter; times are
-  client arrival times.
+  and the scheduler in this process (as a pipeline group's stage 0 runs them; ``switchyard serve``
+  gives one tensor-parallel group's engine a process of its own, which ``load.py --path grpc``
+  measures), the clients (grpc.aio, one stream per request) in a separate process so that they do
+  not share the server's interpreter; times are client arrival times.
 
 Per row: ``ms_per_token`` is the mean wait between two tokens of one stream (after its first token),
 ``tokens_per_s`` is every output token over the wall time from the first request sent to the last
