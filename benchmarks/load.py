@@ -39,9 +39,10 @@ Per (path, rate):
   the step with the prompt's first chunk, so that a TTFT splits into waiting and computing;
 - through gRPC, ``server_itl_ms_p99/max``: the inter-token gaps as the server's scheduler emitted the
   tokens, so that a gap the client saw splits into the engine's and the path's;
-- with ``--stall-report MS``, ``stalls``: for the longest gaps over MS between a request's tokens as this
-  process emitted them (one per stretch of time), the stacks each of its threads was seen in most often
-  during the gap (sampled every millisecond), to tell a slow step from a thread held back;
+- with ``--stall-report MS``, ``stalls``: for the longest gaps over MS between a request's tokens (one per
+  stretch of time; in process as the scheduler emitted them, through gRPC as the client received them),
+  the stacks each thread of this process was seen in most often during the gap (sampled every
+  millisecond), to tell a slow step from a thread held back;
 - in process, ``engine_steps_per_s``: engine steps over the span, and ``host``: the host's time to launch
   a step, with and without a prompt chunk, the time ``collect`` waits for a step's tokens, and the
   fraction of steps already done when it asked (then the host, not the device, set the pace); per kind
@@ -339,8 +340,9 @@ def highest_rate_holding(rows: Sequence[dict[str, Any]], path: str) -> float | N
 
 def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: float) -> list[dict[str, Any]]:
     """Send each ``(offset, prompt ids, max_tokens)`` at its offset, one stream each; per request its
-    arrival and token times (perf_counter), status and finish reason. Streams still open ``timeout``
-    seconds after the last arrival are cancelled and reported unfinished."""
+    arrival and token times (``time.monotonic``: the machine's clock, the server's too), status and
+    finish reason. Streams still open ``timeout`` seconds after the last arrival are cancelled and
+    reported unfinished."""
     import asyncio
 
     import grpc
@@ -349,14 +351,14 @@ def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: fl
     reasons = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}
 
     async def one(stub: Any, start: float, offset: float, ids: list[int], max_tokens: int, out: dict) -> None:
-        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
         request = decode_pb2.GenerateRequest(max_tokens=max_tokens)
         request.token_ids.ids.extend(ids)
-        out["arrival"] = time.perf_counter()
+        out["arrival"] = time.monotonic()
         try:
             async for message in stub.Generate(request):
                 if message.token_ids:
-                    out["token_times"].append(time.perf_counter())
+                    out["token_times"].append(time.monotonic())
                 if message.finish_reason:
                     out["status"], out["finish_reason"] = FINISHED, reasons.get(message.finish_reason, "other")
             if out["status"] != FINISHED:
@@ -369,7 +371,7 @@ def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: fl
             stub = decode_pb2_grpc.DecodeStub(channel)
             await channel.channel_ready()
             results = [{"arrival": None, "token_times": [], "status": UNFINISHED, "finish_reason": ""} for _ in plan]
-            start = time.perf_counter()
+            start = time.monotonic()
             tasks = [asyncio.create_task(one(stub, start, offset, ids, n, out))
                      for (offset, ids, n), out in zip(plan, results, strict=True)]
             last = max((offset for offset, _, _ in plan), default=0.0)
@@ -658,9 +660,9 @@ def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], token
             server_gaps = [g for times in emitted for g in gaps(times)]
             extra: dict[str, Any] = {"server_itl_ms_p99": _ms(percentile(server_gaps, 99)),
                                      "server_itl_ms_max": _ms(max(server_gaps, default=None))}
-            if sampler is not None:
+            if sampler is not None:  # the gaps the client saw (one clock with this process's)
                 sampler.stop()
-                extra["stalls"] = sampler.report(emitted, args.stall_report / 1e3)
+                extra["stalls"] = sampler.report([r.token_times for r in measured], args.stall_report / 1e3)
             rows.append(finish_row("grpc", rate, measured, args, extra))
         return {"rows": rows, "warmup_s": facts.warmup_s, "device": devices.label, "facts": facts}
     finally:
