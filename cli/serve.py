@@ -222,7 +222,7 @@ def check_port_free(host: str, port: int) -> None:
             raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
 
 
-def check_model(layout: Any, model_path: str, args: argparse.Namespace) -> tuple[Any, Any]:
+def check_model(layout: Any, model_path: str, args: argparse.Namespace, model_name: str = "") -> tuple[Any, Any]:
     """Everything about the model that can be known before the port opens and the compile starts:
     the folder and its files, the context and tensor-parallel size against the model, the trace file
     (the devices are the engine process's to count). Returns (ModelSpec, Tokenizer); raises UsageError."""
@@ -242,7 +242,7 @@ def check_model(layout: Any, model_path: str, args: argparse.Namespace) -> tuple
         raise UsageError(f"model folder {str(folder)!r}: {err}") from None
     if not 2 <= layout.max_seq_len <= spec.max_position_embeddings:
         raise UsageError(f"--max-seq-len {layout.max_seq_len} is outside [2, {spec.max_position_embeddings}], "
-                         f"the context of {spec.name}")
+                         f"the context of {model_name or spec.name}")
     try:
         ShardShape(spec, layout.tp)
     except ValueError as err:
@@ -322,14 +322,14 @@ def run(args: argparse.Namespace) -> int:
     if not model_path:
         raise UsageError("no model: give --model-path (or SWITCHYARD_MODEL_PATH, or model_path in the layout) "
                          "or --tiny")
-    _, tokenizer = check_model(layout, model_path, args)
+    model_name = layout.model_name or Path(model_path).resolve().name
+    if args.tiny and not layout.model_name:
+        model_name = "tiny"
+    _, tokenizer = check_model(layout, model_path, args, model_name)
     if layout.pp > 1:
         # Before joining the group: a stage that joined and then failed would hold the others in the
         # distributed runtime until its timeouts ran out.
         check_port_free(args.host, args.port)
-    model_name = layout.model_name or Path(model_path).resolve().name
-    if args.tiny and not layout.model_name:
-        model_name = "tiny"
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
     # One tensor-parallel group: the engine and its scheduler in a process of their own, so that the
