@@ -250,6 +250,7 @@ class _Outbox:
         self._lock = threading.Lock()
         self._events: list[Any] = []
         self._records: list[Any] = []
+        self._counts = (0, 0)
 
     def event(self, event: Any) -> None:  # scheduler thread
         self._events.append(event)
@@ -258,10 +259,12 @@ class _Outbox:
         self._records.append(record)
 
     def flush(self, scheduler: Any) -> None:  # scheduler thread, after each step
-        if self._events or self._records:
+        counts = (scheduler.active_slots, scheduler.queue_depth)
+        if self._events or self._records or counts != self._counts:  # the counts for ModelInfo and metrics
             events, self._events = self._events, []
             records, self._records = self._records, []
-            self.send(("step", events, records, (scheduler.active_slots, scheduler.queue_depth)))
+            self._counts = counts
+            self.send(("step", events, records, counts))
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self._lock:

@@ -220,3 +220,24 @@ def test_requests_keep_their_fields_across_the_pipe():
 
     sent = pickle.loads(pickle.dumps(dataclasses.replace(request, on_event=None)))
     assert dataclasses.replace(sent, on_event=print) == request
+
+
+def test_a_step_is_sent_when_it_made_events_or_changed_the_counts():
+    from types import SimpleNamespace
+
+    from switchyard.service.api.engine_process import _Outbox
+
+    sent: list = []
+    outbox = _Outbox(SimpleNamespace(send=sent.append))
+    scheduler = SimpleNamespace(active_slots=0, queue_depth=0)
+    outbox.flush(scheduler)
+    assert sent == []  # idle: nothing to say
+    scheduler.queue_depth = 2  # two requests queued, no token yet
+    outbox.flush(scheduler)
+    scheduler.active_slots, scheduler.queue_depth = 1, 1  # one admitted, its prompt still going in
+    outbox.flush(scheduler)
+    outbox.flush(scheduler)
+    outbox.event("e1")
+    outbox.record("r1")
+    outbox.flush(scheduler)
+    assert sent == [("step", [], [], (0, 2)), ("step", [], [], (1, 1)), ("step", ["e1"], ["r1"], (1, 1))]
