@@ -103,7 +103,6 @@ class EngineProcess:
         self._accepting: dict[str, concurrent.futures.Future[None]] = {}
         self.on_finish: Callable[[Any], None] | None = None  # a finished request's record (the recorder's)
         self.facts: EngineFacts | None = None
-        self.engine: Any = None  # the facts, where code reads a scheduler's engine
         self.active_slots = 0
         self.queue_depth = 0
         self._devices_seen = False
@@ -131,7 +130,6 @@ class EngineProcess:
         if kind != "ready":
             raise EngineProcessLost(f"the engine process said {kind!r} before it was ready")
         self.facts = rest[0]
-        self.engine = self.facts
         return self.facts
 
     @staticmethod
@@ -147,6 +145,11 @@ class EngineProcess:
             raise EngineProcessLost(f"the engine process exited (code {self._exit_code()})") from None
 
     # ---- as a scheduler --------------------------------------------------------------------------
+    @property
+    def engine(self) -> EngineFacts | None:
+        """The facts, where code reads a scheduler's engine (sizes for ModelInfo and the log)."""
+        return self.facts
+
     @property
     def max_seq_len(self) -> int:
         assert self.facts is not None
@@ -181,13 +184,11 @@ class EngineProcess:
             while not stop.is_set():
                 if self._conn.poll(0.05):
                     self._handle(self._receive(None))
-        except BaseException as err:
+        except BaseException:
             for request_id, accepted in list(self._accepting.items()):
                 if not accepted.done():
                     accepted.set_exception(Unavailable("the engine process is gone"))
                 self._accepting.pop(request_id, None)
-            if isinstance(err, EngineProcessLost | BrokenPipeError):
-                raise EngineProcessLost(str(err)) from None
             raise
 
     def _handle(self, message: tuple[Any, ...]) -> None:
