@@ -660,10 +660,7 @@ def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], token
             server_gaps = [g for times in emitted for g in gaps(times)]
             extra: dict[str, Any] = {"server_itl_ms_p99": _ms(percentile(server_gaps, 99)),
                                      "server_itl_ms_max": _ms(max(server_gaps, default=None))}
-            if sampler is not None:  # the gaps the client saw (one clock with this process's)
-                sampler.stop()
-                extra["stalls"] = sampler.report([r.token_times for r in measured], args.stall_report / 1e3)
-            rows.append(finish_row("grpc", rate, measured, args, extra))
+            rows.append(finish_row("grpc", rate, measured, args, extra, sampler))
         return {"rows": rows, "warmup_s": facts.warmup_s, "device": devices.label, "facts": facts}
     finally:
         clients.shutdown()
@@ -684,17 +681,19 @@ def in_process_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]])
             clock.remove()
         extra["engine_steps"] = engine.step_count - steps
         extra["host"] = clock.summary()
-        if sampler is not None:
-            sampler.stop()
-            extra["stalls"] = sampler.report([r.token_times for r in measured], args.stall_report / 1e3)
-        row = finish_row("in-process", rate, measured, args, extra)
+        row = finish_row("in-process", rate, measured, args, extra, sampler)
         row["engine_steps_per_s"] = round(row["engine_steps"] / row["span_s"], 1) if row["span_s"] else None
         rows.append(row)
     return {"rows": rows, "warmup_s": warmup_s, "device": device_name(), "facts": engine}
 
 
 def finish_row(path: str, rate: float, measured: list[RequestTimes], args: argparse.Namespace,
-               extra: dict[str, Any]) -> dict[str, Any]:
+               extra: dict[str, Any], sampler: StallSampler | None = None) -> dict[str, Any]:
+    """A rate's row; with ``sampler`` (stopped here) its stalls, the longest gaps between the tokens
+    as measured (in process the scheduler's emit times, through gRPC the client's: one clock)."""
+    if sampler is not None:
+        sampler.stop()
+        extra["stalls"] = sampler.report([r.token_times for r in measured], args.stall_report / 1e3)
     row = {"path": path, "rate_rps": rate, **summarize(measured, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3),
            "by_prompt_length": by_prompt_length(measured), **extra}
     print(f"{path} {rate:g}/s: sent {row['sent']} finished {row['finished']} failed {row['failed']} "
