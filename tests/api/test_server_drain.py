@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -59,7 +60,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _serve(tmp_path: Path, grace: float = 60, max_seq_len: int = 256, **popen) -> tuple[subprocess.Popen, str, Path]:
+@contextlib.contextmanager
+def _serve(tmp_path: Path, grace: float = 60, max_seq_len: int = 256,
+           **popen) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """``switchyard serve --tiny`` as a subprocess: (process, target, log); killed on the way out if
+    still running."""
     port = _free_port()
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--no-warmup", "--host", "127.0.0.1",
@@ -67,7 +72,12 @@ def _serve(tmp_path: Path, grace: float = 60, max_seq_len: int = 256, **popen) -
            "--grace-period", str(grace)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ), **popen)
-    return proc, f"127.0.0.1:{port}", log
+    try:
+        yield proc, f"127.0.0.1:{port}", log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _engine_process(proc: subprocess.Popen) -> int:
@@ -78,9 +88,39 @@ def _engine_process(proc: subprocess.Popen) -> int:
     return engines[0]
 
 
-def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
-    proc, target, log = _serve(tmp_path)
+def _wait_serving(target: str, log: Path) -> None:
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    check = health_pb2.HealthCheckRequest(service="")
     try:
+        _wait(lambda: health.Check(check, timeout=2).status == health_pb2.HealthCheckResponse.SERVING, 120,
+              "SERVING")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; log:\n{log.read_text()}") from None
+
+
+def _long_stream(target: str) -> tuple[threading.Thread, list[object]]:
+    """A stream well under way (a few tokens in) and where its outcome lands: the result or the error.
+    Greedy over the tiny model's fixed weights, its prompt runs for hundreds of tokens."""
+    client = DecodeClient(target)
+    client.generate(make_request("compile the steps", max_tokens=4), timeout=120)
+    outcome: list[object] = []
+    texts: list[str] = []
+
+    def stream() -> None:
+        try:
+            outcome.append(client.generate(make_request("hello there", max_tokens=1000), timeout=120,
+                                           on_text=texts.append))
+        except grpc.RpcError as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    _wait(lambda: len(texts) > 2, 60, "the stream's first tokens")
+    return thread, outcome
+
+
+def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
+    with _serve(tmp_path) as (proc, target, log):
         channel = grpc.insecure_channel(target)
         health = health_pb2_grpc.HealthStub(channel)
         check = health_pb2.HealthCheckRequest(service="")
@@ -125,10 +165,6 @@ def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
             t.join(120)
         assert proc.wait(60) == 0
         assert not _alive(engine), "the engine process outlived serve"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     for i in range(STREAMS):
         r = results[i]
         assert not isinstance(r, grpc.RpcError), f"stream {i} lost: {r}"
@@ -139,28 +175,9 @@ def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
 
 
 def test_a_lost_engine_process_fails_its_streams_and_stops_serve(tmp_path: Path) -> None:
-    proc, target, log = _serve(tmp_path, max_seq_len=2048)  # the tiny model's whole context
-    try:
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
-        check = health_pb2.HealthCheckRequest(service="")
-        _wait(lambda: health.Check(check, timeout=2).status == health_pb2.HealthCheckResponse.SERVING, 120,
-              f"SERVING; log:\n{log.read_text()}")
-        client = DecodeClient(target)
-        client.generate(make_request("compile the steps", max_tokens=4), timeout=120)
-        outcome: list[object] = []
-        tokens: list[object] = []
-
-        def stream() -> None:  # greedy over the tiny model's fixed weights, this prompt runs for hundreds of tokens
-            try:
-                for message in client.stream(make_request("hello there", max_tokens=2000), timeout=120):
-                    tokens.append(message)
-                outcome.append("finished")
-            except grpc.RpcError as err:
-                outcome.append(err)
-
-        thread = threading.Thread(target=stream)
-        thread.start()
-        _wait(lambda: len(tokens) > 2, 60, "the stream's first tokens")
+    with _serve(tmp_path, max_seq_len=2048) as (proc, target, log):  # the tiny model's whole context
+        _wait_serving(target, log)
+        thread, outcome = _long_stream(target)
         os.kill(_engine_process(proc), signal.SIGKILL)
         thread.join(60)
         assert not thread.is_alive(), "the stream hung after its engine went away"
@@ -168,10 +185,6 @@ def test_a_lost_engine_process_fails_its_streams_and_stops_serve(tmp_path: Path)
         assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INTERNAL
         assert "the engine failed while generating" in err.details()
         assert proc.wait(60) == 1  # so that the pod restarts
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = log.read_text()
     assert "the engine process exited (code -9); failing 1 request(s) in flight" in text
     assert "stopping so that the pod restarts" in text
@@ -179,38 +192,15 @@ def test_a_lost_engine_process_fails_its_streams_and_stops_serve(tmp_path: Path)
 
 def test_ctrl_c_to_the_process_group_drains_as_sigterm_does(tmp_path: Path) -> None:
     # A terminal sends SIGINT to every process of the group, the engine process included.
-    proc, target, log = _serve(tmp_path, max_seq_len=2048, start_new_session=True)
-    try:
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
-        check = health_pb2.HealthCheckRequest(service="")
-        _wait(lambda: health.Check(check, timeout=2).status == health_pb2.HealthCheckResponse.SERVING, 120,
-              "SERVING")
+    with _serve(tmp_path, max_seq_len=2048, start_new_session=True) as (proc, target, log):
+        _wait_serving(target, log)
         engine = _engine_process(proc)
-        client = DecodeClient(target)
-        client.generate(make_request("compile the steps", max_tokens=4), timeout=120)
-        results: list[object] = []
-        tokens: list[object] = []
-
-        def stream() -> None:  # greedy over the tiny model's fixed weights, this prompt runs for hundreds of tokens
-            try:
-                result = client.generate(make_request("hello there", max_tokens=1000), timeout=120,
-                                         on_text=tokens.append)
-                results.append(result)
-            except grpc.RpcError as err:
-                results.append(err)
-
-        thread = threading.Thread(target=stream)
-        thread.start()
-        _wait(lambda: len(tokens) > 2, 60, "the stream's first tokens")
+        thread, outcome = _long_stream(target)
         os.killpg(proc.pid, signal.SIGINT)
         thread.join(120)
         assert proc.wait(60) == 0
         assert not _alive(engine), "the engine process outlived serve"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    result, = results
+    result, = outcome
     assert not isinstance(result, grpc.RpcError), f"the stream was lost: {result}"
     assert result.finish_reason in ("length", "stop") and len(result.token_ids) > 2
     assert "draining" in log.read_text()
