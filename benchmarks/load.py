@@ -370,6 +370,9 @@ def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: fl
         async with grpc.aio.insecure_channel(target) as channel:
             stub = decode_pb2_grpc.DecodeStub(channel)
             await channel.channel_ready()
+            # The client's own full collections would read as gaps between tokens.
+            gc.collect()
+            gc.freeze()
             results = [{"arrival": None, "token_times": [], "status": UNFINISHED, "finish_reason": ""} for _ in plan]
             start = time.monotonic()
             tasks = [asyncio.create_task(one(stub, start, offset, ids, n, out))
@@ -640,6 +643,7 @@ def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], token
     """Every rate through gRPC, the engine in a process of its own (started here, ended before this
     returns, so the devices are free again): {"rows", "warmup_s", "device", "facts"}."""
     from switchyard.service.api.engine_process import EngineProcess
+    from switchyard.service.engine.heap import freeze_warm_heap
 
     process = EngineProcess(build_engine, args, scheduler_options={
         "max_queue": max(len(plan) for plan in plans) + 8, "model_name": "load"})
@@ -647,6 +651,8 @@ def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], token
     try:
         devices = process.wait_devices()
         facts = process.wait_ready()
+        frozen, collect_ms = freeze_warm_heap()  # as switchyard serve does in the server's process
+        print(f"server heap: {frozen} objects frozen (a full collection took {collect_ms:.0f} ms)", flush=True)
         # Unmeasured: starts the client process and its imports, and the server's first call.
         warm = PlannedRequest(0.0, [3] * args.prompt_mix.shortest, args.output_mix.shortest)
         run_grpc(process, tokenizer, [warm], args.timeout, clients)

@@ -369,6 +369,10 @@ def run(args: argparse.Namespace) -> int:
         if engine_process is not None:  # the engine loads in its own process
             engine_process.wait_ready()
             engine_process.on_finish = recorder.on_finish
+            # This process delivers every token: a full collection scanning its libraries' objects
+            # (transformers, gRPC) would hold every stream for as long as it takes.
+            log.info("heap: %d objects of the server's process frozen (a full collection took %.0f ms)",
+                     *freeze_warm_heap())
             return engine_process, tokenizer
         from switchyard.service.engine.pipeline import PipelineEngine
         from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine

@@ -172,6 +172,8 @@ def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
         assert len(r.token_ids) == MAX_TOKENS or r.finish_reason == "stop"
     text = log.read_text()
     assert "draining" in text and "stopped" in text
+    # The server's process delivers the tokens: its heap is frozen once the engine is ready.
+    assert "objects of the server's process frozen" in text
 
 
 def test_a_lost_engine_process_fails_its_streams_and_stops_serve(tmp_path: Path) -> None:
