@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import os
-import types
 from pathlib import Path
 from typing import Any
 
@@ -282,12 +281,51 @@ def build_engine(options: EngineOptions) -> tuple[Any, Any, float]:
     return engine, Tokenizer.from_dir(options.model_path, engine.spec), warmup_s
 
 
+def join_pipeline_group(options: EngineOptions) -> None:
+    """Stage 0's engine process, before it looks at its devices: join the pipeline group (the
+    distributed runtime must start before any device is used); GroupFormationError if it cannot."""
+    from switchyard.service.engine.pipeline_group import join
+
+    layout = options.layout
+    logging.getLogger("switchyard.serve").info("joining pipeline group of %d stages at %s as stage 0", layout.pp,
+                                               layout.coordinator)
+    join(layout)
+
+
+def build_pipeline_leader(options: EngineOptions) -> tuple[Any, Any, float]:
+    """Stage 0's engine process's builder: its stage of the pipeline, announcing every call to the
+    other stages, every program compiled on every stage and the warm heap frozen."""
+    from switchyard.service.engine.heap import freeze_warm_heap
+    from switchyard.service.engine.pipeline import PipelineEngine
+    from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine
+    from switchyard.service.engine.tokenizer import Tokenizer
+
+    log = logging.getLogger("switchyard.serve")
+    pipeline = PipelineEngine.from_checkpoint(options.model_path, options.layout, dtype=options.dtype, progress=False)
+    engine = LeaderEngine(pipeline, CommandChannel.open(options.layout))
+    warmup_s = 0.0
+    if options.warmup:
+        warmup_s = engine.warmup()
+        log.info("warm-up: compiled every program on every stage in %.1f s", warmup_s)
+        log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
+    return engine, Tokenizer.from_dir(options.model_path, pipeline.spec), warmup_s
+
+
+def release_pipeline_group(engine: Any) -> None:
+    """Stage 0's engine process, after a clean stop: let the other stages go (they exit 0)."""
+    engine.stop()
+
+
 def start_engine_process(layout: Any, model_path: str, model_name: str, args: argparse.Namespace) -> Any:
     """The engine in a process of its own (``service.api.engine_process``), once it has counted its
-    devices; UsageError (the process stopped) when they cannot hold the tensor-parallel group."""
+    devices (as stage 0 of a pipeline group, once it has joined the group); UsageError (the process
+    stopped) when they cannot hold the tensor-parallel group, GroupFormationError when the group did
+    not form."""
     from switchyard.service.api.engine_process import EngineProcess, EngineProcessLost, EngineStartError
 
-    process = EngineProcess(build_engine, EngineOptions(model_path, layout, args.dtype, not args.no_warmup),
+    options = EngineOptions(model_path, layout, args.dtype, not args.no_warmup)
+    group = {"prepare": join_pipeline_group, "release": release_pipeline_group} if layout.pp > 1 else {}
+    process = EngineProcess(build_pipeline_leader if layout.pp > 1 else build_engine, options, **group,
                             scheduler_options={"max_queue": args.max_queue, "model_name": model_name},
                             log_level=args.log_level)
     try:
@@ -332,10 +370,17 @@ def run(args: argparse.Namespace) -> int:
         check_port_free(args.host, args.port)
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
-    # One tensor-parallel group: the engine and its scheduler in a process of their own, so that the
-    # server's work never holds up a step (service/api/engine_process.py). Stage 0 of a pipeline
-    # group keeps its engine in this process, beside the group's runtime.
-    engine_process = start_engine_process(layout, model_path, model_name, args) if layout.pp == 1 else None
+    # The engine and its scheduler in a process of their own, so that the server's work never holds
+    # up a step (service/api/engine_process.py); as stage 0 of a pipeline group it joins the group there.
+    from switchyard.service.errors import GroupFormationError
+
+    try:
+        engine_process = start_engine_process(layout, model_path, model_name, args)
+    except GroupFormationError as err:  # nothing joined yet: one line, and a plain exit
+        log.error("%s", err)
+        if scratch is not None:
+            scratch.cleanup()
+        return 1
 
     from switchyard.service.api.server import STOPPED_WHILE_LOADING, DecodeApp, ServeOptions, serve, tune_interpreter
     from switchyard.service.api.wire import Limits
@@ -355,7 +400,6 @@ def run(args: argparse.Namespace) -> int:
 
     def load() -> tuple[Any, Any]:
         from switchyard.service.engine.heap import freeze_warm_heap
-        from switchyard.service.engine.scheduler import Scheduler
 
         log.info(
             "loading %s from %s (tp=%d, strategy=%s, %d sequences at once, context %d)",
@@ -366,41 +410,14 @@ def run(args: argparse.Namespace) -> int:
             layout.batch_slots,
             layout.max_seq_len,
         )
-        if engine_process is not None:  # the engine loads in its own process
-            engine_process.wait_ready()
-            engine_process.on_finish = recorder.on_finish
-            # This process delivers every token: a full collection scanning its libraries' objects
-            # (transformers, gRPC) would hold every stream for as long as it takes.
-            log.info("heap: %d objects of the server's process frozen (a full collection took %.0f ms)",
-                     *freeze_warm_heap())
-            return engine_process, tokenizer
-        from switchyard.service.engine.pipeline import PipelineEngine
-        from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine
+        engine_process.wait_ready()  # the engine loads in its own process
+        engine_process.on_finish = recorder.on_finish
+        # This process delivers every token: a full collection scanning its libraries' objects
+        # (transformers, gRPC) would hold every stream for as long as it takes.
+        log.info("heap: %d objects of the server's process frozen (a full collection took %.0f ms)",
+                 *freeze_warm_heap())
+        return engine_process, tokenizer
 
-        pipeline = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
-        engine = leader.engine = LeaderEngine(pipeline, CommandChannel.open(layout))
-        if not args.no_warmup:
-            log.info("warm-up: compiled every program on every stage in %.1f s", engine.warmup())
-            log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
-        scheduler = Scheduler(
-            engine, tokenizer, max_queue=args.max_queue, on_finish=recorder.on_finish, model_name=model_name
-        )
-        return scheduler, tokenizer
-
-    leader = types.SimpleNamespace(engine=None)
-    if layout.pp > 1:
-        from switchyard.service.engine.pipeline_group import GroupFormationError, join
-
-        # Join before serving: the distributed runtime installs its own SIGTERM handler, which the
-        # server's (drain, then release the other stages) must replace.
-        log.info("joining pipeline group of %d stages at %s as stage 0", layout.pp, layout.coordinator)
-        try:
-            join(layout)
-        except GroupFormationError as err:  # nothing joined yet: one line, and a plain exit
-            log.error("%s", err)
-            if scratch is not None:
-                scratch.cleanup()
-            return 1
     tune_interpreter(args.switch_interval)
     try:
         code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))
@@ -410,23 +427,9 @@ def run(args: argparse.Namespace) -> int:
                 scratch.cleanup()
             logging.shutdown()
             os._exit(code)
-        if leader.engine is not None:
-            if leader.engine.broken is not None:
-                from switchyard.service.engine.pipeline_group import exit_now
-
-                log.error("the pipeline group is broken (%s): exiting so that it restarts as a unit",
-                          leader.engine.broken)
-                exit_now(code or 1)
-            if code == 0:
-                leader.engine.stop()  # release the other stages of the group
-        if code != 0 and layout.pp > 1:
-            from switchyard.service.engine.pipeline_group import exit_now
-
-            exit_now(code)  # not the runtime's shutdown barrier, which waits minutes for the other stages
         return code
     finally:
-        if engine_process is not None:
-            engine_process.close()
+        engine_process.close()
         if scratch is not None:
             scratch.cleanup()
 

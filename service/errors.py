@@ -1,4 +1,5 @@
-"""Errors a request can meet, each mapped by the server to a gRPC status."""
+"""Errors a request can meet, each mapped by the server to a gRPC status, and those that stop an
+engine from starting or running."""
 
 
 class InvalidRequestError(ValueError):
@@ -15,6 +16,11 @@ class QueueFullError(RuntimeError):
 
 class FatalEngineError(RuntimeError):
     """The engine can no longer run (a pipeline stage is gone): the process must stop and be restarted."""
+
+
+class GroupFormationError(RuntimeError):
+    """This stage cannot join its pipeline group: its coordinator (stage 0) does not answer, or the
+    group does not form."""
 
 
 class DuplicateRequestError(InvalidRequestError):

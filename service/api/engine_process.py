@@ -20,6 +20,9 @@ acceptance settles), ``cancel``, and ``run(stop)``, the loop that reads the chil
 bridge's thread and calls each request's ``on_event`` there, as an in-process scheduler would.
 How the child builds its engine is a picklable ``builder(options) -> (engine, tokenizer, warm-up
 seconds)``, its module importable there: serve's from a checkpoint, a benchmark's from random weights.
+Stage 0 of a pipeline group also gives ``prepare(options)``, run before the child looks at its devices
+(it joins the group there: the distributed runtime must start before any device is used), and
+``release(engine)``, run after a clean stop (it lets the group's other stages go).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # builder(options) -> (engine, tokenizer, warm-up seconds), run in the child; picklable by reference.
 Builder = Callable[[Any], tuple[Any, Any, float]]
+Prepare = Callable[[Any], None]  # prepare(options), in the child before it counts its devices
+Release = Callable[[Any], None]  # release(engine), in the child after a clean stop
 
 # The scheduler's validation errors, raised again on the server's side by name.
 _REJECTIONS = {cls.__name__: cls for cls in (errors.InvalidRequestError, errors.OutOfRangeError,
@@ -85,7 +90,8 @@ class Devices(NamedTuple):
 class EngineProcess:
     """The parent's end: a scheduler to the bridge (module docstring)."""
 
-    def __init__(self, builder: Builder, options: Any, *, scheduler_options: dict[str, Any] | None = None,
+    def __init__(self, builder: Builder, options: Any, *, prepare: Prepare | None = None,
+                 release: Release | None = None, scheduler_options: dict[str, Any] | None = None,
                  log_level: str = "INFO") -> None:
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, child_end = context.Pipe()
@@ -93,7 +99,8 @@ class EngineProcess:
         # also in the middle of loading or compiling.
         lifeline, self._lifeline = context.Pipe(duplex=False)
         self._process = context.Process(
-            target=_child_main, args=(builder, options, scheduler_options or {}, child_end, lifeline, log_level),
+            target=_child_main,
+            args=(_Recipe(builder, options, prepare, release), scheduler_options or {}, child_end, lifeline, log_level),
             name="switchyard-engine", daemon=True)
         self._process.start()
         child_end.close()
@@ -109,7 +116,8 @@ class EngineProcess:
 
     # ---- start-up (one reader: the caller) -------------------------------------------------------
     def wait_devices(self, timeout: float | None = None) -> Devices:
-        """The devices the child sees, once it has looked (it loads nothing before :meth:`wait_ready`)."""
+        """The devices the child sees, once it has looked (it loads nothing before :meth:`wait_ready`);
+        raises GroupFormationError when its ``prepare`` could not join a pipeline group."""
         kind, *rest = self._receive(timeout)
         if kind == "failed":
             raise self._start_error(*rest)
@@ -134,7 +142,7 @@ class EngineProcess:
 
     @staticmethod
     def _start_error(reason: str, message: str) -> Exception:
-        return ModelSpecError(message) if reason == "model" else EngineStartError(message)
+        return {"model": ModelSpecError, "group": errors.GroupFormationError}.get(reason, EngineStartError)(message)
 
     def _receive(self, timeout: float | None) -> tuple[Any, ...]:
         if not self._conn.poll(timeout):
@@ -272,29 +280,48 @@ class _Outbox:
             self._conn.send(message)
 
 
-def _child_main(builder: Builder, options: Any, scheduler_options: dict[str, Any], conn: Any, lifeline: Any,
-                log_level: str) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # A terminal's Ctrl-C, or a SIGTERM to the whole process group, reaches this process too: the
-    # server drains first and then stops it, and if the server is gone the lifeline ends it.
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """How the child makes its engine (the module docstring), each function picklable by reference."""
+
+    build: Builder
+    options: Any
+    prepare: Prepare | None
+    release: Release | None
+
+
+def _ignore_terminal_signals() -> None:
+    """A terminal's Ctrl-C, or a SIGTERM to the whole process group, reaches this process too: the
+    server drains first and then stops it, and if the server is gone the lifeline ends it."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+
+
+def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, lifeline: Any, log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _ignore_terminal_signals()
     threading.Thread(target=_exit_with_parent, args=(lifeline,), name="switchyard-lifeline", daemon=True).start()
     outbox = _Outbox(conn)
     try:
+        if recipe.prepare is not None:
+            recipe.prepare(recipe.options)
+            _ignore_terminal_signals()  # the distributed runtime installs a SIGTERM handler of its own
         import jax
         from switchyard.service.engine.scheduler import Scheduler
 
-        devices = jax.devices()
+        devices = jax.local_devices()
         outbox.send(("devices", Devices(len(devices), devices[0].platform, devices[0].device_kind)))
         if conn.recv()[0] != "load":  # the server may find the devices too few, and stop here
             return
-        engine, tokenizer, warmup_s = builder(options)
+        engine, tokenizer, warmup_s = recipe.build(recipe.options)
         scheduler = Scheduler(engine, tokenizer, on_finish=outbox.record, **scheduler_options)
     except (EOFError, OSError):  # the server's end closed before loading
         return
     except ModelSpecError as err:  # the model or layout asks for what these devices cannot give
         outbox.send(("failed", "model", str(err)))
+        return
+    except errors.GroupFormationError as err:  # the pipeline group did not form: the reason, in one line
+        outbox.send(("failed", "group", str(err)))
         return
     except Exception as err:
         log.exception("the engine could not start")
@@ -313,6 +340,11 @@ def _child_main(builder: Builder, options: Any, scheduler_options: dict[str, Any
         with contextlib.suppress(OSError):
             outbox.flush(scheduler)
             outbox.send(("loop_failed", f"{type(err).__name__}: {err}"))
+        # At once: an orderly exit would wait in a pipeline group's runtime for stages that are gone.
+        logging.shutdown()
+        os._exit(1)
+    if recipe.release is not None:
+        recipe.release(engine)
 
 
 def _take_commands(conn: Any, scheduler: Any, outbox: _Outbox, stop: threading.Event) -> None:

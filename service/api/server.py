@@ -371,8 +371,7 @@ def build_server(app: DecodeApp, *, options: list[tuple[str, Any]] | None = None
 def tune_interpreter(switch_interval: float | None = None) -> None:
     """CPython's GIL switch interval for the server's process (5 ms by default): how long a thread
     that wants the GIL waits before the one holding it is asked to let go. It mattered most while the
-    scheduler shared this process (a pipeline group's stage 0 still does); ``benchmarks/serve.py
-    --switch-interval`` measures it. None: CPython's."""
+    scheduler shared this process; ``benchmarks/serve.py --switch-interval`` measures it. None: CPython's."""
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
 

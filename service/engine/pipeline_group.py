@@ -29,7 +29,7 @@ from switchyard.service.engine.contract import PendingStep, Prefix, StepResult
 from switchyard.service.engine.pipeline import PipelineEngine
 from switchyard.service.engine.sampling import SamplingParams
 from switchyard.service.engine.tensor_parallel import warm_up
-from switchyard.service.errors import FatalEngineError
+from switchyard.service.errors import FatalEngineError, GroupFormationError
 from switchyard.service.modelspec import ModelSpec, ServingLayout
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,6 @@ PREFILL, INSERT, TICK, STOP = 1, 2, 3, 4
 
 class GroupBrokenError(FatalEngineError):
     """A stage of the pipeline group is gone; the group must be restarted as a unit."""
-
-
-class GroupFormationError(RuntimeError):
-    """This stage cannot join its pipeline group: its coordinator (stage 0) does not answer."""
 
 
 HEADER = 10  # op, a, b, c, d, temperature bits, top_k, top_p bits, seed, greedy

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -123,3 +124,60 @@ def test_stage_0_that_cannot_listen_on_the_coordinator_port_exits_at_once_with_o
     assert len(errors) == 1 and f"cannot listen on the coordinator port {coordinator.split(':')[1]}" in errors[0], \
         done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "Check failure" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_lost_later_stage_fails_stage_0s_streams_and_stops_it_at_once(checkpoint, tmp_path):
+    """Stage 1 killed mid-stream: stage 0's engine process fails its loop and exits at once (an orderly
+    exit would wait in the group's runtime for the lost stage); the stream ends INTERNAL, serve exits 1."""
+    layout = {"tp": 1, "pp": 2, "batch_slots": 2, "max_seq_len": 256, "strategy": "xla",
+              "coordinator": f"127.0.0.1:{_free_port()}", "extra": {"pipeline_stage_env": "STAGE"}}
+    (tmp_path / "layout.json").write_text(json.dumps(layout))
+    ports = [_free_port(), _free_port()]
+    procs = []
+    for stage, port in enumerate(ports):
+        env = dict(os.environ, STAGE=str(stage), XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                   JAX_PLATFORMS="cpu")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "switchyard.cli.main", "serve", "--layout", str(tmp_path / "layout.json"),
+             "--model-path", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        deadline = time.monotonic() + 180
+        while not all(_serving(p) for p in ports):
+            assert all(p.poll() is None for p in procs), "a stage exited during start-up"
+            assert time.monotonic() < deadline, "the group did not become SERVING"
+            time.sleep(0.5)
+        outcome: list = []
+        with DecodeClient(f"127.0.0.1:{ports[0]}") as client:
+            tokens: list[str] = []
+
+            def generate() -> None:
+                try:
+                    outcome.append(client.generate(make_request(PROMPT, max_tokens=240), timeout=120,
+                                                   on_text=tokens.append))
+                except grpc.RpcError as err:
+                    outcome.append(err)
+
+            thread = threading.Thread(target=generate)
+            thread.start()
+            deadline = time.monotonic() + 60
+            while len(tokens) < 3:
+                assert time.monotonic() < deadline and thread.is_alive(), "the stream did not start"
+                time.sleep(0.01)
+            procs[1].kill()
+            killed = time.monotonic()
+            thread.join(60)
+            assert not thread.is_alive(), "the stream hung after stage 1 went away"
+        (err,) = outcome
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INTERNAL, err
+        assert procs[0].wait(timeout=60) == 1
+        took = time.monotonic() - killed
+        # Within the runtime's heartbeat timeout (10 s) and the drain, not the engine process's stop timeout.
+        assert took < 25, took
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            out = p.communicate()[0]
+            if p.returncode not in (0, None, -9):
+                print(out[-3000:])
