@@ -26,6 +26,23 @@ NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": n
 INDEX_FILE = "model.safetensors.index.json"
 
 
+class _NoProgress:
+    """What a progress bar does when there is none to show."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(show: bool, **kwargs: Any) -> Any:
+    """A tqdm bar, or nothing that shows. A disabled tqdm still makes a multiprocessing lock, which an
+    engine process that is killed (or exits at once) leaves behind, and the resource tracker then warns
+    of a leaked semaphore when serve exits."""
+    return tqdm(**kwargs) if show else _NoProgress()
+
+
 class CheckpointError(ValueError):
     """A checkpoint folder that is missing files or tensors, or holds tensors of the wrong shape."""
 
@@ -148,7 +165,7 @@ def load_params(
 
     rep = P()
     total = 3 + per_stage
-    bar = tqdm(total=total, desc=f"loading {folder.name}", unit="tensor-group", disable=not progress)
+    bar = progress_bar(progress, total=total, desc=f"loading {folder.name}", unit="tensor-group")
     params: dict[str, Any] = {"layers": []}
     params["embed"] = put(shapes["embed"], rep, whole("model.embed_tokens.weight", (s.vocab_size, s.hidden_size)))
     bar.update()
@@ -223,7 +240,7 @@ def write_checkpoint(
     build_tokenizer(spec).save(str(out / "tokenizer.json"))
     total = spec.param_bytes
     n_files = max(1, -(-total // shard_bytes))
-    bar = tqdm(total=total, desc=f"writing {out.name}", unit="B", unit_scale=True, disable=not progress)
+    bar = progress_bar(progress, total=total, desc=f"writing {out.name}", unit="B", unit_scale=True)
     shard: dict[str, np.ndarray] = {}
     shard_size = 0
     weight_map: dict[str, str] = {}
