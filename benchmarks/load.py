@@ -402,9 +402,10 @@ class StepClock:
     Where two consecutive collects both waited and the second step was launched before the first
     returned, the device went from the first step's end straight to the second: the time between
     their returns is the second step's time on the device. Those times, and the decode rows each step
-    ran (its width), are reported per kind of step."""
+    ran (its width), are reported per kind of step, with the longest launches (what each step carried)."""
 
     IDLE_WAIT_S = 1e-4
+    LONGEST = 5
 
     def __init__(self, engine: Any) -> None:
         self.launch: dict[str, list[float]] = {"decode": [], "chunk": []}
@@ -412,6 +413,7 @@ class StepClock:
         self.widths: dict[str, list[int]] = {"decode": [], "chunk": []}
         self.device: dict[str, list[float]] = {"decode": [], "chunk": []}
         self._launched: dict[int, tuple[str, float]] = {}  # step: (kind, when its launch returned)
+        self.longest: list[tuple[float, str, int, int]] = []  # (seconds, kind, width, end of its chunk or 0)
         self._last_return: float | None = None  # when the previous collect returned, if it waited
         self._engine = engine
         dispatch, collect = engine.dispatch, engine.collect
@@ -423,7 +425,10 @@ class StepClock:
             kind = "chunk" if chunk is not None else "decode"
             t1 = time.perf_counter()
             self.launch[kind].append(t1 - t0)
-            self.widths[kind].append(int(getattr(pending, "width", pending.batch)))
+            width = int(getattr(pending, "width", pending.batch))
+            self.widths[kind].append(width)
+            self.longest = sorted([*self.longest, (t1 - t0, kind, width, chunk.start + chunk.length if chunk else 0)],
+                                  reverse=True)[: self.LONGEST]
             self._launched[pending.step] = (kind, t1)
             return pending
 
@@ -449,10 +454,14 @@ class StepClock:
         for kind, times in self.launch.items():
             out[f"{kind}_steps"] = len(times)
             out[f"{kind}_launch_ms_mean"] = _ms(sum(times) / len(times)) if times else None
+            out[f"{kind}_launch_ms_p99"] = _ms(percentile(times, 99))
+            out[f"{kind}_launch_ms_max"] = _ms(max(times, default=None))
             out[f"{kind}_step_widths"] = {str(w): n for w, n in sorted(collections.Counter(self.widths[kind]).items())}
             device = self.device[kind]
             out[f"{kind}_device_ms_p50"] = _ms(percentile(device, 50))
             out[f"{kind}_device_ms_p99"] = _ms(percentile(device, 99))
+        out["longest_launches"] = [{"ms": _ms(t), "kind": kind, "width": width, "chunk_end": end}
+                                   for t, kind, width, end in self.longest]
         out["collect_wait_ms_mean"] = _ms(sum(self.wait) / len(self.wait)) if self.wait else None
         out["collect_found_done_fraction"] = (round(sum(w < self.IDLE_WAIT_S for w in self.wait) / len(self.wait), 4)
                                               if self.wait else None)

@@ -245,6 +245,13 @@ def test_load_script_on_the_tiny_preset_through_both_paths(tmp_path):
                 assert {int(w) for w in host[f"{kind}_step_widths"]} <= {1, 2, 4}
                 p50, p99 = host[f"{kind}_device_ms_p50"], host[f"{kind}_device_ms_p99"]
                 assert p50 is None or 0 < p50 <= p99
+            assert 0 < host["chunk_launch_ms_mean"] <= host["chunk_launch_ms_p99"] <= host["chunk_launch_ms_max"]
+            longest = host["longest_launches"]  # the longest first, the very longest the max of its kind
+            times = [x["ms"] for x in longest]
+            assert 0 < len(longest) <= 5 and times == sorted(times, reverse=True)
+            top = longest[0]
+            assert top["ms"] == host[f"{top['kind']}_launch_ms_max"]
+            assert all((x["chunk_end"] > 0) == (x["kind"] == "chunk") and x["width"] in (1, 2, 4) for x in longest)
         groups = row["by_prompt_length"]
         assert [g["prompt_tokens"] for g in groups] == sorted({len(p.prompt_ids) for p in plan})
         assert sum(g["requests"] for g in groups) == len(plan)
