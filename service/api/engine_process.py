@@ -36,7 +36,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from switchyard.service import errors
 from switchyard.service.api.wire import Unavailable
@@ -312,7 +312,7 @@ def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, l
         devices = jax.local_devices()
         outbox.send(("devices", Devices(len(devices), devices[0].platform, devices[0].device_kind)))
         if conn.recv()[0] != "load":  # the server may find the devices too few, and stop here
-            return
+            _exit_now(0)
         engine, tokenizer, warmup_s = recipe.build(recipe.options)
         scheduler = Scheduler(engine, tokenizer, on_finish=outbox.record, **scheduler_options)
     except (EOFError, OSError):  # the server's end closed before loading
@@ -340,9 +340,7 @@ def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, l
         with contextlib.suppress(OSError):
             outbox.flush(scheduler)
             outbox.send(("loop_failed", f"{type(err).__name__}: {err}"))
-        # At once: an orderly exit would wait in a pipeline group's runtime for stages that are gone.
-        logging.shutdown()
-        os._exit(1)
+        _exit_now(1)
     if recipe.release is not None:
         recipe.release(engine)
 
@@ -371,10 +369,16 @@ def _take_commands(conn: Any, scheduler: Any, outbox: _Outbox, stop: threading.E
         stop.set()
 
 
+def _exit_now(code: int) -> NoReturn:
+    """End the engine process at once: an orderly exit would wait in a pipeline group's runtime for
+    stages that are gone, or that are still waiting for this one."""
+    logging.shutdown()
+    os._exit(code)
+
+
 def _exit_with_parent(lifeline: Any) -> None:
     """Wait for the server's process to end (EOF on a pipe it never writes), then end this one at once."""
     with contextlib.suppress(EOFError, OSError):
         lifeline.recv()
     log.warning("the server's process is gone: the engine process exits")
-    logging.shutdown()
-    os._exit(1)
+    _exit_now(1)
