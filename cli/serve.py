@@ -264,20 +264,28 @@ class EngineOptions:
     warmup: bool
 
 
+def warm_up(engine: Any, options: EngineOptions, compiled: str) -> float:
+    """In the engine process: compile every program of ``engine`` (unless the options say not to) and
+    freeze the warm heap; logs what was ``compiled``. Returns the warm-up's seconds (0 without one)."""
+    from switchyard.service.engine.heap import freeze_warm_heap
+
+    if not options.warmup:
+        return 0.0
+    log = logging.getLogger("switchyard.serve")
+    warmup_s = engine.warmup()
+    log.info("warm-up: compiled %s in %.1f s", compiled, warmup_s)
+    log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
+    return warmup_s
+
+
 def build_engine(options: EngineOptions) -> tuple[Any, Any, float]:
     """The engine process's builder: the token-budget engine from the checkpoint, every step compiled
     and the warm heap frozen. Returns (engine, tokenizer, warm-up seconds)."""
-    from switchyard.service.engine.heap import freeze_warm_heap
     from switchyard.service.engine.paged import PagedEngine
     from switchyard.service.engine.tokenizer import Tokenizer
 
-    log = logging.getLogger("switchyard.serve")
     engine = PagedEngine.from_checkpoint(options.model_path, options.layout, dtype=options.dtype, progress=False)
-    warmup_s = 0.0
-    if options.warmup:
-        warmup_s = engine.warmup()
-        log.info("warm-up: compiled every step in %.1f s", warmup_s)
-        log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
+    warmup_s = warm_up(engine, options, "every step")
     return engine, Tokenizer.from_dir(options.model_path, engine.spec), warmup_s
 
 
@@ -295,19 +303,13 @@ def join_pipeline_group(options: EngineOptions) -> None:
 def build_pipeline_leader(options: EngineOptions) -> tuple[Any, Any, float]:
     """Stage 0's engine process's builder: its stage of the pipeline, announcing every call to the
     other stages, every program compiled on every stage and the warm heap frozen."""
-    from switchyard.service.engine.heap import freeze_warm_heap
     from switchyard.service.engine.pipeline import PipelineEngine
     from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine
     from switchyard.service.engine.tokenizer import Tokenizer
 
-    log = logging.getLogger("switchyard.serve")
     pipeline = PipelineEngine.from_checkpoint(options.model_path, options.layout, dtype=options.dtype, progress=False)
     engine = LeaderEngine(pipeline, CommandChannel.open(options.layout))
-    warmup_s = 0.0
-    if options.warmup:
-        warmup_s = engine.warmup()
-        log.info("warm-up: compiled every program on every stage in %.1f s", warmup_s)
-        log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
+    warmup_s = warm_up(engine, options, "every program on every stage")
     return engine, Tokenizer.from_dir(options.model_path, pipeline.spec), warmup_s
 
 

@@ -3,6 +3,7 @@ the environment (as the operator renders it); stage 0 answers Generate, stage 1 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -43,14 +46,13 @@ def checkpoint(tmp_path_factory, tiny_checkpoint_dir):
     return varied_checkpoint(tmp_path_factory.mktemp("pp-serve-model"), tiny_checkpoint_dir, seed=5)
 
 
-def test_two_stage_group_serves_generate_like_one_device(checkpoint, tmp_path):
-    engine = Engine.from_checkpoint(checkpoint, ServingLayout(tp=1, batch_slots=2, max_seq_len=64), progress=False)
-    prefix = engine.prefill(PROMPT)
-    engine.insert(prefix, 0)
-    expected = [prefix.first_token] + [int(engine.generate().tokens[0]) for _ in range(9)]
-
-    layout = {"tp": 1, "pp": 2, "batch_slots": 4, "max_seq_len": 64, "strategy": "xla",
-              "coordinator": f"127.0.0.1:{_free_port()}", "extra": {"pipeline_stage_env": "STAGE"}}
+@contextlib.contextmanager
+def _serving_group(tmp_path, checkpoint, **layout: Any) -> Iterator[tuple[list[subprocess.Popen], list[int]]]:
+    """A two-stage group of ``switchyard serve`` processes on ``checkpoint`` (the stage from the
+    environment, as the operator renders it), once both say SERVING: (processes, gRPC ports). Stages
+    still running on the way out are killed; the output of any that did not exit 0 is printed."""
+    layout = {"tp": 1, "pp": 2, "strategy": "xla", "coordinator": f"127.0.0.1:{_free_port()}",
+              "extra": {"pipeline_stage_env": "STAGE"}, **layout}
     (tmp_path / "layout.json").write_text(json.dumps(layout))
     ports = [_free_port(), _free_port()]
     procs = []
@@ -67,12 +69,7 @@ def test_two_stage_group_serves_generate_like_one_device(checkpoint, tmp_path):
             assert all(p.poll() is None for p in procs), "a stage exited during start-up"
             assert time.monotonic() < deadline, "the group did not become SERVING"
             time.sleep(0.5)
-        with DecodeClient(f"127.0.0.1:{ports[0]}") as client:
-            result = client.generate(make_request(PROMPT, max_tokens=10), timeout=120)
-        assert result.token_ids == expected
-        procs[0].send_signal(signal.SIGTERM)
-        assert procs[0].wait(timeout=60) == 0
-        assert procs[1].wait(timeout=60) == 0, "stage 1 was not released by stage 0"
+        yield procs, ports
     finally:
         for p in procs:
             if p.poll() is None:
@@ -80,6 +77,21 @@ def test_two_stage_group_serves_generate_like_one_device(checkpoint, tmp_path):
             out = p.communicate()[0]
             if p.returncode not in (0, None):
                 print(out[-3000:])
+
+
+def test_two_stage_group_serves_generate_like_one_device(checkpoint, tmp_path):
+    engine = Engine.from_checkpoint(checkpoint, ServingLayout(tp=1, batch_slots=2, max_seq_len=64), progress=False)
+    prefix = engine.prefill(PROMPT)
+    engine.insert(prefix, 0)
+    expected = [prefix.first_token] + [int(engine.generate().tokens[0]) for _ in range(9)]
+
+    with _serving_group(tmp_path, checkpoint, batch_slots=4, max_seq_len=64) as (procs, ports):
+        with DecodeClient(f"127.0.0.1:{ports[0]}") as client:
+            result = client.generate(make_request(PROMPT, max_tokens=10), timeout=120)
+        assert result.token_ids == expected
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=60) == 0
+        assert procs[1].wait(timeout=60) == 0, "stage 1 was not released by stage 0"
 
 
 def _run_lone_stage(tmp_path, stage: int, coordinator: str,
@@ -129,24 +141,7 @@ def test_stage_0_that_cannot_listen_on_the_coordinator_port_exits_at_once_with_o
 def test_a_lost_later_stage_fails_stage_0s_streams_and_stops_it_at_once(checkpoint, tmp_path):
     """Stage 1 killed mid-stream: stage 0's engine process fails its loop and exits at once (an orderly
     exit would wait in the group's runtime for the lost stage); the stream ends INTERNAL, serve exits 1."""
-    layout = {"tp": 1, "pp": 2, "batch_slots": 2, "max_seq_len": 256, "strategy": "xla",
-              "coordinator": f"127.0.0.1:{_free_port()}", "extra": {"pipeline_stage_env": "STAGE"}}
-    (tmp_path / "layout.json").write_text(json.dumps(layout))
-    ports = [_free_port(), _free_port()]
-    procs = []
-    for stage, port in enumerate(ports):
-        env = dict(os.environ, STAGE=str(stage), XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                   JAX_PLATFORMS="cpu")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "switchyard.cli.main", "serve", "--layout", str(tmp_path / "layout.json"),
-             "--model-path", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        deadline = time.monotonic() + 180
-        while not all(_serving(p) for p in ports):
-            assert all(p.poll() is None for p in procs), "a stage exited during start-up"
-            assert time.monotonic() < deadline, "the group did not become SERVING"
-            time.sleep(0.5)
+    with _serving_group(tmp_path, checkpoint, batch_slots=2, max_seq_len=256) as (procs, ports):
         outcome: list = []
         with DecodeClient(f"127.0.0.1:{ports[0]}") as client:
             tokens: list[str] = []
@@ -174,10 +169,3 @@ def test_a_lost_later_stage_fails_stage_0s_streams_and_stops_it_at_once(checkpoi
         took = time.monotonic() - killed
         # Within the runtime's heartbeat timeout (10 s) and the drain, not the engine process's stop timeout.
         assert took < 25, took
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            out = p.communicate()[0]
-            if p.returncode not in (0, None, -9):
-                print(out[-3000:])
