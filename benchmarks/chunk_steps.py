@@ -6,8 +6,10 @@ running their prompts), a prompt of ``--prompt`` random tokens is computed in ch
 beside them, then the same sequences decode alone for ``--decode-steps`` steps. Steps are launched as the
 scheduler launches them: the next one before the previous one's tokens are collected, so the host's
 launch overlaps the device's work. Reported per state: the median over ``--repeats`` of ms per step with
-a chunk and per decode-only step; with ``--profile-dir``, a profiler summary of one prompt's chunk steps
-(GPU busy time and span per step, top kernels): where a chunk step's time goes.
+a chunk and per decode-only step, and the median host time of launching each kind (the call that
+enqueues the step: when it nears the step's own time, the device waits for the host); with
+``--profile-dir``, a profiler summary of one prompt's chunk steps (GPU busy time and span per step, top
+kernels): where a chunk step's time goes.
 
     python benchmarks/chunk_steps.py --state 20:1536 8:1024 --prompt 3072 --profile-dir /tmp/prof \\
         --out benchmarks/results/current/chunk-steps-h200.json
@@ -87,15 +89,20 @@ def pipelined(engine, launches: Iterator) -> tuple[float, int]:
     return 1e3 * (marks[-1] - marks[0]) / max(len(marks) - 1, 1), len(marks)
 
 
-def launch(engine, chunk=None):
-    """One step (with ``chunk``), after making room for the decoding sequences' next tokens."""
+def launch(engine, launch_ms: list[float], chunk=None):
+    """One step (with ``chunk``), after making room for the decoding sequences' next tokens; the host
+    time of the launch itself goes on ``launch_ms``."""
     if not engine.ensure_decode_blocks():
         raise RuntimeError("the pool ran out of blocks")
-    return engine.dispatch(chunk)
+    t0 = time.perf_counter()
+    pending = engine.dispatch(chunk)
+    launch_ms.append(1e3 * (time.perf_counter() - t0))
+    return pending
 
 
-def chunk_steps(engine, slot: int, prompt: list[int]) -> tuple[float, int]:
-    """ms per step of ``prompt``'s chunk steps beside the decoding sequences, and how many there were."""
+def chunk_steps(engine, slot: int, prompt: list[int], launch_ms: list[float] | None = None) -> tuple[float, int]:
+    """ms per step of ``prompt``'s chunk steps beside the decoding sequences, and how many there were;
+    each launch's host time goes on ``launch_ms``."""
     from switchyard.service.engine.sampling import SamplingParams
 
     if engine.begin(slot, prompt, SamplingParams(), reuse_prefix=False) is None:
@@ -103,15 +110,16 @@ def chunk_steps(engine, slot: int, prompt: list[int]) -> tuple[float, int]:
 
     def launches() -> Iterator:
         while slot in engine.prefilling():
-            yield launch(engine, engine.next_chunk(slot))
+            yield launch(engine, [] if launch_ms is None else launch_ms, engine.next_chunk(slot))
 
     timed = pipelined(engine, launches())
     engine.evict(slot)
     return timed
 
 
-def decode_steps(engine, steps: int) -> float:
-    return pipelined(engine, (launch(engine) for _ in range(steps)))[0]
+def decode_steps(engine, steps: int, launch_ms: list[float] | None = None) -> float:
+    launch_ms = [] if launch_ms is None else launch_ms
+    return pipelined(engine, (launch(engine, launch_ms) for _ in range(steps)))[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,14 +147,20 @@ def main(argv: list[str] | None = None) -> int:
         if count:
             decode_steps(engine, 2)
         compile_s = time.perf_counter() - t0
-        chunk_ms = statistics.median(chunk_steps(engine, count, prompt)[0] for _ in range(args.repeats))
-        decode_ms = statistics.median(decode_steps(engine, args.decode_steps)
+        chunk_launch: list[float] = []
+        decode_launch: list[float] = []
+        chunk_ms = statistics.median(chunk_steps(engine, count, prompt, chunk_launch)[0] for _ in range(args.repeats))
+        decode_ms = statistics.median(decode_steps(engine, args.decode_steps, decode_launch)
                                       for _ in range(args.repeats)) if count else None
         row = {"decoding": count, "context": context, "prompt": args.prompt, "chunk_steps": chunks,
                "chunk_step_ms": round(chunk_ms, 3),
-               "decode_step_ms": None if decode_ms is None else round(decode_ms, 3), "first_run_s": round(compile_s, 1)}
-        print(f"{count} decoding at {context}: chunk step {chunk_ms:.3f} ms ({chunks} per prompt), decode-only "
-              f"step {'-' if decode_ms is None else f'{decode_ms:.3f} ms'}", flush=True)
+               "decode_step_ms": None if decode_ms is None else round(decode_ms, 3),
+               "chunk_launch_ms": round(statistics.median(chunk_launch), 3),
+               "decode_launch_ms": round(statistics.median(decode_launch), 3) if decode_launch else None,
+               "first_run_s": round(compile_s, 1)}
+        decode_text = "-" if decode_ms is None else f"{decode_ms:.3f} ms (launched in {row['decode_launch_ms']:.3f})"
+        print(f"{count} decoding at {context}: chunk step {chunk_ms:.3f} ms ({chunks} per prompt, launched in "
+              f"{row['chunk_launch_ms']:.3f}), decode-only step {decode_text}", flush=True)
         if args.profile_dir:
             decode = sibling("decode")
             kernels, _ = decode["trace_gpu"](functools.partial(chunk_steps, engine, count, prompt),

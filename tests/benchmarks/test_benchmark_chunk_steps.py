@@ -34,6 +34,9 @@ def test_chunk_and_decode_steps_on_the_tiny_preset(tmp_path):
     assert beside["chunk_steps"] == alone["chunk_steps"] == 3
     assert beside["chunk_step_ms"] > 0 and beside["decode_step_ms"] > 0
     assert alone["decode_step_ms"] is None
+    # the host's launch of each kind of step, timed apart from the step
+    assert beside["chunk_launch_ms"] > 0 and beside["decode_launch_ms"] > 0 and alone["chunk_launch_ms"] > 0
+    assert alone["decode_launch_ms"] is None
 
 
 @pytest.mark.parametrize("argv, message", [
