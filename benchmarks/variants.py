@@ -248,7 +248,8 @@ def serving_engine(args) -> tuple:
     """The warmed-up engine, its tokenizer and the warm-up's seconds, for a serving benchmark (``args``:
     ``model_path`` or ``preset``, ``tp``, ``strategy``, ``batch_slots``, ``max_seq_len``, ``dtype``): a checkpoint's, as
     ``switchyard serve`` loads it, or random weights of a preset with a random KV cache (benchmarks
-    never time on zeros)."""
+    never time on zeros); with random weights and ``chunk_own_keys`` other than "library", the paged
+    engine's variant."""
     spec, tokenizer = serving_tokenizer(args)
     layout = ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
                            max_seq_len=args.max_seq_len, kv_tokens=getattr(args, "kv_tokens", 0),
@@ -258,9 +259,13 @@ def serving_engine(args) -> tuple:
     if args.model_path:
         cls = PagedEngine if paged else Engine
         engine = cls.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
+    elif paged and getattr(args, "chunk_own_keys", "library") != "library":
+        engine = VariantPagedEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype,
+                                                variant=Variant(chunk_own_keys=args.chunk_own_keys))
+    elif paged:
+        engine = PagedEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype)
     else:
-        cls = PagedEngine if paged else VariantEngine
-        engine = cls.from_random(spec, layout, dtype=args.dtype or spec.dtype)
+        engine = VariantEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype)
     if paged:
         print(f"KV pool: {engine.kv_tokens} tokens in blocks of {engine.kv_block_size} "
               f"({engine.kv_tokens / layout.max_seq_len:.1f} sequences at the full context); "
