@@ -131,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import numpy as np
-    from switchyard.service.engine.paged import PagedEngine
     from switchyard.service.modelspec import KV_BLOCK_TOKENS, ServingLayout, preset
 
     spec = preset(args.preset)
@@ -139,12 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_seq = -(-args.max_seq_len // KV_BLOCK_TOKENS)
     layout = ServingLayout(tp=1, strategy="xla", batch_slots=args.batch_slots, max_seq_len=args.max_seq_len,
                            kv_tokens=(most + 1) * blocks_per_seq * KV_BLOCK_TOKENS, step_tokens=args.step_tokens)
-    if args.chunk_own_keys == "library":
-        engine = PagedEngine.from_random(spec, layout)
-    else:
-        variants = sibling("variants")
-        engine = variants["VariantPagedEngine"].from_random(
-            spec, layout, variant=variants["Variant"](chunk_own_keys=args.chunk_own_keys))
+    engine = sibling("variants")["paged_engine"](spec, layout, chunk_own_keys=args.chunk_own_keys)
     rng = np.random.default_rng(0)
     rows = []
     for count, context in args.state:

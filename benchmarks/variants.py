@@ -40,6 +40,7 @@ from switchyard.service.engine.chunk_attention import (
     chunk_attention,
     cudnn_chunk_attention,
     cudnn_earlier,
+    cudnn_takes,
     split_chunk_attention,
     xla_partial,
 )
@@ -104,7 +105,7 @@ def chunk_attention_own_keys_in_xla(q: jax.Array, k_pool: jax.Array, v_pool: jax
                                     start: jax.Array, kv_len: int, k_chunk: jax.Array, v_chunk: jax.Array) -> jax.Array:
     """The product's cuDNN chunk attention with the chunk's own keys (causal) through XLA's ops, which
     XLA's command buffers take: one cuDNN call a layer instead of two."""
-    if jnp.dtype(q.dtype).name not in ("bfloat16", "float16") or k_pool.dtype != q.dtype:
+    if not cudnn_takes(q, k_pool):
         return chunk_attention(q, k_pool, v_pool, table, start, kv_len, k_chunk, v_chunk)
     return split_chunk_attention(xla_partial, cudnn_earlier, q, k_pool, v_pool, table, start, kv_len, k_chunk,
                                  v_chunk)
@@ -233,6 +234,15 @@ class VariantPagedEngine(PagedEngine):
         return self.variant.forward_config(super()._forward_config())
 
 
+def paged_engine(spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16",
+                 chunk_own_keys: str = "library") -> PagedEngine:
+    """A paged engine of random weights: the product's, or with ``chunk_own_keys`` other than "library"
+    its variant."""
+    if chunk_own_keys == "library":
+        return PagedEngine.from_random(spec, layout, dtype=dtype)
+    return VariantPagedEngine.from_random(spec, layout, dtype=dtype, variant=Variant(chunk_own_keys=chunk_own_keys))
+
+
 def serving_tokenizer(args) -> tuple:
     """The model spec and tokenizer of :func:`serving_engine`'s engine, with no device touched."""
     from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
@@ -259,11 +269,8 @@ def serving_engine(args) -> tuple:
     if args.model_path:
         cls = PagedEngine if paged else Engine
         engine = cls.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
-    elif paged and getattr(args, "chunk_own_keys", "library") != "library":
-        engine = VariantPagedEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype,
-                                                variant=Variant(chunk_own_keys=args.chunk_own_keys))
     elif paged:
-        engine = PagedEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype)
+        engine = paged_engine(spec, layout, args.dtype or spec.dtype, getattr(args, "chunk_own_keys", "library"))
     else:
         engine = VariantEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype)
     if paged:

@@ -140,11 +140,16 @@ def chunk_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: j
     return split_chunk_attention(xla_partial, xla_earlier, q, k_pool, v_pool, table, start, kv_len, k_chunk, v_chunk)
 
 
+def cudnn_takes(q: jax.Array, k_pool: jax.Array) -> bool:
+    """Whether cuDNN's flash attention takes these queries and pools: 16-bit, the pools in the queries' dtype."""
+    return jnp.dtype(q.dtype).name in ("bfloat16", "float16") and k_pool.dtype == q.dtype
+
+
 def cudnn_chunk_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array,
                           kv_len: int, k_chunk: jax.Array, v_chunk: jax.Array) -> jax.Array:
-    """:func:`split_chunk_attention` through cuDNN (16-bit inputs, pools of the queries' dtype; others go
+    """:func:`split_chunk_attention` through cuDNN (where :func:`cudnn_takes` the inputs; others go
     through XLA's ops)."""
-    if jnp.dtype(q.dtype).name not in ("bfloat16", "float16") or k_pool.dtype != q.dtype:
+    if not cudnn_takes(q, k_pool):
         return chunk_attention(q, k_pool, v_pool, table, start, kv_len, k_chunk, v_chunk)
     return split_chunk_attention(cudnn_partial, cudnn_earlier, q, k_pool, v_pool, table, start, kv_len, k_chunk,
                                  v_chunk)
