@@ -192,7 +192,8 @@ def _mlp_activation(h: jax.Array, layer: Params, shape: ShardShape) -> jax.Array
 
 
 def run_layers(
-    x: jax.Array, layers: list[Params], cfg: ForwardConfig, attention, final_norm: jax.Array | None
+    x: jax.Array, layers: list[Params], cfg: ForwardConfig, attention, final_norm: jax.Array | None,
+    last_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Runs ``layers`` on the residual stream ``x``; ``attention(i, h)`` returns the shard's partial
     attention output for layer i. Returns the residual stream and, with ``final_norm``, its RMSNorm.
@@ -200,13 +201,20 @@ def run_layers(
     Each all-reduce is fused with the residual add and the norm that follows it; a pipeline stage
     that does not end the model hands on the residual stream un-normed (the next norm is the next
     stage's).
+
+    ``last_rows`` (indices): the only rows whose output is wanted. The last layer still runs its
+    attention over every row (each row's K/V must reach the cache), then its output projection and
+    MLP over these rows alone, and the result has only these rows: a prompt chunk needs the output
+    of its last position only.
     """
     eps = cfg.shape.spec.rms_norm_eps
     residual = x
     h = rmsnorm(x, layers[0]["attn_norm"], eps)
     for i, layer in enumerate(layers):
-        residual, h = cfg.row_parallel_norm(attention(i, h), layer["wo"], residual, layer["mlp_norm"], eps, AXIS,
-                                            cfg.strategy)
+        out = attention(i, h)
+        if last_rows is not None and i == len(layers) - 1:
+            out, residual = out[last_rows], residual[last_rows]
+        residual, h = cfg.row_parallel_norm(out, layer["wo"], residual, layer["mlp_norm"], eps, AXIS, cfg.strategy)
         act = _mlp_activation(h, layer, cfg.shape)
         next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else final_norm
         if next_norm is None:
@@ -215,8 +223,9 @@ def run_layers(
     return residual, h
 
 
-def _layer_loop(x: jax.Array, params: Params, cfg: ForwardConfig, attention) -> jax.Array:
-    return run_layers(x, params["layers"], cfg, attention, params["final_norm"])[1]
+def _layer_loop(x: jax.Array, params: Params, cfg: ForwardConfig, attention,
+                last_rows: jax.Array | None = None) -> jax.Array:
+    return run_layers(x, params["layers"], cfg, attention, params["final_norm"], last_rows)[1]
 
 
 def decode_attention(
@@ -430,9 +439,10 @@ def budget_forward(
             out = jnp.concatenate([out.astype(h.dtype), c_out.astype(h.dtype)])
         return out.reshape(h.shape[0], shape.q_heads * hd).astype(h.dtype)
 
-    h = _layer_loop(params["embed"][all_tokens], params, cfg, layer_attention)
+    # Logits are wanted for the decode rows and the chunk's last real position only.
+    last_rows = None
     if chunk is not None:
-        last = jax.lax.dynamic_index_in_dim(h, n + jnp.maximum(chunk.length, 1) - 1, axis=0, keepdims=True)
-        h = jnp.concatenate([h[:n], last])
+        last_rows = jnp.concatenate([jnp.arange(n), (n + jnp.maximum(chunk.length, 1) - 1)[None]])
+    h = _layer_loop(params["embed"][all_tokens], params, cfg, layer_attention, last_rows)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, new_k, new_v
