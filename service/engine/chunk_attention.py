@@ -69,9 +69,11 @@ def cudnn_partial(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | 
                    "kv_seqlen": jnp.reshape(kv_len, (1,)).astype(jnp.int32)}
     else:
         mask = sdpa.MaskType.CAUSAL if causal else sdpa.MaskType.NO_MASK
-    out, lse = sdpa.dot_product_attention(q[None], k[None], v[None], scale=1.0 / math.sqrt(d), mask_type=mask,
-                                          return_residual=True, **seqlens)
-    return out[0].astype(jnp.float32), lse[0].T  # lse [1, H, C] -> [C, H]
+    # Head-major (BNTH), as the earlier keys' paged call takes them: a chunk's queries are then laid
+    # out once for both of its calls, and both outputs come back alike.
+    out, lse = sdpa.dot_product_attention(*(jnp.swapaxes(x, 0, 1)[None] for x in (q, k, v)), scale=1.0 / math.sqrt(d),
+                                          mask_type=mask, qkv_layout="BNTH", return_residual=True, **seqlens)
+    return jnp.swapaxes(out[0], 0, 1).astype(jnp.float32), lse[0].T  # [1, H, C, D] -> [C, H, D]; [1, H, C] -> [C, H]
 
 
 def gather_earlier(pool: jax.Array, table: jax.Array, start: jax.Array, kv_len: int) -> jax.Array:
