@@ -185,8 +185,9 @@ class TokenBudgetEngine(EngineBase, Protocol):
         """Slots that make a token at every step."""
         ...
 
-    def next_chunk(self, slot: int) -> Any:
-        """The chunk of the slot's prompt the next step would carry."""
+    def next_chunk(self, slot: int, queued_tokens: int = 0) -> Any:
+        """The chunk of the slot's prompt the next step would carry, given ``queued_tokens`` prompt
+        tokens waiting to begin."""
         ...
 
     def ensure_decode_blocks(self) -> bool:

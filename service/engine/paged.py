@@ -13,9 +13,12 @@ sequence's block table maps its positions to blocks. The host keeps the books
 cache) and uploads the block tables when they change; per-slot decode state (last token, position,
 sampling parameters) lives on the devices and is donated to each step, as in the slot engine.
 
+Under a burst (a backlog of prompt tokens of more than ``SURGE_BACKLOG_BUDGETS`` budgets) a step
+carries up to twice the budget, so the burst drains faster.
+
 Programs are compiled per shape: decode-only steps per batch bucket, steps with a chunk per chunk size
-(``step_tokens``, a quarter of it, and ``idle_step_tokens``) and bucket of the context the chunk
-attends to; each greedy-only or sampled.
+(``step_tokens``, a quarter of it, twice it, and ``idle_step_tokens``) and bucket of the context the
+chunk attends to; each greedy-only or sampled.
 """
 
 from __future__ import annotations
@@ -84,6 +87,13 @@ MAX_COMPILE_WORKERS = 8
 # idle rows of 64 cost 1.2 ms of a 10.5 ms step, 16 of 32 nothing measurable (benchmarks/NOTES.md);
 # each width is one more set of chunk programs to compile.
 NARROW_CHUNK_MIN_ROWS = 32
+
+# While the prompt tokens not yet computed (begun or waiting to begin) exceed this many budgets, a step
+# carries up to twice the budget. Such a backlog is a burst whose prompts queue for far longer than a
+# step lasts; the larger chunk drains it faster (the decode rows and the weights' reads are shared by
+# more prompt tokens) at the cost of a longer gap, in the few steps of a burst, for the decoding
+# streams. At 40 budgets the load mix's inter-token p99 stays where it was (benchmarks/NOTES.md).
+SURGE_BACKLOG_BUDGETS = 40
 
 
 def compile_workers() -> int:
@@ -224,11 +234,16 @@ class PagedEngine(SlotBook):
         # Chunks start where the cached prefix (whole blocks) or the previous chunk ended: on a block
         # boundary when every chunk but a prompt's last is a whole number of blocks.
         self._chunks_block_aligned = step_tokens % block_size == 0 and self.idle_step_tokens % block_size == 0
+        # The chunk of a step under a backlog of prompts (SURGE_BACKLOG_BUDGETS): twice the budget, at
+        # most the idle chunk; equal to step_tokens where that leaves no room.
+        self.surge_step_tokens = min(2 * step_tokens, self.idle_step_tokens)
         # A chunk of at most a quarter of the budget (a prompt's short last chunk, what follows a cached
         # prefix) runs in a program of that size: a 64-token remainder does not pay for 256 rows of
         # work. Each size is a program per context bucket to compile, hence only two.
         small = step_tokens // 4
         self.chunk_sizes = [small, step_tokens] if small >= block_size else [step_tokens]
+        if self.surge_step_tokens > step_tokens:
+            self.chunk_sizes.append(self.surge_step_tokens)
         self.batch_buckets = doubling_buckets(batch_slots, min(MIN_BATCH_BUCKET, batch_slots))
         # Steps with a chunk run the decode rows of the narrower of the two largest batch buckets that
         # holds the decoding sequences, where the two differ by NARROW_CHUNK_MIN_ROWS or more. A chunk's
@@ -406,13 +421,19 @@ class PagedEngine(SlotBook):
     def decoding(self) -> list[int]:
         return [int(s) for s in np.flatnonzero(self._decoding)]
 
-    def next_chunk(self, slot: int) -> PlannedChunk:
-        """The next chunk of ``slot``'s prompt: up to ``step_tokens`` tokens, or ``idle_step_tokens``
-        when no sequence is decoding and at least that many are left."""
+    def next_chunk(self, slot: int, queued_tokens: int = 0) -> PlannedChunk:
+        """The next chunk of ``slot``'s prompt: ``idle_step_tokens`` when no sequence is decoding and
+        at least that many are left; else up to ``step_tokens`` tokens, or up to ``surge_step_tokens``
+        while the prompt tokens not yet computed (of the sequences begun here, and ``queued_tokens``
+        more waiting to begin) exceed :data:`SURGE_BACKLOG_BUDGETS` budgets."""
         seq = self._seqs[slot]
         left = len(seq.tokens) - seq.computed
-        length = self.idle_step_tokens if left >= self.idle_step_tokens and not self._decoding.any() else min(
-            self._step_tokens, left)
+        if left >= self.idle_step_tokens and not self._decoding.any():
+            length = self.idle_step_tokens
+        else:
+            backlog = queued_tokens + sum(len(s.tokens) - s.computed for s in self._seqs.values())
+            surge = backlog > SURGE_BACKLOG_BUDGETS * self._step_tokens
+            length = min(self.surge_step_tokens if surge else self._step_tokens, left)
         return PlannedChunk(slot, seq.computed, length, seq.computed + length == len(seq.tokens))
 
     def decode_blocks_needed(self) -> int:
@@ -472,10 +493,12 @@ class PagedEngine(SlotBook):
 
     def _chunk_programs(self) -> list[tuple[int, int, int]]:
         """(batch, chunk size, context bucket) of every step with a chunk: a chunk of up to step_tokens
-        may end anywhere, beside either batch width; an idle-step chunk is whole, so it ends at
-        idle_step_tokens or later, and nothing decodes beside it (the narrower width)."""
-        shapes = [(b, size, kv) for b in self.chunk_batches for size in self.chunk_sizes for kv in self.kv_buckets]
-        if self.idle_step_tokens > self._step_tokens:
+        may end anywhere, beside either batch width; a surge chunk longer than step_tokens ends past
+        step_tokens; an idle-step chunk is whole, so it ends at idle_step_tokens or later, and nothing
+        decodes beside it (the narrower width)."""
+        shapes = [(b, size, kv) for b in self.chunk_batches for size in self.chunk_sizes for kv in self.kv_buckets
+                  if size <= self._step_tokens or kv > self._step_tokens]
+        if self.idle_step_tokens not in self.chunk_sizes:
             shapes += [(self.chunk_batches[0], self.idle_step_tokens, kv) for kv in self.kv_buckets
                        if kv >= self.idle_step_tokens]
         return shapes

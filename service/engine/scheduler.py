@@ -368,7 +368,7 @@ class Scheduler:
             self._preempt(self._admitted[-1])
         prefilling = set(engine.prefilling())
         owner = next((live for live in self._admitted if live.slot in prefilling), None)
-        chunk = engine.next_chunk(owner.slot) if owner is not None else None
+        chunk = engine.next_chunk(owner.slot, self._queued_tokens()) if owner is not None else None
         if chunk is None and not engine.decoding():
             return None
         try:
@@ -383,6 +383,12 @@ class Scheduler:
             owner.chunk_times.append(time.monotonic())
             owner.chunk_tokens.append(chunk.length)
         return pending
+
+    def _queued_tokens(self) -> int:
+        """Tokens the engine is to compute for the requests waiting to begin (the queue is short:
+        at most ``max_queue``)."""
+        with self._lock:
+            return sum(len(live.req.prompt_ids) + live.n for live in self._queue)
 
     def _preempt(self, live: _Live) -> None:
         """Take a request's slot and blocks back; it waits at the head of the queue to be recomputed."""

@@ -291,9 +291,10 @@ def test_decoding_slots_run_as_the_first_rows_whatever_their_numbers(checkpoint,
 
 def test_short_chunks_run_in_smaller_programs_and_keep_greedy_tokens(checkpoint, tokenizer, prompts, reference):
     engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=4 * BLOCK, block_size=BLOCK)
-    assert engine.chunk_sizes == [BLOCK, 4 * BLOCK]
+    # The surge chunk (twice the budget) is also the idle chunk here: the context holds no larger one.
+    assert engine.chunk_sizes == [BLOCK, 4 * BLOCK, 8 * BLOCK]
     assert [engine.chunk_size_for(n) for n in (1, BLOCK, BLOCK + 1, 4 * BLOCK)] == [BLOCK, BLOCK, 4 * BLOCK, 4 * BLOCK]
-    assert engine.chunk_size_for(4 * BLOCK + 1) == engine.idle_step_tokens > 4 * BLOCK
+    assert engine.chunk_size_for(4 * BLOCK + 1) == engine.idle_step_tokens == 8 * BLOCK
     engine.warmup()
     compiled = engine.compiled_count()
     tokens, _ = serve_all(engine, tokenizer, greedy_requests(prompts))
@@ -303,6 +304,48 @@ def test_short_chunks_run_in_smaller_programs_and_keep_greedy_tokens(checkpoint,
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
     assert any(rec.cached_tokens for rec in records.values())
     assert engine.compiled_count() == compiled, "a short chunk compiled a new step after warm-up"
+    assert_pool_empty(engine)
+
+
+def test_a_backlog_of_more_than_the_surge_budgets_doubles_the_chunk(checkpoint):
+    engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    assert engine.surge_step_tokens == 2 * BLOCK < engine.idle_step_tokens
+    assert engine.chunk_sizes == [BLOCK, 2 * BLOCK]
+    threshold = paged.SURGE_BACKLOG_BUDGETS * BLOCK
+    engine.begin(0, list(range(3, 73)), SamplingParams())
+    engine.begin(1, list(range(3, 53)), SamplingParams())
+    begun = 70 + 50  # prompt tokens begun and not yet computed
+    assert engine.next_chunk(0).length == BLOCK
+    assert engine.next_chunk(0, queued_tokens=threshold - begun).length == BLOCK
+    assert engine.next_chunk(0, queued_tokens=threshold - begun + 1).length == 2 * BLOCK
+    assert engine.next_chunk(1, queued_tokens=10 * threshold).length == 2 * BLOCK
+    for slot in (0, 1):
+        engine.evict(slot)
+    assert_pool_empty(engine)
+
+
+def test_surge_chunks_keep_greedy_tokens(checkpoint, tokenizer, prompts, reference, monkeypatch):
+    # Every step with a chunk surges (a backlog of more than 0 budgets), beside decoding sequences.
+    monkeypatch.setattr(paged, "SURGE_BACKLOG_BUDGETS", 0)
+    engine = tiny_paged_engine(checkpoint, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    tokens, records = serve_all(engine, tokenizer, greedy_requests(prompts))
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
+    assert max(max(rec.chunk_tokens) for rec in records.values()) == 2 * BLOCK
+    assert_pool_empty(engine)
+
+
+def test_the_scheduler_counts_queued_prompts_in_the_backlog(checkpoint, tokenizer, prompts, reference, monkeypatch):
+    # One slot: only the queue's prompts can take the backlog past the longest prompt's own budgets.
+    longest = prompts[-1]
+    monkeypatch.setattr(paged, "SURGE_BACKLOG_BUDGETS", -(-len(longest) // BLOCK))
+    engine = tiny_paged_engine(checkpoint, slots=1, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    alone, records = serve_all(engine, tokenizer, greedy_requests([longest]))
+    assert max(records["r0"].chunk_tokens) == BLOCK
+    engine.pool.clear_cache()
+    tokens, records = serve_all(engine, tokenizer, greedy_requests([longest, *prompts[:-1]]))
+    assert max(records["r0"].chunk_tokens) == 2 * BLOCK
+    assert tokens["r0"] == alone["r0"] == reference[-1]
+    assert [tokens[f"r{i + 1}"] for i in range(len(prompts) - 1)] == reference[:-1]
     assert_pool_empty(engine)
 
 

@@ -23,7 +23,7 @@ def test_paged_engine_logits_follow_the_slot_engine(step_tokens):
     slots = Engine(spec, params, mesh, batch_slots=4, max_seq_len=512, dtype="bfloat16")
     paged = PagedEngine(spec, params, mesh, batch_slots=4, max_seq_len=512, dtype="bfloat16", kv_tokens=4 * 512,
                         step_tokens=step_tokens)
-    assert paged.chunk_sizes == ([64] if step_tokens == 64 else [64, 256])
+    assert paged.chunk_sizes == ([64, 128] if step_tokens == 64 else [64, 256, 512])
     # One prompt at a time: a decoding sequence makes a token at every step of the paged engine,
     # chunk steps included, so two prompts in flight would not step alike in the two engines.
     for prompt in ([1, 5, 9, 200], [1, *range(3, 300)], [1, 77]):
