@@ -317,7 +317,8 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         f"{lay.kv_tokens // lay.max_seq_len} sequence(s) at the full {lay.max_seq_len} tokens, "
         f"{chosen.seqs_at_expected} at the expected {chosen.expected_tokens} (prompt + half the output, whole "
         f"blocks); {lay.batch_slots} batch slot(s) of at most {chosen.max_slots}; steps carry up to "
-        f"{lay.step_tokens} prompt tokens next to one token per decoding sequence",
+        f"{lay.step_tokens} prompt tokens next to one token per decoding sequence (twice that while a burst of "
+        f"prompts waits)",
         f"HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s ({device.kind}: {device.source.split(': ', 1)[0]}); "
         f"decode efficiency "
         f"{eff:.3f} ({chosen.efficiency_note})",

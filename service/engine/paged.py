@@ -639,7 +639,7 @@ class PagedEngine(SlotBook):
 
         Tracing holds the GIL, so programs are traced one after another here, while XLA compiles
         them in a thread pool as they come (it releases the GIL): on a 16-core H200 host the load
-        benchmark's 66 programs take 86-93 s, where 42 took 218 s one after another (benchmarks/NOTES.md)."""
+        benchmark's 86 programs take 108-119 s, where 42 took 218 s one after another (benchmarks/NOTES.md)."""
         import time
 
         if self.active.any():
