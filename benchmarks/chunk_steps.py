@@ -58,9 +58,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=40, help="decode-only steps per repeat")
     parser.add_argument("--profile-dir", default=None, help="also profile one prompt's chunk steps per state")
-    parser.add_argument("--chunk-own-keys", choices=("library", "xla"), default="library",
-                        help="a chunk's attention to its own keys: as the product (cuDNN on GPU) or, a variant "
-                             "(benchmarks/variants.py), through XLA's ops")
     parser.add_argument("--cpu", action="store_true", help="host devices (JAX_PLATFORMS=cpu): a smoke test of tiny")
     parser.add_argument("--out", default=None, help="result JSON path")
     args = parser.parse_args(argv)
@@ -131,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import numpy as np
+    from switchyard.service.engine.paged import PagedEngine
     from switchyard.service.modelspec import KV_BLOCK_TOKENS, ServingLayout, preset
 
     spec = preset(args.preset)
@@ -138,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_seq = -(-args.max_seq_len // KV_BLOCK_TOKENS)
     layout = ServingLayout(tp=1, strategy="xla", batch_slots=args.batch_slots, max_seq_len=args.max_seq_len,
                            kv_tokens=(most + 1) * blocks_per_seq * KV_BLOCK_TOKENS, step_tokens=args.step_tokens)
-    engine = sibling("variants")["paged_engine"](spec, layout, chunk_own_keys=args.chunk_own_keys)
+    engine = PagedEngine.from_random(spec, layout)
     rng = np.random.default_rng(0)
     rows = []
     for count, context in args.state:
@@ -178,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": sibling("decode")["source_commit"](),
         "jax": jax.__version__,
         "config": {"preset": args.preset, "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len,
-                   "step_tokens": args.step_tokens, "kv_block_tokens": KV_BLOCK_TOKENS,
-                   "chunk_own_keys": args.chunk_own_keys},
+                   "step_tokens": args.step_tokens, "kv_block_tokens": KV_BLOCK_TOKENS},
         "rows": rows,
     }
     if args.out:

@@ -748,15 +748,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sample this process's threads every millisecond and report, for the longest gaps "
                              "over MS between a request's tokens (as emitted here), where each thread was "
                              "(the rows' stalls; sampling slows the run a little)")
-    parser.add_argument("--chunk-own-keys", choices=("library", "xla"), default="library",
-                        help="a prompt chunk's attention to its own keys: as the product (cuDNN on GPU) or, a "
-                             "variant (benchmarks/variants.py) of random weights, through XLA's ops")
     parser.add_argument("--out", default=None,
                         help="default: benchmarks/results/current/load-<device>.json; a --cpu run writes only here")
     args = parser.parse_args(argv)
-    if args.chunk_own_keys != "library" and (args.model_path or args.engine != "paged"):
-        parser.error("--chunk-own-keys xla is a variant of the paged engine with random weights "
-                     "(no --model-path, --engine paged)")
     try:
         args.prompt_mix = parse_length_mix(args.prompt_lengths)
         args.output_mix = parse_length_mix(args.output_lengths)
@@ -809,7 +803,6 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": args.duration, "timeout_s": args.timeout, "prompt_lengths": args.prompt_lengths,
             "output_lengths": args.output_lengths, "shared_prefix": args.shared_prefix, "seed": args.seed,
             "paths": args.path, "switch_interval_s": sys.getswitchinterval(),
-            "chunk_own_keys": args.chunk_own_keys,
         },
         # Per path, its engine's compiling and running every step program once, before any request.
         "warmup_s": {path: round(run["warmup_s"], 1) for path, run in runs.items()},

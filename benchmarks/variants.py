@@ -1,15 +1,13 @@
 """Engines that are not the product: the one place where benchmarks and tests build them.
 
-A :class:`Variant` says how an engine departs from the product; :class:`VariantEngine`,
-:class:`VariantPipelineEngine` and :class:`VariantPagedEngine` are the product's engine classes with
-the hooks of their seam overridden (listed in :class:`~switchyard.service.engine.tensor_parallel.Engine`'s
-docstring; the paged engine has ``_forward_config()`` only):
+A :class:`Variant` says how an engine departs from the product; :class:`VariantEngine` and
+:class:`VariantPipelineEngine` are the product's engine classes with the hooks of their seam
+overridden (listed in :class:`~switchyard.service.engine.tensor_parallel.Engine`'s docstring):
 
 - ``_forward_config()``: decode attention through XLA's ops instead of the CUDA kernel; the
   row-parallel products as another number of partial products for the fused all-reduce; or with no
   all-reduce at all (the ``none`` strategy of ``decode.py``: a step whose outputs are meaningless,
-  timed to find the all-reduces' share); the prefill's query-block length; and a prompt chunk's
-  attention to its own keys through XLA's ops instead of cuDNN (half the cuDNN calls of a chunk step);
+  timed to find the all-reduces' share); and the prefill's query-block length;
 - ``_new_cache()``: a random KV cache (benchmarks never time on zeros);
 - ``_batch_buckets()``: the smallest step batch compiled.
 
@@ -36,14 +34,6 @@ from jax.sharding import PartitionSpec as P
 from switchyard import kernels
 from switchyard.kernels.collectives import MAX_PARTIALS
 from switchyard.service.engine.checkpoint import NP_DTYPES
-from switchyard.service.engine.chunk_attention import (
-    chunk_attention,
-    cudnn_chunk_attention,
-    cudnn_earlier,
-    cudnn_takes,
-    split_chunk_attention,
-    xla_partial,
-)
 from switchyard.service.engine.heap import freeze_warm_heap
 from switchyard.service.engine.model import ForwardConfig
 from switchyard.service.engine.paged import PagedEngine
@@ -53,7 +43,6 @@ from switchyard.service.engine.tensor_parallel import MIN_BATCH_BUCKET, Engine, 
 from switchyard.service.modelspec import DEFAULT_KV_MEMORY_FRACTION, DEFAULT_STEP_TOKENS, ModelSpec, ServingLayout
 
 ATTENTIONS = ("kernel", "xla")
-CHUNK_OWN_KEYS = ("library", "xla")
 CACHES = ("random", "zeros")
 
 
@@ -67,14 +56,10 @@ class Variant:
     min_batch_bucket: int = MIN_BATCH_BUCKET  # the smallest step batch compiled (tensor-parallel engines)
     cache: str = "random"  # the KV cache's initial values: "random" or "zeros"
     prefill_chunk: int = 1024  # prompts attend in query blocks of this many tokens
-    # a prompt chunk's attention to its own keys: as the product ("library": cuDNN on GPU) or XLA's ops
-    chunk_own_keys: str = "library"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if self.chunk_own_keys not in CHUNK_OWN_KEYS:
-            raise ValueError(f"chunk_own_keys must be one of {CHUNK_OWN_KEYS}, got {self.chunk_own_keys!r}")
         if self.cache not in CACHES:
             raise ValueError(f"cache must be one of {CACHES}, got {self.cache!r}")
         if not 1 <= self.k_splits <= MAX_PARTIALS:
@@ -91,24 +76,12 @@ class Variant:
                                                             use_kernel=False)
             changes["paged_decode_attention"] = functools.partial(kernels.attention.paged_decode_attention_packed,
                                                                   use_kernel=False)
-        if self.chunk_own_keys == "xla" and product.chunk_attention is cudnn_chunk_attention:
-            changes["chunk_attention"] = chunk_attention_own_keys_in_xla
         if not self.communication:
             changes["row_parallel_norm"], changes["row_parallel"] = residual_rmsnorm_unsummed, residual_unsummed
         elif self.k_splits != kernels.K_SPLITS:
             changes["row_parallel_norm"] = functools.partial(kernels.row_parallel_residual_rmsnorm,
                                                              k_splits=self.k_splits)
         return dataclasses.replace(product, **changes)
-
-
-def chunk_attention_own_keys_in_xla(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
-                                    start: jax.Array, kv_len: int, k_chunk: jax.Array, v_chunk: jax.Array) -> jax.Array:
-    """The product's cuDNN chunk attention with the chunk's own keys (causal) through XLA's ops, which
-    XLA's command buffers take: one cuDNN call a layer instead of two."""
-    if not cudnn_takes(q, k_pool):
-        return chunk_attention(q, k_pool, v_pool, table, start, kv_len, k_chunk, v_chunk)
-    return split_chunk_attention(xla_partial, cudnn_earlier, q, k_pool, v_pool, table, start, kv_len, k_chunk,
-                                 v_chunk)
 
 
 def residual_rmsnorm_unsummed(a: jax.Array, w: jax.Array, residual: jax.Array, weight: jax.Array, eps: float,
@@ -217,32 +190,6 @@ class VariantPipelineEngine(_Variant, PipelineEngine):
     random_weights = staticmethod(random_stage_weights)
 
 
-class VariantPagedEngine(PagedEngine):
-    """A :class:`PagedEngine` built as ``variant`` says (its ``forward_config`` departures only)."""
-
-    def __init__(self, *args, variant: Variant = Variant(), **kwargs) -> None:
-        self.variant = variant  # the hook below runs in the product's constructor
-        super().__init__(*args, **kwargs)
-
-    @classmethod
-    def from_random(cls, spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16", seed: int = 0,
-                    devices: Sequence[jax.Device] | None = None, *, variant: Variant = Variant()) -> Self:
-        params, mesh = random_weights(spec, layout.tp, dtype, seed, devices)
-        return cls(spec, params, mesh, dtype=dtype, variant=variant, **cls.layout_arguments(layout))
-
-    def _forward_config(self) -> ForwardConfig:
-        return self.variant.forward_config(super()._forward_config())
-
-
-def paged_engine(spec: ModelSpec, layout: ServingLayout, dtype: str = "bfloat16",
-                 chunk_own_keys: str = "library") -> PagedEngine:
-    """A paged engine of random weights: the product's, or with ``chunk_own_keys`` other than "library"
-    its variant."""
-    if chunk_own_keys == "library":
-        return PagedEngine.from_random(spec, layout, dtype=dtype)
-    return VariantPagedEngine.from_random(spec, layout, dtype=dtype, variant=Variant(chunk_own_keys=chunk_own_keys))
-
-
 def serving_tokenizer(args) -> tuple:
     """The model spec and tokenizer of :func:`serving_engine`'s engine, with no device touched."""
     from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
@@ -258,8 +205,7 @@ def serving_engine(args) -> tuple:
     """The warmed-up engine, its tokenizer and the warm-up's seconds, for a serving benchmark (``args``:
     ``model_path`` or ``preset``, ``tp``, ``strategy``, ``batch_slots``, ``max_seq_len``, ``dtype``): a checkpoint's, as
     ``switchyard serve`` loads it, or random weights of a preset with a random KV cache (benchmarks
-    never time on zeros); with random weights and ``chunk_own_keys`` other than "library", the paged
-    engine's variant."""
+    never time on zeros)."""
     spec, tokenizer = serving_tokenizer(args)
     layout = ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
                            max_seq_len=args.max_seq_len, kv_tokens=getattr(args, "kv_tokens", 0),
@@ -270,7 +216,7 @@ def serving_engine(args) -> tuple:
         cls = PagedEngine if paged else Engine
         engine = cls.from_checkpoint(args.model_path, layout, dtype=args.dtype, progress=False)
     elif paged:
-        engine = paged_engine(spec, layout, args.dtype or spec.dtype, getattr(args, "chunk_own_keys", "library"))
+        engine = PagedEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype)
     else:
         engine = VariantEngine.from_random(spec, layout, dtype=args.dtype or spec.dtype)
     if paged:

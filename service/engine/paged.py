@@ -192,9 +192,6 @@ class PagedEngine(SlotBook):
     first); :meth:`next_chunk` says which prompt chunk the next step carries; :meth:`ensure_decode_blocks`
     makes room for the decoding sequences' next tokens; :meth:`dispatch` launches the step and
     :meth:`collect` waits for its tokens; :meth:`evict` gives the slot and its blocks back.
-
-    The seam for benchmark variants (``benchmarks/variants.py``): the constructor calls
-    ``_forward_config()`` once. Nothing else is meant to be overridden.
     """
 
     def __init__(
@@ -223,7 +220,7 @@ class PagedEngine(SlotBook):
         self.strategy = strategy
         self.dtype = dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp)
-        self._cfg = self._forward_config()
+        self._cfg = ForwardConfig.make(self.shape, self.strategy, platform=mesh.devices.flat[0].platform)
         self._pspecs = param_specs(spec)
         self._block_size = block_size
         self._step_tokens = step_tokens
@@ -295,10 +292,6 @@ class PagedEngine(SlotBook):
         return {"batch_slots": layout.batch_slots, "max_seq_len": layout.max_seq_len, "strategy": layout.strategy,
                 "kv_tokens": layout.kv_tokens, "kv_memory_fraction": layout.kv_memory_fraction,
                 "step_tokens": layout.step_tokens}
-
-    def _forward_config(self) -> ForwardConfig:
-        """How the step programs run on a shard: the product's configuration (a variant's hook)."""
-        return ForwardConfig.make(self.shape, self.strategy, platform=self.mesh.devices.flat[0].platform)
 
     def _memory_stats(self) -> list[dict[str, int]]:
         """Each device's memory statistics; empty where the platform keeps none (host devices)."""

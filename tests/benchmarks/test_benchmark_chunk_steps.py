@@ -11,7 +11,6 @@ import pytest
 from helpers import scripts
 
 chunk_steps = scripts.load("chunk_steps")
-variants = scripts.load("variants")
 
 
 def run_script(*argv: str) -> subprocess.CompletedProcess:
@@ -38,32 +37,6 @@ def test_chunk_and_decode_steps_on_the_tiny_preset(tmp_path):
     # the host's launch of each kind of step, timed apart from the step
     assert beside["chunk_launch_ms"] > 0 and beside["decode_launch_ms"] > 0 and alone["chunk_launch_ms"] > 0
     assert alone["decode_launch_ms"] is None
-
-
-def test_a_run_of_the_variant_with_the_chunks_own_keys_through_xla(tmp_path):
-    out = tmp_path / "chunk-steps.json"
-    run = run_script("--cpu", "--preset", "tiny", "--batch-slots", "4", "--max-seq-len", "128", "--step-tokens", "16",
-                     "--state", "2:16", "--prompt", "40", "--repeats", "1", "--decode-steps", "3",
-                     "--chunk-own-keys", "xla", "--out", str(out))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["config"]["chunk_own_keys"] == "xla"
-    (row,) = result["rows"]
-    assert row["chunk_steps"] == 3 and row["chunk_step_ms"] > 0 and row["decode_step_ms"] > 0
-
-
-def test_the_chunk_own_keys_variant_replaces_only_the_cudnn_chunk_attention():
-    from switchyard.service.engine.model import ForwardConfig, ShardShape
-    from switchyard.service.modelspec import preset
-
-    shape = ShardShape(preset("tiny"), 1)
-    on_gpu, on_cpu = (ForwardConfig.make(shape, "xla", platform=p) for p in ("gpu", "cpu"))
-    variant = variants.Variant(chunk_own_keys="xla")
-    assert variant.forward_config(on_gpu).chunk_attention is variants.chunk_attention_own_keys_in_xla
-    assert variant.forward_config(on_cpu).chunk_attention is on_cpu.chunk_attention  # XLA's ops already
-    assert variants.Variant().forward_config(on_gpu).chunk_attention is on_gpu.chunk_attention
-    with pytest.raises(ValueError, match="chunk_own_keys must be one of"):
-        variants.Variant(chunk_own_keys="cudnn")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -167,14 +167,6 @@ def test_a_bad_length_flag_is_a_usage_error(capsys):
     assert "--shared-prefix 9" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--model-path", "/models/x"], ["--engine", "slots"]])
-def test_the_chunk_own_keys_variant_needs_the_paged_engine_with_random_weights(argv, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        load.parse_args(["--chunk-own-keys", "xla", *argv])
-    assert exit_.value.code == 2
-    assert "--chunk-own-keys xla is a variant of the paged engine" in capsys.readouterr().err.strip().splitlines()[-1]
-
-
 # ---- arrivals and requests -----------------------------------------------------------------------
 
 
@@ -283,7 +275,7 @@ def test_requests_cut_off_by_the_timeout_are_counted_and_a_cpu_run_without_out_w
     # ~20 requests of 200 tokens on one slot take seconds; the run waits 1 ms after the last arrival
     argv = ["--cpu", "--preset", "tiny", "--rates", "40", "--duration", "0.5", "--prompt-lengths", "8",
             "--output-lengths", "200", "--path", "in-process", "--max-seq-len", "224", "--batch-slots", "1",
-            "--timeout", "0.001", "--chunk-own-keys", "xla"]  # the variant's engine, built as serving benchmarks do
+            "--timeout", "0.001"]
     results = scripts.BENCHMARKS / "results" / "current"
     before = sorted(results.iterdir()) if results.exists() else []
     run = subprocess.run([sys.executable, str(scripts.BENCHMARKS / "load.py"), *argv], cwd=tmp_path,
