@@ -236,7 +236,7 @@ class PagedEngine(SlotBook):
         self.surge_step_tokens = min(2 * step_tokens, self.idle_step_tokens)
         # A chunk of at most a quarter of the budget (a prompt's short last chunk, what follows a cached
         # prefix) runs in a program of that size: a 64-token remainder does not pay for 256 rows of
-        # work. Each size is a program per context bucket to compile, hence only two.
+        # work. Each size is a program per context bucket to compile, hence few.
         small = step_tokens // 4
         self.chunk_sizes = [small, step_tokens] if small >= block_size else [step_tokens]
         if self.surge_step_tokens > step_tokens:
