@@ -424,9 +424,11 @@ class PagedEngine(SlotBook):
         if left >= self.idle_step_tokens and not self._decoding.any():
             length = self.idle_step_tokens
         else:
-            backlog = queued_tokens + sum(len(s.tokens) - s.computed for s in self._seqs.values())
-            surge = backlog > SURGE_BACKLOG_BUDGETS * self._step_tokens
-            length = min(self.surge_step_tokens if surge else self._step_tokens, left)
+            budget = self._step_tokens
+            if self.surge_step_tokens > budget and queued_tokens + sum(
+                    len(s.tokens) - s.computed for s in self._seqs.values()) > SURGE_BACKLOG_BUDGETS * budget:
+                budget = self.surge_step_tokens
+            length = min(budget, left)
         return PlannedChunk(slot, seq.computed, length, seq.computed + length == len(seq.tokens))
 
     def decode_blocks_needed(self) -> int:
