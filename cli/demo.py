@@ -25,6 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
 
 
+def _holds_a_request_trace(path: Path) -> bool:
+    """Whether the trace file has a request's span yet: metric points share the file (a periodic
+    export may land before the span), and a line may be half written."""
+    from switchyard.service.telemetry.traces import read_trace_file
+
+    try:
+        return path.exists() and bool(read_trace_file(path))
+    except ValueError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             if code:
                 return code
             for _ in range(50):  # the span reaches the file within the exporter's schedule delay
-                if trace_file.exists() and trace_file.stat().st_size:
+                if _holds_a_request_trace(trace_file):
                     break
                 time.sleep(0.1)
             print(f"\n$ switchyard trace {trace_file.name} --png {args.png}", flush=True)
