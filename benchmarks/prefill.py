@@ -85,6 +85,31 @@ def time_to_first_token(engine, prompt: list[int], reuse_prefix: bool) -> tuple[
     return elapsed, cached, steps
 
 
+def host_phases(engine, prefix: list[int], rng, args: argparse.Namespace, runs: int = 5) -> dict:
+    """Median µs of a cached-prefix prompt's begin (prefix lookup, blocks), of launching its steps and
+    of waiting for the first token after the last launch."""
+    from switchyard.service.engine.sampling import SamplingParams
+
+    phases: dict[str, list[float]] = {"begin_us": [], "launch_us": [], "wait_us": []}
+    for _ in range(runs):
+        prompt = prefix + [int(t) for t in rng.integers(3, engine.spec.vocab_size, args.suffix)]
+        t0 = time.perf_counter()
+        engine.begin(0, prompt, SamplingParams(), reuse_prefix=True)
+        t1 = time.perf_counter()
+        while True:
+            chunk = engine.next_chunk(0)
+            pending = engine.dispatch(chunk)
+            if chunk.completes:
+                break
+        t2 = time.perf_counter()
+        engine.collect(pending)
+        t3 = time.perf_counter()
+        engine.evict(0)
+        for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            phases[key].append(1e6 * dt)
+    return {key: round(statistics.median(v), 1) for key, v in phases.items()}
+
+
 @functools.cache
 def _decode_benchmark() -> dict:
     """decode.py's functions (profiling, the source commit), loaded once."""
@@ -108,10 +133,15 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
     kernels, _ = trace_gpu(lambda: runs.append(time_to_first_token(engine, prefix + suffix, True)),
                            f"{out_dir}/cached")
     out["cached_prefix"] = {"shared_prefix": args.shared_prefix, "suffix": args.suffix,
-                            "wall_us": round(1e6 * runs[-1][0], 1), **summarise(kernels, runs[-1][2])}
-    n = min(args.profile_decoding, engine.max_slots - 1)
+                            "wall_us": round(1e6 * runs[-1][0], 1), **host_phases(engine, prefix, rng, args),
+                            **summarise(kernels, runs[-1][2])}
+    # As many decoding sequences as leave the pool room for the chunked prompt beside them.
+    pool = engine.pool
+    room = pool.available() - pool.blocks_for(args.shared_prefix)
+    n = min(args.profile_decoding, engine.max_slots - 1, room // pool.blocks_for(args.profile_context + 20))
     for slot in range(n):  # sequences decoding at about --profile-context
-        engine.begin(slot, [int(t) for t in rng.integers(3, vocab, args.profile_context)], SamplingParams())
+        if engine.begin(slot, [int(t) for t in rng.integers(3, vocab, args.profile_context)], SamplingParams()) is None:
+            raise RuntimeError("the pool has too few blocks for the profile's decoding sequences")
         while slot in engine.prefilling():
             engine.collect(engine.dispatch(engine.next_chunk(slot)))
 
@@ -126,7 +156,8 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
     prompt = [int(t) for t in rng.integers(3, vocab, args.shared_prefix)]
 
     def chunk_steps() -> int:
-        engine.begin(n, prompt, SamplingParams(), reuse_prefix=False)
+        if engine.begin(n, prompt, SamplingParams(), reuse_prefix=False) is None:
+            raise RuntimeError("the pool has too few blocks for the chunked prompt")
         steps = 0
         while n in engine.prefilling():
             assert engine.ensure_decode_blocks()
@@ -142,6 +173,8 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
                                     **summarise(kernels, steps[0])}
     for slot in range(n):
         engine.evict(slot)
+    print(f"  cached prefix: begin {out['cached_prefix']['begin_us']:.0f} us, launch "
+          f"{out['cached_prefix']['launch_us']:.0f} us, wait {out['cached_prefix']['wait_us']:.0f} us", flush=True)
     for name, row in out.items():
         print(f"  profile {name}: GPU busy {row['gpu_busy_us_per_step']:.0f} us/step over "
               f"{row['gpu_span_us_per_step']:.0f} us/step", flush=True)
