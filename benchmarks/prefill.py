@@ -15,7 +15,9 @@ before JAX takes the GPU's memory.
 ``--profile-dir`` adds, per step budget, a JAX profiler summary (GPU busy time per step, top kernels)
 of the longest prompt alone, of a prompt whose ``--shared-prefix`` is cached, and of a mixed load:
 ``--profile-decoding`` sequences decoding at context ``--profile-context`` while a prompt of
-``--shared-prefix`` tokens goes through in chunks, beside decode-only steps of the same sequences.
+``--shared-prefix`` tokens goes through in chunks, beside decode-only steps of the same sequences
+(as many as leave the pool room for that prompt). The profiler runs XLA's command buffers kernel by
+kernel, so the cached prompt's host phases (begin, launch, wait for the token) are timed outside it.
 """
 
 from __future__ import annotations
