@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from switchyard.cli.usage import not_negative, positive_seconds, writable_file
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default="Once upon a time", help="prompt text")
@@ -65,6 +67,11 @@ def _wait_serving(target: str, server: subprocess.Popen, timeout: float) -> None
 def run(args: argparse.Namespace) -> int:
     from switchyard.cli.main import main as switchyard
 
+    # Found before the server starts: its warm-up takes a minute.
+    not_negative(args.max_tokens, "--max-tokens")
+    positive_seconds(args.startup_timeout, "--startup-timeout")
+    if args.png:
+        writable_file(args.png, "--png")
     port = _free_port()
     target = f"127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="switchyard-demo-") as scratch:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from switchyard.cli.usage import not_negative, positive_seconds
+
 if TYPE_CHECKING:
     from switchyard.service.api.client import StreamResult
 
@@ -62,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from switchyard.service.api.client import DecodeClient, make_request
 
+    positive_seconds(args.timeout, "--timeout")
+    not_negative(args.rows, "--rows")
     request = make_request(
         args.prompt,
         max_tokens=args.max_tokens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from switchyard.cli.usage import UsageError, writable_file
+from switchyard.cli.usage import UsageError, not_negative, writable_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
     if bool(args.file) == bool(args.target):
         raise UsageError("give a trace FILE or --target host:port (one of them)")
+    for flag, value in (("--limit", args.limit), ("--rows", args.rows), ("--top", args.top)):
+        not_negative(value, flag)
     if args.png:
         writable_file(args.png, "--png")
     if args.file:

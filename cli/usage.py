@@ -64,3 +64,16 @@ def positive(value: int, flag: str) -> int:
     if value < 1:
         raise UsageError(f"{flag} must be at least 1, got {value}")
     return value
+
+
+def not_negative(value: int, flag: str) -> int:
+    """A count where 0 has a meaning of its own (all, or the server's default)."""
+    if value < 0:
+        raise UsageError(f"{flag} must be 0 or more, got {value}")
+    return value
+
+
+def positive_seconds(value: float, flag: str) -> float:
+    if not value > 0:  # also NaN
+        raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
+    return value

@@ -74,6 +74,14 @@ def _busy_port() -> tuple[socket.socket, int]:
     (["make-checkpoint", "--preset", "tiny", "--out", "/etc/hostname/sub"], ["--out", "cannot be written"]),
     (["trace"], ["FILE", "--target"]),
     (["trace", "/no/such/traces.jsonl", "--png", "/no/such/folder/t.png"], ["--png", "does not exist"]),
+    (["trace", "/no/such/traces.jsonl", "--png", "", "--limit", "-2"], ["--limit", "0 or more", "-2"]),
+    (["trace", "/no/such/traces.jsonl", "--png", "", "--rows", "-1"], ["--rows", "0 or more", "-1"]),
+    (["generate", "hi", "--timeout", "0"], ["--timeout", "positive", "0.0"]),
+    (["generate", "hi", "--timeout", "nan"], ["--timeout", "positive", "nan"]),
+    (["generate", "hi", "--rows", "-3"], ["--rows", "0 or more", "-3"]),
+    (["demo", "--max-tokens", "-1"], ["--max-tokens", "0 or more", "-1"]),
+    (["demo", "--startup-timeout", "-5"], ["--startup-timeout", "positive", "-5"]),
+    (["demo", "--png", "/no/such/folder/t.png"], ["--png", "does not exist"]),
 ])
 def test_mistakes_get_one_line_and_exit_2(argv, words) -> None:
     assert_one_line(switchyard(*argv, env={"JAX_PLATFORMS": "cpu"}), *words)
