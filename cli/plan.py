@@ -84,10 +84,9 @@ def run(args: argparse.Namespace) -> int:
             concurrency=args.concurrency, max_tpot_ms=args.max_tpot_ms, max_ttft_ms=args.max_ttft_ms,
             target_tokens_per_s=args.target_tokens_per_s, replicas=args.replicas, tp=args.tp, pp=args.pp,
             strategy=args.strategy, step_tokens=args.step_tokens, **kv_settings)
-    except ValueError as err:  # the Request names its fields; say which flag set them
-        message = str(err)
-        for field in ("kv_memory_fraction", "step_tokens"):
-            message = message.replace(field, "--" + field.replace("_", "-"))
+    except ValueError as err:  # the Request's message starts with the field; say which flag set it
+        field, _, rest = str(err).partition(" ")
+        message = f"--{field.replace('_', '-')} {rest}" if hasattr(args, field) else str(err)
         raise UsageError(message) from None
     result = planner.plan(model, inventory.build(nodes, pods), request, calibration.load(args.calibration))
     if args.json:

@@ -88,6 +88,17 @@ class Request:
                 or not 0 < self.kv_memory_fraction <= MAX_KV_MEMORY_FRACTION:
             raise ValueError(f"kv_memory_fraction must be in (0, {MAX_KV_MEMORY_FRACTION}], "
                              f"got {self.kv_memory_fraction!r}")
+        # The CRD's schema holds the operator's requests to these bounds; the command line is held here.
+        for field, least in (("input_tokens", 1), ("output_tokens", 1), ("concurrency", 1), ("replicas", 0),
+                             ("tp", 1), ("pp", 1)):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{field} must be an integer of at least {least}, got {value!r}")
+        for field in ("max_tpot_ms", "max_ttft_ms", "target_tokens_per_s"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0):
+                raise ValueError(f"{field} must be more than 0, got {value!r}")
         step = self.step_tokens
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < STEP_TOKENS_MULTIPLE
                                  or step % STEP_TOKENS_MULTIPLE):
