@@ -404,7 +404,8 @@ async def serve(
     except RuntimeError:  # recent grpcio raises where older versions returned 0
         port = 0
     if port == 0:
-        log.error("could not listen on %s:%s (address in use?)", options.host, options.port)
+        log.error("could not listen on %s:%s (the port is in use, or the host is not an address of this machine)",
+                  options.host, options.port)
         return 1
     await app.set_health(False)
     await server.start()
