@@ -137,10 +137,14 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
     out["cached_prefix"] = {"shared_prefix": args.shared_prefix, "suffix": args.suffix,
                             "wall_us": round(1e6 * runs[-1][0], 1), **host_phases(engine, prefix, rng, args),
                             **summarise(kernels, runs[-1][2])}
-    # As many decoding sequences as leave the pool room for the chunked prompt beside them.
+    # As many decoding sequences as leave the pool room for the chunked prompt beside them, each
+    # growing by a token per step: the decode-only steps, then the chunked prompt twice.
+    warm_steps, traced_steps = 4, 16
+    chunked_steps = -(-args.shared_prefix // engine.step_tokens)  # at most; a surge takes fewer
+    grown = warm_steps + traced_steps + 2 * chunked_steps + 1
     pool = engine.pool
     room = pool.available() - pool.blocks_for(args.shared_prefix)
-    n = min(args.profile_decoding, engine.max_slots - 1, room // pool.blocks_for(args.profile_context + 20))
+    n = min(args.profile_decoding, engine.max_slots - 1, room // pool.blocks_for(args.profile_context + grown))
     for slot in range(n):  # sequences decoding at about --profile-context
         if engine.begin(slot, [int(t) for t in rng.integers(3, vocab, args.profile_context)], SamplingParams()) is None:
             raise RuntimeError("the pool has too few blocks for the profile's decoding sequences")
@@ -152,9 +156,9 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
             assert engine.ensure_decode_blocks()
             engine.collect(engine.dispatch())
 
-    decode_steps(4)
-    kernels, _ = trace_gpu(lambda: decode_steps(16), f"{out_dir}/decode")
-    out["decode_only"] = {"decoding": n, "context": args.profile_context, **summarise(kernels, 16)}
+    decode_steps(warm_steps)
+    kernels, _ = trace_gpu(lambda: decode_steps(traced_steps), f"{out_dir}/decode")
+    out["decode_only"] = {"decoding": n, "context": args.profile_context, **summarise(kernels, traced_steps)}
     prompt = [int(t) for t in rng.integers(3, vocab, args.shared_prefix)]
 
     def chunk_steps() -> int:
