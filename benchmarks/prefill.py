@@ -65,51 +65,43 @@ def peer_times(args: argparse.Namespace) -> dict:
     return out
 
 
-def time_to_first_token(engine, prompt: list[int], reuse_prefix: bool) -> tuple[float, int, int]:
-    """Seconds from the first chunk's launch to the first token on the host; the cached tokens; the
-    steps the prompt took."""
+def first_token_phases(engine, prompt: list[int], reuse_prefix: bool) -> tuple[tuple[float, float, float], int, int]:
+    """Seconds of the prompt's begin (prefix lookup, blocks), of launching its steps and of waiting for
+    the first token on the host after the last launch; the cached tokens; the steps the prompt took."""
     from switchyard.service.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
     cached = engine.begin(0, prompt, SamplingParams(), reuse_prefix=reuse_prefix)
     if cached is None:
         raise RuntimeError("the pool has too few blocks for the prompt")
+    t1 = time.perf_counter()
     steps = 0
     while True:
         chunk = engine.next_chunk(0)
         pending = engine.dispatch(chunk)
         steps += 1
         if chunk.completes:
-            engine.collect(pending)
             break
-    elapsed = time.perf_counter() - t0
+    t2 = time.perf_counter()
+    engine.collect(pending)
+    t3 = time.perf_counter()
     engine.evict(0)
-    return elapsed, cached, steps
+    return (t1 - t0, t2 - t1, t3 - t2), cached, steps
+
+
+def time_to_first_token(engine, prompt: list[int], reuse_prefix: bool) -> tuple[float, int, int]:
+    """Seconds from the prompt's begin to its first token on the host; the cached tokens; the steps."""
+    phases, cached, steps = first_token_phases(engine, prompt, reuse_prefix)
+    return sum(phases), cached, steps
 
 
 def host_phases(engine, prefix: list[int], rng, args: argparse.Namespace, runs: int = 5) -> dict:
-    """Median µs of a cached-prefix prompt's begin (prefix lookup, blocks), of launching its steps and
-    of waiting for the first token after the last launch."""
-    from switchyard.service.engine.sampling import SamplingParams
-
-    phases: dict[str, list[float]] = {"begin_us": [], "launch_us": [], "wait_us": []}
-    for _ in range(runs):
-        prompt = prefix + [int(t) for t in rng.integers(3, engine.spec.vocab_size, args.suffix)]
-        t0 = time.perf_counter()
-        engine.begin(0, prompt, SamplingParams(), reuse_prefix=True)
-        t1 = time.perf_counter()
-        while True:
-            chunk = engine.next_chunk(0)
-            pending = engine.dispatch(chunk)
-            if chunk.completes:
-                break
-        t2 = time.perf_counter()
-        engine.collect(pending)
-        t3 = time.perf_counter()
-        engine.evict(0)
-        for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-            phases[key].append(1e6 * dt)
-    return {key: round(statistics.median(v), 1) for key, v in phases.items()}
+    """Median µs of each of :func:`first_token_phases` for prompts whose ``prefix`` is cached."""
+    samples = [first_token_phases(engine, prefix + [int(t) for t in rng.integers(3, engine.spec.vocab_size,
+                                                                               args.suffix)], True)[0]
+               for _ in range(runs)]
+    return {key: round(1e6 * statistics.median(s[i] for s in samples), 1)
+            for i, key in enumerate(("begin_us", "launch_us", "wait_us"))}
 
 
 @functools.cache
