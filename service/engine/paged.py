@@ -13,6 +13,12 @@ sequence's block table maps its positions to blocks. The host keeps the books
 cache) and uploads the block tables when they change; per-slot decode state (last token, position,
 sampling parameters) lives on the devices and is donated to each step, as in the slot engine.
 
+A step's changing inputs (decode rows, block tables, the chunk) and its tokens live in donated device
+buffers of their own too (``_io``): small programs copy the host's new values in before a step and
+the step's tokens out after it. A step program then sees the same addresses at every launch, so XLA
+replays its command buffer as recorded; a new address anywhere makes it update the buffer's hundreds
+of commands first, which took 2-6 ms of host time on H200 (benchmarks/NOTES.md).
+
 Under a burst (a backlog of prompt tokens of more than ``SURGE_BACKLOG_BUDGETS`` budgets) a step
 carries up to twice the budget, so the burst drains faster.
 
@@ -125,12 +131,12 @@ class PlannedChunk:
 @dataclasses.dataclass
 class BudgetPendingStep(PendingStep):
     """A launched step, with the chunk it carried. Its program ran ``width`` decode rows, the first
-    ``len(rows)`` of them the decoding slots ``rows`` (ascending); ``tokens`` and ``logits`` are by row,
-    ``active`` and ``generations`` by slot, as the result's."""
+    ``len(rows)`` of them the decoding slots ``rows`` (ascending); ``tokens`` [max_slots + 1] and
+    ``logits`` are by row (the chunk's token last in ``tokens``), ``active`` and ``generations`` by
+    slot, as the result's."""
 
     chunk: PlannedChunk | None = None
     chunk_generation: int = -1
-    chunk_token: jax.Array | None = None
     rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     width: int = 0
 
@@ -148,8 +154,9 @@ class BudgetStepResult(StepResult):
 
 
 # A step's chunk travels as one int32 array (one host-to-device copy, not one per field):
-# [tokens (padded to the chunk size), the sequence's block table, slot, start, length, completes,
-# temperature, top_k, top_p, seed, counter], temperature and top_p as float32 bits.
+# [tokens (padded to the largest chunk size), the sequence's block table, slot, start, length,
+# completes, temperature, top_k, top_p, seed, counter], temperature and top_p as float32 bits. A
+# step's program reads the first tokens, as many as its chunk size.
 _CHUNK_FIELDS = 9
 
 
@@ -165,14 +172,26 @@ def _pack_chunk(chunk_tokens: int, table: np.ndarray, tokens: Sequence[int], slo
     return out
 
 
-def _unpack_chunk(packed: jax.Array, table_len: int) -> tuple[jax.Array, ...]:
-    """(tokens, table, slot, start, length, completes, (temperature, top_k, top_p, seed, counter))."""
+def _unpack_chunk(packed: jax.Array, table_len: int, chunk_tokens: int) -> tuple[jax.Array, ...]:
+    """(tokens [chunk_tokens], table, slot, start, length, completes, (temperature, top_k, top_p, seed,
+    counter))."""
     c = packed.shape[0] - table_len - _CHUNK_FIELDS
     f = c + table_len
     slot, start, length, completes, temp, top_k, top_p, seed, counter = (packed[f + i] for i in range(_CHUNK_FIELDS))
     as_float = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
-    return (packed[:c], packed[c:f], slot, start, length, completes != 0,
+    return (packed[:chunk_tokens], packed[c:f], slot, start, length, completes != 0,
             (as_float(temp), top_k, as_float(top_p), seed, counter))
+
+
+def _write_io(io: dict[str, jax.Array], updates: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """``io`` with ``updates`` written over its entries in place (a donated ``io`` keeps its buffers)."""
+    return {key: jax.lax.dynamic_update_slice(a, updates[key], (0,) * a.ndim) if key in updates else a
+            for key, a in io.items()}
+
+
+def _read_out(io: dict[str, jax.Array]) -> jax.Array:
+    """A copy of a step's tokens, which outlives the next step's donation of ``io``."""
+    return io["out"] + 0
 
 
 @dataclasses.dataclass
@@ -267,8 +286,9 @@ class PagedEngine(SlotBook):
         self._decoding = np.zeros(batch_slots, dtype=bool)
         self._tables = np.full((batch_slots, self.blocks_per_seq), NULL_BLOCK, np.int32)
         self._tables_dirty = True
-        self._rows_dev: tuple[jax.Array, jax.Array] | None = None
+        self._chunk_capacity = max([*self.chunk_sizes, self.idle_step_tokens])
         self._state = self._new_state()
+        self._io = self._new_io()
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -340,19 +360,33 @@ class PagedEngine(SlotBook):
         k, v = new_cache(shape, NamedSharding(self.mesh, POOL_SPEC), self.dtype, s.num_layers)
         return {"k": k, "v": v, **slot_state(self.mesh, self.max_slots)}
 
-    def _empty_chunk_args(self, chunk_tokens: int, sampling: SamplingParams) -> np.ndarray:
-        """A chunk argument of ``chunk_tokens`` that carries no token (nothing is written)."""
-        return _pack_chunk(chunk_tokens, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32), [], 0, 0, False,
-                           sampling, 0)
-
-    @functools.cached_property
-    def _no_chunk_args(self) -> jax.Array:
-        """The chunk argument of a step without one (unread), kept on the devices."""
-        return jax.device_put(self._empty_chunk_args(0, SamplingParams()), NamedSharding(self.mesh, P()))
+    def _new_io(self) -> dict[str, jax.Array]:
+        """A step's inputs and tokens, replicated: ``rows`` [max_slots] (the decoding slots, then
+        max_slots), their block ``tables`` [max_slots, M], the ``chunk`` (packed) and ``out``
+        [max_slots + 1] (a token per row, then the chunk's)."""
+        rep = NamedSharding(self.mesh, P())
+        empty = _pack_chunk(self._chunk_capacity, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32), [], 0, 0,
+                            False, SamplingParams(), 0)
+        host = {"rows": np.full(self.max_slots, self.max_slots, np.int32),
+                "tables": np.full_like(self._tables, NULL_BLOCK), "chunk": empty,
+                "out": np.zeros(self.max_slots + 1, np.int32)}
+        return {key: jax.device_put(value, rep) for key, value in host.items()}
 
     @functools.cached_property
     def _state_shardings(self) -> dict[str, Any]:
         return jax.tree.map(lambda a: a.sharding, self._state)
+
+    @functools.cached_property
+    def _io_shardings(self) -> dict[str, Any]:
+        return jax.tree.map(lambda a: a.sharding, self._io)
+
+    @functools.cached_property
+    def _write_io_fn(self):
+        return jax.jit(_write_io, donate_argnums=(0,), out_shardings=self._io_shardings)
+
+    @functools.cached_property
+    def _read_out_fn(self):
+        return jax.jit(_read_out)
 
     # ---- the contract's sizes --------------------------------------------------------------------
     @property
@@ -467,19 +501,22 @@ class PagedEngine(SlotBook):
         self._tables[slot, : len(blocks)] = blocks
         self._tables_dirty = True
 
-    def _device_rows(self, slots: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """The decode rows of the next step, on the devices: the decoding ``slots`` (ascending), then
-        ``max_slots`` (no slot) [max_slots], and their block tables [max_slots, M]. A step runs the
-        first rows of a width; uploaded again only when the decoding set or a table changed."""
-        if self._tables_dirty or self._rows_dev is None:
+    def _stage(self, slots: np.ndarray, chunk: np.ndarray | None) -> None:
+        """Write the next step's inputs into ``_io``: the decode rows (the decoding ``slots``,
+        ascending) and their block tables when the decoding set or a table changed, and the packed
+        ``chunk`` when the step carries one. Each array is a fresh copy: the books keep changing theirs."""
+        updates = {}
+        if self._tables_dirty:
             rows = np.full(self.max_slots, self.max_slots, np.int32)
             rows[: slots.size] = slots
             tables = np.full_like(self._tables, NULL_BLOCK)
-            tables[: slots.size] = self._tables[slots]  # a copy: the books keep changing theirs
-            rep = NamedSharding(self.mesh, P())
-            self._rows_dev = (jax.device_put(rows, rep), jax.device_put(tables, rep))
+            tables[: slots.size] = self._tables[slots]
+            updates.update(rows=rows, tables=tables)
             self._tables_dirty = False
-        return self._rows_dev
+        if chunk is not None:
+            updates["chunk"] = chunk
+        if updates:
+            self._io = self._write_io_fn(self._io, updates)
 
     # ---- compiled steps --------------------------------------------------------------------------
     def _step_fn(self, batch: int, chunk_tokens: int, kv_len: int, greedy_only: bool, return_logits: bool = False):
@@ -537,15 +574,16 @@ class PagedEngine(SlotBook):
 
         slots_count = self.max_slots
 
-        def step(params, state, rows, tables, c_args):
+        def step(params, state, io):
             # Row i decodes slot rows[i]; padding rows (rows[i] == slots_count) read the last slot's
             # state, write nothing and are dropped from the updates.
-            slots = rows[:batch]
+            tables = io["tables"]
+            slots = io["rows"][:batch]
             write = slots < slots_count
             take = jnp.minimum(slots, slots_count - 1)
             samp = [state[key][take] for key in ("temperature", "top_k", "top_p", "seeds", "counters")]
-            c_tokens, c_table, c_slot, c_start, c_len, c_completes, c_sampling = _unpack_chunk(c_args,
-                                                                                               tables.shape[1])
+            c_tokens, c_table, c_slot, c_start, c_len, c_completes, c_sampling = _unpack_chunk(
+                io["chunk"], tables.shape[1], chunk_tokens)
             if with_chunk:
                 samp = [jnp.concatenate([a, jnp.asarray(c)[None].astype(a.dtype)]) for a, c in zip(samp, c_sampling,
                                                                                                   strict=True)]
@@ -565,9 +603,10 @@ class PagedEngine(SlotBook):
                                    ("temperature", temp), ("top_k", top_k), ("top_p", top_p), ("seeds", seed)):
                     old = new[key][c_slot]
                     new[key] = new[key].at[c_slot].set(jnp.where(c_completes, jnp.asarray(value, old.dtype), old))
-            return new, step_tok, chunk_tok, logits
+            out = io["out"].at[:batch].set(step_tok).at[slots_count].set(chunk_tok)
+            return new, dict(io, out=out), logits if return_logits else None
 
-        return jax.jit(step, donate_argnums=(1,), out_shardings=(self._state_shardings, None, None, None),
+        return jax.jit(step, donate_argnums=(1, 2), out_shardings=(self._state_shardings, self._io_shardings, None),
                        compiler_options=self._compiler_options(chunk_tokens))
 
     # ---- the step --------------------------------------------------------------------------------
@@ -583,35 +622,34 @@ class PagedEngine(SlotBook):
         widths = self.chunk_batches if chunk is not None else self.batch_buckets
         width = next(b for b in widths if b >= decoding.size)
         kv_len = chunk_tokens = 0
+        packed = None
         if chunk is None:
-            c_args = self._no_chunk_args
             greedy = bool(self.greedy[decoding].all()) if decoding.size else True
         else:
             seq = self._seqs[chunk.slot]
             end = chunk.start + chunk.length
             kv_len = next(b for b in self.kv_buckets if b >= end)
             chunk_tokens = self.chunk_size_for(chunk.length)
-            c_args = _pack_chunk(chunk_tokens, self._tables[chunk.slot], seq.tokens[chunk.start:end], chunk.slot,
-                                 chunk.start, chunk.completes, seq.sampling, seq.counter)
+            packed = _pack_chunk(self._chunk_capacity, self._tables[chunk.slot], seq.tokens[chunk.start:end],
+                                 chunk.slot, chunk.start, chunk.completes, seq.sampling, seq.counter)
             greedy = bool(self.greedy[decoding].all()) and seq.sampling.greedy
-        rows, tables = self._device_rows(decoding)
+        self._stage(decoding, packed)
         fn = self._step_fn(width, chunk_tokens, kv_len, greedy, return_logits)
-        self._state, tok, chunk_tok, logits = fn(self.params, self._state, rows, tables, c_args)
+        self._state, self._io, logits = fn(self.params, self._state, self._io)
+        tok = self._read_out_fn(self._io)
         tok.copy_to_host_async()
         self.positions[decoding] += 1
         self.step_count += 1
         top = int(decoding[-1]) + 1 if decoding.size else 0
         pending = BudgetPendingStep(step=self.step_count, batch=top, tokens=tok, active=self._decoding[:top].copy(),
                                     generations=self.generation[:top].copy(),
-                                    logits=logits if return_logits else None, chunk=chunk, rows=decoding, width=width)
+                                    logits=logits, chunk=chunk, rows=decoding, width=width)
         if chunk is not None:
             seq = self._seqs[chunk.slot]
             seq.computed = chunk.start + chunk.length
             if seq.reuse_prefix:
                 self.pool.register(seq.blocks, seq.tokens, seq.computed)
             pending.chunk_generation = int(self.generation[chunk.slot])
-            pending.chunk_token = chunk_tok
-            chunk_tok.copy_to_host_async()
             if chunk.completes:
                 self._decoding[chunk.slot] = True
                 self._tables_dirty = True
@@ -620,11 +658,10 @@ class PagedEngine(SlotBook):
 
     def collect(self, pending: PendingStep) -> BudgetStepResult:
         assert isinstance(pending, BudgetPendingStep)
-        chunk_token = -1
-        if pending.chunk is not None and pending.chunk.completes:
-            chunk_token = int(np.asarray(pending.chunk_token))
+        out = np.asarray(pending.tokens)
+        chunk_token = int(out[self.max_slots]) if pending.chunk is not None and pending.chunk.completes else -1
         tokens = np.zeros(pending.batch, np.int32)
-        tokens[pending.rows] = np.asarray(pending.tokens)[: pending.rows.size]
+        tokens[pending.rows] = out[: pending.rows.size]
         return BudgetStepResult(step=pending.step, batch=pending.batch, tokens=tokens, active=pending.active,
                                 generations=pending.generations, logits=pending.logits, chunk=pending.chunk,
                                 chunk_generation=pending.chunk_generation, chunk_token=chunk_token, rows=pending.rows)
@@ -640,20 +677,18 @@ class PagedEngine(SlotBook):
         if self.active.any():
             raise RuntimeError("warm up before beginning requests")
         t0 = time.perf_counter()
-        rows, tables = self._device_rows(np.flatnonzero(self._decoding))
+        self._stage(np.flatnonzero(self._decoding), None)
         programs = []
         for greedy in (True, False):
-            programs += [(self._step_fn(batch, 0, 0, greedy), self._no_chunk_args) for batch in self.batch_buckets]
-            sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
-            for batch, chunk_tokens, kv_len in self._chunk_programs():
-                args = self._empty_chunk_args(chunk_tokens, sampling)
-                programs.append((self._step_fn(batch, chunk_tokens, kv_len, greedy), args))
+            programs += [self._step_fn(batch, 0, 0, greedy) for batch in self.batch_buckets]
+            programs += [self._step_fn(batch, chunk_tokens, kv_len, greedy)
+                         for batch, chunk_tokens, kv_len in self._chunk_programs()]
         with ThreadPoolExecutor(compile_workers()) as pool:
-            compiling = [pool.submit(fn.lower(self.params, self._state, rows, tables, args).compile)
-                         for fn, args in programs]
+            compiling = [pool.submit(fn.lower(self.params, self._state, self._io).compile) for fn in programs]
             for done in compiling:
                 done.result()
-        for fn, args in programs:
-            self._state, *_ = fn(self.params, self._state, rows, tables, args)
-        jax.block_until_ready(self._state)
+        for fn in programs:
+            self._state, self._io, _ = fn(self.params, self._state, self._io)
+        self._read_out_fn(self._io)
+        jax.block_until_ready((self._state, self._io))
         return time.perf_counter() - t0
