@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 import pytest
 from helpers.engine_fixtures import tiny_engine, tiny_paged_engine, varied_checkpoint
@@ -222,6 +223,37 @@ def test_serving_after_warm_up_compiles_nothing(checkpoint, tokenizer, prompts, 
     tokens, _ = serve_all(engine, tokenizer, greedy_requests(prompts))
     assert engine.compiled_count() == compiled, "steady-state serving compiled a new step"
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
+
+
+def _buffer_addresses(tree) -> tuple[int, ...]:
+    return tuple(shard.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(tree)
+                 for shard in leaf.addressable_shards)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_step_program_launch_sees_the_same_buffers(checkpoint, tokenizer, prompts, reference, tp):
+    """A step's inputs and outputs keep their device addresses from launch to launch, so a command
+    buffer recorded once replays as it is (a new address makes XLA update it first)."""
+    engine = tiny_paged_engine(checkpoint, tp=tp, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
+    engine.warmup()
+    seen: set[tuple[int, ...]] = set()
+    step_fn = engine._step_fn
+
+    def recording_step_fn(*shape):
+        fn = step_fn(*shape)
+
+        def launch(params, state, io):
+            seen.add(_buffer_addresses((params, state, io)))
+            out = fn(params, state, io)
+            seen.add(_buffer_addresses((params, out[0], out[1])))
+            return out
+
+        return launch
+
+    engine._step_fn = recording_step_fn
+    tokens, _ = serve_all(engine, tokenizer, greedy_requests(prompts))
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
+    assert len(seen) == 1, f"step programs saw {len(seen)} different sets of buffers"
 
 
 def test_chunk_steps_run_the_narrower_batch_width_that_holds_the_decoding_sequences(checkpoint, tokenizer, prompts,
