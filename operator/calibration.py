@@ -251,8 +251,8 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
       not measured, its stand-in (``torch_nccl``, ``symm_mem_oneshot``, ``symm_mem_twoshot``),
       labelled as such; other rows (fused, norm variants, auto) are not planner inputs;
     * decode rows (``model,tp,batch,context,strategy,ms_per_token,...``) become the decode checks the
-      planner derives its efficiency from; for each configuration the newest result file wins (an
-      older engine's figures are superseded), rows of that file are kept;
+      planner derives its efficiency from; for each configuration and GPU (as ``devices`` names it)
+      the newest result file wins (an older engine's figures are superseded), rows of that file are kept;
     * ``copy_bandwidth_bytes_per_s`` of the newest result on a device sets that device's HBM figure.
 
     Every result given is used except the baseline rows named above (measured beside the engine, in
@@ -297,7 +297,8 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 if (row.get("attention", "xla") != SHIPPED_ATTENTION
                         or row.get("strategy", "xla") not in selection.STRATEGIES):
                     continue  # a baseline: XLA's attention ops or no communication
-                key = tuple(row.get(k) for k in ("model", "tp", "batch", "context", "strategy"))
+                gpu = device_name(device, out["devices"]) or device
+                key = (*(row.get(k) for k in ("model", "tp", "batch", "context", "strategy")), gpu)
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
                          if k in row}
                 check.update(device=device, source=where)
