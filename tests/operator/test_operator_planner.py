@@ -206,17 +206,20 @@ def test_calibration_records_provenance_and_reproduces_the_measured_decode():
     cal = calibration.load()
     device = cal.raw["devices"]["H200"]
     assert 4.0e12 < device["hbm_bytes_per_s"] < 4.5e12 and "benchmarks/results/current/" in device["source"]
-    assert cal.raw["devices"]["H100"]["hbm_bytes_per_s"] == 3.0e12
+    h100_hbm = cal.raw["devices"]["H100"]
+    assert 2.8e12 < h100_hbm["hbm_bytes_per_s"] < 3.4e12 and "benchmarks/results/current/" in h100_hbm["source"]
     for entry in (device, cal.raw["devices"]["H100"], cal.raw["allreduce"], cal.raw["decode"]):
         assert entry["kind"] == "measured" and entry["source"]
     assert "benchmarks/results/current/allreduce" in cal.raw["allreduce"]["source"]
     assert cal.raw["models"]["kind"] == "stated model"
     # The planner's step model, with the efficiency it derives from the checks, lands on the measured
-    # decode figures: per TP size the median ratio is 1, and no check is off by more than 20%.
+    # decode figures, each on the GPU it was measured on: per TP size the median ratio is 1, and no
+    # check is off by more than 20%.
     ratios: dict[int, list[float]] = {}
     for check in cal.raw["decode"]["checks"]:
         assert check["source"].startswith("benchmarks/results/current/")
-        p = plan(check["model"], h200(1), objective="latency", tp=check["tp"], pp=1, replicas=1,
+        nodes = h100(1) if "H100" in check["device"] else h200(1)
+        p = plan(check["model"], nodes, objective="latency", tp=check["tp"], pp=1, replicas=1,
                  concurrency=check["batch"], strategy=check["strategy"], input_tokens=check["context"],
                  output_tokens=1)
         ratios.setdefault(check["tp"], []).append(p.layout.ms_per_token / check["ms_per_token"])
@@ -468,6 +471,22 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
     written = json.loads(out.read_text())
     assert written["allreduce"]["us"]["oneshot"][0] == [1024, 5.2]
     assert "a.json" in written["allreduce"]["source"]
+
+
+def test_a_decode_check_is_superseded_by_a_newer_run_on_the_same_gpu_only():
+    base = json.loads(calibration.CALIBRATION_FILE.read_text())
+
+    def decode(device: str, date: str, ms: float) -> dict:
+        return {"command": "python benchmarks/decode.py", "device": device, "date": date,
+                "rows": [{"model": "llama3-8b", "tp": 1, "batch": 1, "context": 1024, "strategy": "xla",
+                          "attention": "kernel", "ms_per_token": ms}]}
+
+    new = calibration.from_results([decode("2x NVIDIA H200", "2026-11-01", 4.5),
+                                    decode("1x NVIDIA H200", "2026-11-02", 4.2),
+                                    decode("1x NVIDIA H100 80GB HBM3", "2026-11-03", 5.6)], base,
+                                   names=["h200x2.json", "h200.json", "h100.json"])
+    by_source = {c["source"].split(" ")[0]: c["ms_per_token"] for c in new["decode"]["checks"]}
+    assert by_source == {"h200.json": 4.2, "h100.json": 5.6}
 
 
 def test_calibration_json_is_what_the_current_results_give():
