@@ -155,9 +155,9 @@ class BudgetStepResult(StepResult):
 
 
 # A step's chunk travels as one int32 array (one host-to-device copy, not one per field):
-# [tokens (padded to the largest chunk size), the sequence's block table, slot, start, length,
-# completes, temperature, top_k, top_p, seed, counter], temperature and top_p as float32 bits. A
-# step's program reads the first tokens, as many as its chunk size.
+# [tokens (padded to idle_step_tokens, the largest chunk size), the sequence's block table, slot,
+# start, length, completes, temperature, top_k, top_p, seed, counter], temperature and top_p as
+# float32 bits. A step's program reads the first tokens, as many as its chunk size.
 _CHUNK_FIELDS = 9
 
 
@@ -287,7 +287,6 @@ class PagedEngine(SlotBook):
         self._decoding = np.zeros(batch_slots, dtype=bool)
         self._tables = np.full((batch_slots, self.blocks_per_seq), NULL_BLOCK, np.int32)
         self._tables_dirty = True
-        self._chunk_capacity = max([*self.chunk_sizes, self.idle_step_tokens])
         self._state = self._new_state()
         self._io = self._new_io()
 
@@ -366,7 +365,7 @@ class PagedEngine(SlotBook):
         max_slots), their block ``tables`` [max_slots, M], the ``chunk`` (packed) and ``out``
         [max_slots + 1] (a token per row, then the chunk's)."""
         rep = NamedSharding(self.mesh, P())
-        empty = _pack_chunk(self._chunk_capacity, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32), [], 0, 0,
+        empty = _pack_chunk(self.idle_step_tokens, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32), [], 0, 0,
                             False, SamplingParams(), 0)
         host = {"rows": np.full(self.max_slots, self.max_slots, np.int32),
                 "tables": np.full_like(self._tables, NULL_BLOCK), "chunk": empty,
@@ -631,7 +630,7 @@ class PagedEngine(SlotBook):
             end = chunk.start + chunk.length
             kv_len = next(b for b in self.kv_buckets if b >= end)
             chunk_tokens = self.chunk_size_for(chunk.length)
-            packed = _pack_chunk(self._chunk_capacity, self._tables[chunk.slot], seq.tokens[chunk.start:end],
+            packed = _pack_chunk(self.idle_step_tokens, self._tables[chunk.slot], seq.tokens[chunk.start:end],
                                  chunk.slot, chunk.start, chunk.completes, seq.sampling, seq.counter)
             greedy = bool(self.greedy[decoding].all()) and seq.sampling.greedy
         self._stage(decoding, packed)
