@@ -365,12 +365,14 @@ class PagedEngine(SlotBook):
         max_slots), their block ``tables`` [max_slots, M], the ``chunk`` (packed) and ``out``
         [max_slots + 1] (a token per row, then the chunk's)."""
         rep = NamedSharding(self.mesh, P())
-        empty = _pack_chunk(self.idle_step_tokens, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32), [], 0, 0,
-                            False, SamplingParams(), 0)
-        host = {"rows": np.full(self.max_slots, self.max_slots, np.int32),
-                "tables": np.full_like(self._tables, NULL_BLOCK), "chunk": empty,
+        host = {**self._row_arrays(np.zeros(0, np.int64)), "chunk": self._empty_chunk(),
                 "out": np.zeros(self.max_slots + 1, np.int32)}
         return {key: jax.device_put(value, rep) for key, value in host.items()}
+
+    def _empty_chunk(self) -> np.ndarray:
+        """A packed chunk that carries no token (nothing is written)."""
+        return _pack_chunk(self.idle_step_tokens, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32), [], 0, 0,
+                           False, SamplingParams(), 0)
 
     @functools.cached_property
     def _state_shardings(self) -> dict[str, Any]:
@@ -507,16 +509,20 @@ class PagedEngine(SlotBook):
         ``chunk`` when the step carries one. Each array is a fresh copy: the books keep changing theirs."""
         updates = {}
         if self._tables_dirty:
-            rows = np.full(self.max_slots, self.max_slots, np.int32)
-            rows[: slots.size] = slots
-            tables = np.full_like(self._tables, NULL_BLOCK)
-            tables[: slots.size] = self._tables[slots]
-            updates.update(rows=rows, tables=tables)
+            updates.update(self._row_arrays(slots))
             self._tables_dirty = False
         if chunk is not None:
             updates["chunk"] = chunk
         if updates:
             self._io = self._write_io_fn(self._io, updates)
+
+    def _row_arrays(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """``rows`` and ``tables`` of ``_io`` for the decoding ``slots`` (ascending)."""
+        rows = np.full(self.max_slots, self.max_slots, np.int32)
+        rows[: slots.size] = slots
+        tables = np.full_like(self._tables, NULL_BLOCK)
+        tables[: slots.size] = self._tables[slots]
+        return {"rows": rows, "tables": tables}
 
     # ---- compiled steps --------------------------------------------------------------------------
     def _step_fn(self, batch: int, chunk_tokens: int, kv_len: int, greedy_only: bool, return_logits: bool = False):
@@ -677,7 +683,11 @@ class PagedEngine(SlotBook):
         if self.active.any():
             raise RuntimeError("warm up before beginning requests")
         t0 = time.perf_counter()
-        self._stage(np.flatnonzero(self._decoding), None)
+        # The staging program once per set of inputs a step may change, so serving compiles none.
+        rows, chunk = self._row_arrays(np.flatnonzero(self._decoding)), {"chunk": self._empty_chunk()}
+        for updates in (chunk, {**rows, **chunk}, rows):
+            self._io = self._write_io_fn(self._io, updates)
+        self._tables_dirty = False
         programs = []
         for greedy in (True, False):
             programs += [self._step_fn(batch, 0, 0, greedy) for batch in self.batch_buckets]

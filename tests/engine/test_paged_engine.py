@@ -230,6 +230,7 @@ def test_serving_after_warm_up_compiles_nothing_and_relaunches_on_the_same_buffe
     engine = tiny_paged_engine(checkpoint, tp=tp, slots=4, max_seq_len=128, step_tokens=BLOCK, block_size=BLOCK)
     engine.warmup()
     compiled = engine.compiled_count()
+    small_programs = (engine._write_io_fn._cache_size(), engine._read_out_fn._cache_size())
     seen: set[tuple[int, ...]] = set()
     step_fn = engine._step_fn
 
@@ -248,6 +249,8 @@ def test_serving_after_warm_up_compiles_nothing_and_relaunches_on_the_same_buffe
     tokens, _ = serve_all(engine, tokenizer, greedy_requests(prompts))
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
     assert engine.compiled_count() == compiled, "steady-state serving compiled a new step"
+    assert (engine._write_io_fn._cache_size(), engine._read_out_fn._cache_size()) == small_programs, \
+        "steady-state serving compiled a new staging or read-out program"
     assert len(seen) == 1, f"step programs saw {len(seen)} different sets of buffers"
 
 
