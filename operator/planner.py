@@ -37,6 +37,8 @@ from switchyard.service.modelspec import (
     MAX_KV_MEMORY_FRACTION,
     STEP_TOKENS_MULTIPLE,
     ModelSpec,
+    is_integer,
+    is_number,
     kv_tokens_for_memory,
 )
 
@@ -59,14 +61,6 @@ MIN_SEQ_LEN = 2
 # measure still gets a finite tokens/s.
 MIN_MS_PER_TOKEN = 0.001
 GiB = 1024**3
-
-
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,21 +86,21 @@ class Request:
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if not _number(self.kv_memory_fraction) or not 0 < self.kv_memory_fraction <= MAX_KV_MEMORY_FRACTION:
+        if not is_number(self.kv_memory_fraction) or not 0 < self.kv_memory_fraction <= MAX_KV_MEMORY_FRACTION:
             raise ValueError(f"kv_memory_fraction must be in (0, {MAX_KV_MEMORY_FRACTION}], "
                              f"got {self.kv_memory_fraction!r}")
         # The CRD's schema holds the operator's requests to these bounds; the command line is held here.
         for field, least in (("input_tokens", 1), ("output_tokens", 1), ("concurrency", 1), ("replicas", 0),
                              ("tp", 1), ("pp", 1)):
             value = getattr(self, field)
-            if value is not None and (not _whole(value) or value < least):
+            if value is not None and (not is_integer(value) or value < least):
                 raise ValueError(f"{field} must be an integer of at least {least}, got {value!r}")
         for field in ("max_tpot_ms", "max_ttft_ms", "target_tokens_per_s"):
             value = getattr(self, field)
-            if value is not None and (not _number(value) or not value > 0):
+            if value is not None and (not is_number(value) or not value > 0):
                 raise ValueError(f"{field} must be more than 0, got {value!r}")
         step = self.step_tokens
-        if step is not None and (not _whole(step) or step < STEP_TOKENS_MULTIPLE or step % STEP_TOKENS_MULTIPLE):
+        if step is not None and (not is_integer(step) or step < STEP_TOKENS_MULTIPLE or step % STEP_TOKENS_MULTIPLE):
             raise ValueError(f"step_tokens must be a multiple of {STEP_TOKENS_MULTIPLE} and at least "
                              f"{STEP_TOKENS_MULTIPLE}, got {step!r}")
 

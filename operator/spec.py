@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from switchyard.service.modelspec import ModelSpec, ModelSpecError, preset
+from switchyard.service.modelspec import ModelSpec, ModelSpecError, is_integer, is_number, preset
 
 from .crd import object_defaults, spec_defaults, spec_schema
 from .planner import Request
@@ -68,7 +68,7 @@ def check_config_bounds(config: Mapping[str, Any], where: str) -> None:
             continue
         value = config[name]
         whole = rule["type"] == "integer"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and not isinstance(value, int)):
+        if not (is_integer(value) if whole else is_number(value)):
             raise SpecError(f"{where}: {name} must be {'an integer' if whole else 'a number'}, got {value!r:.40}")
         low, high = rule.get("minimum", -math.inf), rule.get("maximum", math.inf)
         if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high \

@@ -33,6 +33,16 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def is_integer(value: Any) -> bool:
+    """An int that is not a bool (a JSON ``true`` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class ModelSpecError(ValueError):
     """A config.json that does not describe a model this engine can run."""
 
@@ -141,10 +151,10 @@ class ModelSpec:
         """Bytes of K and V one token occupies on one GPU of a ``tp`` x ``pp`` layout: its share of the
         KV heads (``num_kv_heads / tp``) in its share of the layers (``num_layers / pp``), in ``dtype``
         (default: the model's)."""
-        if not isinstance(tp, int) or isinstance(tp, bool) or not self.valid_tp(tp):
+        if not is_integer(tp) or not self.valid_tp(tp):
             raise ModelSpecError(f"tp must be a positive integer dividing the {self.num_heads} heads and "
                                  f"{self.num_kv_heads} KV heads, got {tp!r}")
-        if not isinstance(pp, int) or isinstance(pp, bool) or pp <= 0 or self.num_layers % pp:
+        if not is_integer(pp) or pp <= 0 or self.num_layers % pp:
             raise ModelSpecError(f"pp must be a positive integer dividing the {self.num_layers} layers, got {pp!r}")
         dtype = self.dtype if dtype is None else dtype
         if dtype not in DTYPE_BYTES:
@@ -384,12 +394,12 @@ class ServingLayout:
     def __post_init__(self) -> None:
         for field in ("tp", "pp", "dp", "batch_slots", "max_seq_len", "step_tokens"):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_integer(value) or value <= 0:
                 raise ModelSpecError(f"layout.{field} must be a positive integer, got {value!r}")
         if self.step_tokens < STEP_TOKENS_MULTIPLE or self.step_tokens % STEP_TOKENS_MULTIPLE:
             raise ModelSpecError(f"layout.step_tokens must be a multiple of {STEP_TOKENS_MULTIPLE} and at least "
                                  f"{STEP_TOKENS_MULTIPLE}, got {self.step_tokens}")
-        if not isinstance(self.kv_tokens, int) or isinstance(self.kv_tokens, bool) or self.kv_tokens < 0:
+        if not is_integer(self.kv_tokens) or self.kv_tokens < 0:
             raise ModelSpecError(f"layout.kv_tokens must be a whole number of tokens, 0 or more (0: size the "
                                  f"pool at start-up), got {self.kv_tokens!r}")
         if self.kv_tokens % KV_BLOCK_TOKENS:
