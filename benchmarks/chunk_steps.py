@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator, xla_allocator
+
 
 @functools.cache
 def sibling(name: str) -> dict:
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
+    prefer_virtual_memory_allocator(1)  # as serve's engine process on one GPU
     import jax
     import numpy as np
     from switchyard.service.engine.paged import PagedEngine
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": sibling("decode")["source_commit"](),
         "jax": jax.__version__,
+        "xla_allocator": xla_allocator(),
         "config": {"preset": args.preset, "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len,
                    "step_tokens": args.step_tokens, "kv_block_tokens": KV_BLOCK_TOKENS},
         "rows": rows,

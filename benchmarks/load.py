@@ -85,6 +85,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator, xla_allocator
+
 # benchmarks/variants.py (engines that are not the product), loaded on first use.
 variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
 # benchmarks/serve.py (the serving engine's flags; it imports nothing heavy at load), loaded on first use.
@@ -771,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
+    prefer_virtual_memory_allocator(args.tp)  # as serve's engine process (the gRPC path's child inherits it)
     if args.switch_interval is not None:  # as `switchyard serve --switch-interval` does, without importing gRPC
         sys.setswitchinterval(args.switch_interval)
     spec, tokenizer = variants().serving_tokenizer(args)
@@ -795,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": label,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": os.environ.get("SWITCHYARD_COMMIT", ""),  # set by whoever runs it on a copy of the tree
+        "xla_allocator": xla_allocator(),
         "config": {
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
             "engine": args.engine, "step_tokens": facts.step_tokens, "kv_tokens": facts.kv_tokens,

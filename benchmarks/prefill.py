@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator, xla_allocator
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-slots", type=int, default=8)
     parser.add_argument("--out", default=None, help="result JSON path")
     args = parser.parse_args(argv)
+    prefer_virtual_memory_allocator(1)  # as serve's engine process on one GPU
     peer = peer_times(args) if args.peer else None
 
     import jax
@@ -263,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": _decode_benchmark()["source_commit"](),
         "jax": jax.__version__,
         "model": args.model,
+        "xla_allocator": xla_allocator(),
         "rows": rows,
     }
     if peer is not None:

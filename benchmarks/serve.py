@@ -47,6 +47,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator
+
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -220,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="sys.setswitchinterval, as switchyard serve --switch-interval (default: CPython's)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/current/serve-<device>.json")
     args = parser.parse_args(argv)
+    prefer_virtual_memory_allocator(args.tp)  # as serve's engine process
     from switchyard.service.api.server import tune_interpreter
 
     tune_interpreter(args.switch_interval)

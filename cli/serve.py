@@ -289,6 +289,14 @@ def build_engine(options: EngineOptions) -> tuple[Any, Any, float]:
     return engine, Tokenizer.from_dir(options.model_path, engine.spec), warmup_s
 
 
+def choose_xla_runtime(options: EngineOptions) -> None:
+    """The engine process, before it looks at its devices: the XLA allocator for its layout
+    (``service.engine.xla_runtime``)."""
+    from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator
+
+    prefer_virtual_memory_allocator(options.layout.tp)
+
+
 def join_pipeline_group(options: EngineOptions) -> None:
     """Stage 0's engine process, before it looks at its devices: join the pipeline group (the
     distributed runtime must start before any device is used); GroupFormationError if it cannot."""
@@ -326,7 +334,8 @@ def start_engine_process(layout: Any, model_path: str, model_name: str, args: ar
     from switchyard.service.api.engine_process import EngineProcess, EngineProcessLost, EngineStartError
 
     options = EngineOptions(model_path, layout, args.dtype, not args.no_warmup)
-    group = {"prepare": join_pipeline_group, "release": release_pipeline_group} if layout.pp > 1 else {}
+    group = ({"prepare": join_pipeline_group, "release": release_pipeline_group} if layout.pp > 1
+             else {"prepare": choose_xla_runtime})
     process = EngineProcess(build_pipeline_leader if layout.pp > 1 else build_engine, options, **group,
                             scheduler_options={"max_queue": args.max_queue, "model_name": model_name},
                             log_level=args.log_level)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
         row_parallel_residual_rmsnorm,
         split_product,
     )
-    from switchyard.kernels.native import KernelError, check_errors, init, reset, set_timeout, status
+    from switchyard.kernels.native import KernelError, check_errors, device_memory, init, reset, set_timeout, status
 
 # Public name -> the module that defines it (a module's own name: the module itself).
 _LAZY = {
@@ -45,6 +45,7 @@ _LAZY = {
     "row_parallel_residual_rmsnorm": "collectives",
     "KernelError": "native",
     "check_errors": "native",
+    "device_memory": "native",
     "init": "native",
     "reset": "native",
     "set_timeout": "native",
@@ -59,6 +60,7 @@ __all__ = [
     "all_reduce_residual_rmsnorm",
     "attention",
     "check_errors",
+    "device_memory",
     "init",
     "plan",
     "reset",

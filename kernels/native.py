@@ -70,8 +70,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_preload_attention.argtypes = [ctypes.c_int]
     lib.sy_preload_attention.restype = ctypes.c_int
     lib.sy_twoshot_bytes.restype = ctypes.c_longlong
+    u64p = ctypes.POINTER(ctypes.c_ulonglong)
+    lib.sy_device_memory.argtypes = [ctypes.c_int, u64p, u64p]
+    lib.sy_device_memory.restype = ctypes.c_int
     if hasattr(lib, "sy_phase_read"):  # diagnostic builds only
-        u64p = ctypes.POINTER(ctypes.c_ulonglong)
         lib.sy_phase_read.argtypes = [ctypes.c_int, u64p, u64p, u64p]
         lib.sy_phase_read.restype = ctypes.c_int
 
@@ -187,6 +189,19 @@ def attention_ready() -> bool:
                 warnings.warn(f"switchyard decode attention unavailable: {lib.sy_last_error().decode()}", stacklevel=2)
         _state.attention = ok
     return _state.attention
+
+
+def device_memory(device: jax.Device) -> tuple[int, int] | None:
+    """(free, total) bytes of a GPU as the CUDA driver counts them, every process's allocations
+    included; None where the library is not loaded or the query fails (the reason in a warning)."""
+    lib = load()
+    if lib is None:
+        return None
+    free, total = ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)
+    if lib.sy_device_memory(int(device.local_hardware_id), ctypes.byref(free), ctypes.byref(total)) != 0:
+        warnings.warn(f"switchyard: {lib.sy_last_error().decode()}", stacklevel=2)
+        return None
+    return free.value, total.value
 
 
 def capability() -> Capability:

@@ -99,6 +99,23 @@ long long sy_twoshot_bytes() { return g_registry.twoshot_bytes; }
 unsigned long long sy_host_calls() { return g_registry.host_calls.load(); }
 void sy_set_timeout_ns(unsigned long long ns) { g_registry.timeout_ns.store(ns); }
 
+// Free and total bytes of GPU `ordinal` as the driver counts them (every allocation on it, this
+// process's and others'): the figure the engine sizes its KV pool from where XLA's allocator keeps
+// no statistics (the virtual-memory allocator). Returns 0 on success; sy_last_error() says why not.
+int sy_device_memory(int ordinal, unsigned long long* free_bytes, unsigned long long* total_bytes) {
+  if (ordinal < 0 || ordinal >= kMaxOrdinals) return fail("device memory: bad device ordinal");
+  int prev = 0;
+  cudaGetDevice(&prev);
+  size_t free_now = 0, total = 0;
+  cudaError_t e = cudaSetDevice(ordinal);
+  if (e == cudaSuccess) e = cudaMemGetInfo(&free_now, &total);
+  cudaSetDevice(prev);
+  if (e != cudaSuccess) return fail(std::string("cudaMemGetInfo: ") + cudaGetErrorString(e));
+  *free_bytes = free_now;
+  *total_bytes = total;
+  return 0;
+}
+
 // Allocate a workspace on every listed device, enable peer access between all pairs and build
 // the peer tables. `ordinals` are CUDA device ordinals in rank order. Idempotent for the same
 // device list. Returns 0 on success; sy_last_error() says why not.

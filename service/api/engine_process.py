@@ -20,8 +20,9 @@ acceptance settles), ``cancel``, and ``run(stop)``, the loop that reads the chil
 bridge's thread and calls each request's ``on_event`` there, as an in-process scheduler would.
 How the child builds its engine is a picklable ``builder(options) -> (engine, tokenizer, warm-up
 seconds)``, its module importable there: serve's from a checkpoint, a benchmark's from random weights.
-Stage 0 of a pipeline group also gives ``prepare(options)``, run before the child looks at its devices
-(it joins the group there: the distributed runtime must start before any device is used), and
+``prepare(options)``, when given, runs before the child looks at its devices: what must be set before
+JAX starts its runtime (serve's chooses XLA's allocator; stage 0 of a pipeline group joins the group
+there, as the distributed runtime must start before any device is used). Stage 0 also gives
 ``release(engine)``, run after a clean stop (it lets the group's other stages go).
 """
 

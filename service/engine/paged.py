@@ -66,6 +66,7 @@ from switchyard.service.engine.tensor_parallel import (
     random_weights,
     slot_state,
 )
+from switchyard.service.engine.xla_runtime import free_device_memory, step_compiler_options
 from switchyard.service.errors import OutOfRangeError
 from switchyard.service.modelspec import (
     DEFAULT_KV_MEMORY_FRACTION,
@@ -79,13 +80,6 @@ from switchyard.service.modelspec import (
 )
 
 POOL_SPEC = P(None, AXIS, None, None)  # [blocks, kv_heads, block_size, head_dim], sharded by KV head
-
-# A short chunk's step is bound by its launch: outside a command buffer each cuDNN call splits the
-# step's graph, and launching and updating the pieces keeps the GPU waiting (a lone 64-token chunk
-# step on H200 reached its token in two thirds of the time as one graph). Full chunks keep XLA's
-# default set: with cuDNN inside their graphs, the inter-token p99 under load at 12 req/s rose from
-# 15 to 20 ms.
-SHORT_CHUNK_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 
 # Compiles at warm-up hold host memory each, so the pool stays small even on a large host.
 MAX_COMPILE_WORKERS = 8
@@ -108,15 +102,6 @@ def compile_workers() -> int:
     :data:`MAX_COMPILE_WORKERS`."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(MAX_COMPILE_WORKERS, cpus))
-
-
-def step_compiler_options(chunk_tokens: int, step_tokens: int, platform: str, xla_flags: str) -> dict[str, str] | None:
-    """XLA options of a step's program: on GPU a short chunk's step runs as one command buffer, cuDNN
-    included, unless ``xla_flags`` (the user's XLA_FLAGS) chooses the command buffers itself."""
-    short = 0 < chunk_tokens < step_tokens
-    if not short or platform != "gpu" or "xla_gpu_enable_command_buffer" in xla_flags:
-        return None
-    return {"xla_gpu_enable_command_buffer": SHORT_CHUNK_COMMAND_BUFFER}
 
 
 @dataclasses.dataclass
@@ -270,10 +255,11 @@ class PagedEngine(SlotBook):
         self.kv_buckets = self._kv_buckets()
         if strategy != "xla" and self.tp > 1:
             kernels.init(list(mesh.devices.flat))
-        tokens = kv_tokens or self._tokens_for_memory(kv_memory_fraction)
+        free = self._free_memory()
+        tokens = kv_tokens or self._tokens_for_memory(free, kv_memory_fraction)
         if kv_tokens:
-            self._check_pool_fits(kv_tokens, block_size)
-        if not self._memory_stats():
+            self._check_pool_fits(free, kv_tokens, block_size)
+        if free is None:
             # Host devices: no device memory to fill, so no more than the sequences can use (a layout
             # planned for a GPU may ask for far more than the host has).
             tokens = min(tokens, self.max_slots * self.blocks_per_seq * block_size)
@@ -313,28 +299,23 @@ class PagedEngine(SlotBook):
                 "kv_tokens": layout.kv_tokens, "kv_memory_fraction": layout.kv_memory_fraction,
                 "step_tokens": layout.step_tokens}
 
-    def _memory_stats(self) -> list[dict[str, int]]:
-        """Each device's memory statistics; empty where the platform keeps none (host devices)."""
-        stats = [d.memory_stats() for d in self.mesh.devices.flat]
-        return stats if all(s and "bytes_limit" in s for s in stats) else []
+    def _free_memory(self) -> int | None:
+        """Bytes free for the KV pool on the devices' fullest GPU; None on host devices."""
+        return free_device_memory(list(self.mesh.devices.flat), kernels.device_memory)
 
-    def _tokens_for_memory(self, fraction: float) -> int:
-        """Tokens whose K/V fit in ``fraction`` of the memory the devices have left; off GPU (no
-        memory statistics), every slot's whole context."""
-        stats = self._memory_stats()
-        if not stats:
+    def _tokens_for_memory(self, free: int | None, fraction: float) -> int:
+        """Tokens whose K/V fit in ``fraction`` of ``free`` bytes; on host devices (None), every slot's
+        whole context."""
+        if free is None:
             return self.max_slots * self.blocks_per_seq * self._block_size
-        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         tokens = kv_tokens_for_memory(self.spec, self.tp, 1, int(free * fraction), self.dtype)
         return tokens // self._block_size * self._block_size
 
-    def _check_pool_fits(self, tokens: int, block_size: int) -> None:
-        """Raise ModelSpecError when a pool of ``tokens`` (and its null block) would not fit in the
-        memory the devices have left; off GPU (no memory statistics) there is nothing to check."""
-        stats = self._memory_stats()
-        if not stats:
+    def _check_pool_fits(self, free: int | None, tokens: int, block_size: int) -> None:
+        """Raise ModelSpecError when a pool of ``tokens`` (and its null block) would not fit in
+        ``free`` bytes; on host devices (None) there is nothing to check."""
+        if free is None:
             return
-        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         need = (tokens + block_size) * self.spec.kv_bytes_per_token_per_gpu(self.tp, 1, self.dtype)
         if need > free:
             gib = 2**30
@@ -546,8 +527,7 @@ class PagedEngine(SlotBook):
         return next((c for c in self.chunk_sizes if c >= length), self.idle_step_tokens)
 
     def _compiler_options(self, chunk_tokens: int) -> dict[str, str] | None:
-        return step_compiler_options(chunk_tokens, self._step_tokens, self.mesh.devices.flat[0].platform,
-                                     os.environ.get("XLA_FLAGS", ""))
+        return step_compiler_options(chunk_tokens, self._step_tokens, self.mesh.devices.flat[0].platform, os.environ)
 
     def _build_step(self, batch: int, chunk_tokens: int, kv_len: int, greedy_only: bool, return_logits: bool):
         """A step over decode rows [0, batch) and, when kv_len > 0, one chunk attending to kv_len positions."""

@@ -50,8 +50,8 @@ class _EngineOnDevicesWith(PagedEngine):
 
     free = 0
 
-    def _memory_stats(self) -> list[dict[str, int]]:
-        return [{"bytes_limit": self.free + 1000, "bytes_in_use": 1000}]
+    def _free_memory(self) -> int | None:
+        return self.free
 
 
 def test_a_budget_larger_than_the_free_memory_is_refused_in_one_line(tiny_checkpoint_dir):

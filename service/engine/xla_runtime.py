@@ -1,0 +1,85 @@
+"""What the engine asks of XLA's GPU runtime: the allocator its process starts with, and the options
+its step programs are compiled with.
+
+A step program runs as CUDA graphs (XLA's command buffers) recorded with the addresses of its
+buffers; a launch that finds one moved updates the graph's hundreds of commands first (about 1 ms
+of host time, 3-4 ms when the temporary buffer moved: benchmarks/NOTES.md). The paged engine keeps
+its inputs and results at fixed addresses; XLA's temporary buffer keeps one only under its
+virtual-memory allocator with the ``SKIP_TEMP`` update mode, which maps each launch's temporary
+memory at one reserved virtual address per program.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from switchyard.service.modelspec import ModelSpecError
+
+ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
+VMM_ALLOCATOR = "vmm"
+UPDATE_MODE_OPTION = "xla_gpu_command_buffer_update_mode"
+# The temporary buffer at a stable virtual address; parameters and results still update the graph
+# when they move.
+STABLE_TEMP_UPDATE_MODE = "SKIP_TEMP"
+COMMAND_BUFFER_OPTION = "xla_gpu_enable_command_buffer"
+
+# A short chunk's step is bound by its launch: outside a command buffer each cuDNN call splits the
+# step's graph, and launching and updating the pieces keeps the GPU waiting (a lone 64-token chunk
+# step on H200 reached its token in two thirds of the time as one graph). Full chunks keep XLA's
+# default set: with cuDNN inside their graphs, the inter-token p99 under load at 12 req/s rose from
+# 15 to 20 ms.
+SHORT_CHUNK_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+
+
+def prefer_virtual_memory_allocator(gpus: int, environ: dict[str, str] | None = None) -> None:
+    """Before JAX starts its GPU client, in a process that serves on ``gpus`` GPUs: choose XLA's
+    virtual-memory allocator, unless the user chose an allocator. Under it XLA keeps no memory
+    statistics and reserves nothing up front; the paged engine sizes its KV pool from the driver's
+    free-memory count instead. Only for one GPU: that is where it was measured (benchmarks/NOTES.md);
+    several GPUs keep XLA's default allocator and its collectives' memory."""
+    env = os.environ if environ is None else environ
+    if gpus == 1:
+        env.setdefault(ALLOCATOR_ENV, VMM_ALLOCATOR)
+
+
+def xla_allocator(environ: Mapping[str, str] | None = None) -> str:
+    """The allocator JAX's GPU client is asked for in this process (what result files record)."""
+    return (os.environ if environ is None else environ).get(ALLOCATOR_ENV, "default").lower()
+
+
+def step_compiler_options(chunk_tokens: int, step_tokens: int, platform: str,
+                          environ: Mapping[str, str]) -> dict[str, str] | None:
+    """XLA options of a step program (``chunk_tokens`` 0: decode only), given the process's
+    environment. On GPU: a short chunk's step runs as one command buffer, cuDNN included, unless the
+    user's XLA_FLAGS choose the command buffers; under the virtual-memory allocator every step keeps
+    its temporary buffer at one address, unless XLA_FLAGS choose an update mode."""
+    if platform != "gpu":
+        return None
+    xla_flags = environ.get("XLA_FLAGS", "")
+    options = {}
+    if 0 < chunk_tokens < step_tokens and COMMAND_BUFFER_OPTION not in xla_flags:
+        options[COMMAND_BUFFER_OPTION] = SHORT_CHUNK_COMMAND_BUFFER
+    if xla_allocator(environ) == VMM_ALLOCATOR and UPDATE_MODE_OPTION not in xla_flags:
+        options[UPDATE_MODE_OPTION] = STABLE_TEMP_UPDATE_MODE
+    return options or None
+
+
+def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None]) -> int | None:
+    """Bytes free on the fullest of ``devices`` (JAX devices), for the KV pool; None on host devices,
+    which have no device memory to fill. From XLA's allocator statistics where it keeps them (its
+    arena less what is in use); under the virtual-memory allocator, which keeps none and reserves
+    nothing up front, from ``driver_count(device)`` ((free, total) bytes as the CUDA driver counts
+    them, or None where it cannot tell)."""
+    if devices[0].platform != "gpu":
+        return None
+    stats = [d.memory_stats() for d in devices]
+    if all(s and "bytes_limit" in s for s in stats):
+        return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    counts = [driver_count(d) for d in devices]
+    if any(c is None for c in counts):
+        raise ModelSpecError("cannot size the KV pool: XLA's allocator keeps no memory statistics here and the "
+                             "GPUs' free memory cannot be read (the kernels library is not loaded); set "
+                             "layout.kv_tokens")
+    return min(free for free, _ in counts)
