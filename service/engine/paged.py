@@ -66,7 +66,7 @@ from switchyard.service.engine.tensor_parallel import (
     random_weights,
     slot_state,
 )
-from switchyard.service.engine.xla_runtime import free_device_memory, step_compiler_options
+from switchyard.service.engine.xla_runtime import free_device_memory, memory_fraction, step_compiler_options
 from switchyard.service.errors import OutOfRangeError
 from switchyard.service.modelspec import (
     DEFAULT_KV_MEMORY_FRACTION,
@@ -301,7 +301,7 @@ class PagedEngine(SlotBook):
 
     def _free_memory(self) -> int | None:
         """Bytes free for the KV pool on the devices' fullest GPU; None on host devices."""
-        return free_device_memory(list(self.mesh.devices.flat), kernels.device_memory)
+        return free_device_memory(list(self.mesh.devices.flat), kernels.device_memory, memory_fraction())
 
     def _tokens_for_memory(self, free: int | None, fraction: float) -> int:
         """Tokens whose K/V fit in ``fraction`` of ``free`` bytes; on host devices (None), every slot's

@@ -18,6 +18,13 @@ from typing import Any
 from switchyard.service.modelspec import ModelSpecError
 
 ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
+# The share of a GPU's memory XLA may take, as JAX reads it (the second name is the older one).
+MEMORY_FRACTION_ENVS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+JAX_DEFAULT_MEMORY_FRACTION = 0.75
+# What the engine's process lets XLA take: the operator's planner plans each GPU's memory as this
+# share (calibration.json's memory_headroom_fraction is the rest), weights, runtime reserve and KV
+# pool included.
+PROCESS_MEMORY_FRACTION = 0.9
 VMM_ALLOCATOR = "vmm"
 UPDATE_MODE_OPTION = "xla_gpu_command_buffer_update_mode"
 # The temporary buffer at a stable virtual address; parameters and results still update the graph
@@ -34,14 +41,24 @@ SHORT_CHUNK_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 
 
 def prefer_virtual_memory_allocator(gpus: int, environ: dict[str, str] | None = None) -> None:
-    """Before JAX starts its GPU client, in a process that serves on ``gpus`` GPUs: choose XLA's
-    virtual-memory allocator, unless the user chose an allocator. Under it XLA keeps no memory
-    statistics and reserves nothing up front; the paged engine sizes its KV pool from the driver's
-    free-memory count instead. Only for one GPU: that is where it was measured (benchmarks/NOTES.md);
-    several GPUs keep XLA's default allocator and its collectives' memory."""
+    """Before JAX starts its GPU client, in a process that serves on ``gpus`` GPUs: let XLA use
+    :data:`PROCESS_MEMORY_FRACTION` of each GPU's memory, and on one GPU choose its virtual-memory
+    allocator; each unless the user chose. Under that allocator XLA keeps no memory statistics and
+    maps memory as it allocates, up to the fraction; the paged engine sizes its KV pool from the
+    driver's free-memory count instead. Only for one GPU: that is where it was measured
+    (benchmarks/NOTES.md); several GPUs keep XLA's default allocator and its collectives' memory."""
     env = os.environ if environ is None else environ
+    if not any(name in env for name in MEMORY_FRACTION_ENVS):
+        env[MEMORY_FRACTION_ENVS[0]] = str(PROCESS_MEMORY_FRACTION)
     if gpus == 1:
         env.setdefault(ALLOCATOR_ENV, VMM_ALLOCATOR)
+
+
+def memory_fraction(environ: Mapping[str, str] | None = None) -> float:
+    """The share of each GPU's memory JAX's GPU client may allocate in this process."""
+    env = os.environ if environ is None else environ
+    value = next((env[name] for name in MEMORY_FRACTION_ENVS if env.get(name)), None)
+    return float(value) if value is not None else JAX_DEFAULT_MEMORY_FRACTION
 
 
 def xla_allocator(environ: Mapping[str, str] | None = None) -> str:
@@ -66,12 +83,14 @@ def step_compiler_options(chunk_tokens: int, step_tokens: int, platform: str,
     return options or None
 
 
-def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None]) -> int | None:
-    """Bytes free on the fullest of ``devices`` (JAX devices), for the KV pool; None on host devices,
-    which have no device memory to fill. From XLA's allocator statistics where it keeps them (its
-    arena less what is in use); under the virtual-memory allocator, which keeps none and reserves
-    nothing up front, from ``driver_count(device)`` ((free, total) bytes as the CUDA driver counts
-    them, or None where it cannot tell)."""
+def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None],
+                       fraction: float) -> int | None:
+    """Bytes XLA may still allocate on the fullest of ``devices`` (JAX devices), for the KV pool; None
+    on host devices, which have no device memory to fill. From XLA's allocator statistics where it
+    keeps them (its arena less what is in use); under the virtual-memory allocator, which keeps none,
+    from ``driver_count(device)`` ((free, total) bytes as the CUDA driver counts them, or None where
+    it cannot tell): what is free, at most ``fraction`` of the total less what is in use (every
+    allocation on the GPU counted as XLA's, so never more than XLA may take)."""
     if devices[0].platform != "gpu":
         return None
     stats = [d.memory_stats() for d in devices]
@@ -82,4 +101,4 @@ def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tup
         raise ModelSpecError("cannot size the KV pool: XLA's allocator keeps no memory statistics here and the "
                              "GPUs' free memory cannot be read (the kernels library is not loaded); set "
                              "layout.kv_tokens")
-    return min(free for free, _ in counts)
+    return min(max(0, min(free, int(fraction * total) - (total - free))) for free, total in counts)

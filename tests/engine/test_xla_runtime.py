@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 from switchyard.service.engine.xla_runtime import (
     ALLOCATOR_ENV,
+    PROCESS_MEMORY_FRACTION,
     SHORT_CHUNK_COMMAND_BUFFER,
     free_device_memory,
+    memory_fraction,
     prefer_virtual_memory_allocator,
     step_compiler_options,
 )
@@ -17,16 +19,29 @@ VMM = {ALLOCATOR_ENV: "vmm"}
 UPDATE_MODE = "xla_gpu_command_buffer_update_mode"
 
 
-def test_the_allocator_preference_is_for_one_gpu_and_keeps_the_users_choice():
+def test_the_process_takes_the_planned_share_of_memory_and_one_gpu_the_virtual_memory_allocator():
     env: dict[str, str] = {}
     prefer_virtual_memory_allocator(1, env)
-    assert env == {ALLOCATOR_ENV: "vmm"}
+    assert env == {ALLOCATOR_ENV: "vmm", "XLA_CLIENT_MEM_FRACTION": "0.9"}
+    assert memory_fraction(env) == PROCESS_MEMORY_FRACTION == 0.9
     env = {}
     prefer_virtual_memory_allocator(2, env)
-    assert env == {}
-    env = {ALLOCATOR_ENV: "bfc"}
-    prefer_virtual_memory_allocator(1, env)
-    assert env == {ALLOCATOR_ENV: "bfc"}
+    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.9"}
+    # The user's choices stand, under either name JAX reads.
+    for chosen in ({ALLOCATOR_ENV: "bfc", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"},
+                   {ALLOCATOR_ENV: "cuda_async", "XLA_CLIENT_MEM_FRACTION": "0.6"}):
+        env = dict(chosen)
+        prefer_virtual_memory_allocator(1, env)
+        assert env == chosen
+    assert memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}) == 0.5
+    assert memory_fraction({}) == 0.75  # JAX's own default
+
+
+def test_the_process_share_is_what_the_planner_plans_with():
+    from switchyard.operator import calibration
+
+    headroom = float(calibration.load().models["memory_headroom_fraction"])
+    assert abs(PROCESS_MEMORY_FRACTION - (1 - headroom)) < 1e-9
 
 
 def test_every_gpu_step_keeps_its_temporary_buffer_in_place_under_the_virtual_memory_allocator():
@@ -57,11 +72,14 @@ def _driver(device: _Device) -> tuple[int, int] | None:
 
 def test_free_memory_comes_from_the_allocator_where_it_counts_and_the_driver_where_it_does_not():
     gib = 2**30
-    assert free_device_memory([_Device("cpu", None)], _driver) is None
+    assert free_device_memory([_Device("cpu", None)], _driver, 0.9) is None
     arenas = [_Device("gpu", {"bytes_limit": 60 * gib, "bytes_in_use": 16 * gib}, (70 * gib, 80 * gib)),
               _Device("gpu", {"bytes_limit": 60 * gib, "bytes_in_use": 18 * gib}, (70 * gib, 80 * gib))]
-    assert free_device_memory(arenas, _driver) == 42 * gib  # the fullest GPU's arena, not the driver's count
+    assert free_device_memory(arenas, _driver, 0.9) == 42 * gib  # the fullest GPU's arena, not the driver's count
+    # No statistics: free memory, at most the fraction XLA may take less everything in use.
     vmm = [_Device("gpu", None, (63 * gib, 80 * gib)), _Device("gpu", {}, (61 * gib, 80 * gib))]
-    assert free_device_memory(vmm, _driver) == 61 * gib
+    assert free_device_memory(vmm, _driver, 1.0) == 61 * gib
+    assert free_device_memory(vmm, _driver, 0.9) == 72 * gib - 19 * gib
+    assert free_device_memory(vmm, _driver, 0.2) == 0  # already past the share
     with pytest.raises(ModelSpecError, match=r"^cannot size the KV pool: .* set layout\.kv_tokens$"):
-        free_device_memory([_Device("gpu", None, None)], _driver)
+        free_device_memory([_Device("gpu", None, None)], _driver, 0.9)
