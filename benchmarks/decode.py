@@ -56,18 +56,7 @@ def copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> dict[str, float]:
     """
     n = int(gib * (1 << 30)) // 4
     probes: dict[str, float] = {}
-    x = jax.jit(lambda k: jax.random.bits(k, (n,), jnp.uint32))(jax.random.PRNGKey(0))
-    for name, fn in (("jax_u32_xor", lambda a: a ^ jnp.uint32(1)),
-                     ("jax_bf16_add", lambda a: (jax.lax.bitcast_convert_type(a, jnp.bfloat16) + 1))):
-        f = jax.jit(fn)
-        f(x).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f(x).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        probes[name] = 2 * n * 4 / statistics.median(times)
-    del x
+    # PyTorch first: a JAX client that preallocates its share of the GPU may leave too little after it.
     try:
         import torch
 
@@ -88,6 +77,18 @@ def copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> dict[str, float]:
             torch.cuda.empty_cache()
     except ImportError:
         pass
+    x = jax.jit(lambda k: jax.random.bits(k, (n,), jnp.uint32))(jax.random.PRNGKey(0))
+    for name, fn in (("jax_u32_xor", lambda a: a ^ jnp.uint32(1)),
+                     ("jax_bf16_add", lambda a: (jax.lax.bitcast_convert_type(a, jnp.bfloat16) + 1))):
+        f = jax.jit(fn)
+        f(x).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        probes[name] = 2 * n * 4 / statistics.median(times)
+    del x
     return probes
 
 
