@@ -18,7 +18,7 @@ buffers of their own too (``_io``): small programs copy the host's new values in
 the step's tokens out after it. A step program then sees the same addresses at every launch, so XLA
 replays its command buffer as recorded; a new address anywhere makes it update the buffer's hundreds
 of commands first, which took 2-6 ms of host time on H200 (benchmarks/NOTES.md). XLA's own temporary
-buffer is the one address left that may move (after a larger program ran).
+buffer keeps its address under the allocator and update mode of ``xla_runtime``.
 
 Under a burst (a backlog of prompt tokens of more than ``SURGE_BACKLOG_BUDGETS`` budgets) a step
 carries up to twice the budget, so the burst drains faster.
