@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator, xla_allocator
+from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_allocator
 
 
 @functools.cache
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    prefer_virtual_memory_allocator(1)  # as serve's engine process on one GPU
+    apply_process_defaults(1)  # as serve's engine process on one GPU
     import jax
     import numpy as np
     from switchyard.service.engine.paged import PagedEngine

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from switchyard.kernels import K_SPLITS
 from switchyard.service.engine.tensor_parallel import Engine
-from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator, xla_allocator
+from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_allocator
 from switchyard.service.modelspec import KV_BLOCK_TOKENS, ModelSpec, ServingLayout, preset
 
 # benchmarks/variants.py (engines that are not the product), loaded on first use.
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the peer's attention backends (gpt-fast uses math; the best one is compared)")
     parser.add_argument("--peer-device", default="cuda", help="the peer's torch device (cpu: eager, for tests)")
     args = parser.parse_args(argv)
-    prefer_virtual_memory_allocator(max(args.tp))  # as serve's engine process (one allocator for every run here)
+    apply_process_defaults(max(args.tp))  # as serve's engine process (one allocator for every run here)
 
     spec = preset(args.model)
     peer = run_peer(args) if args.peer else None  # before JAX initialises the GPU and takes its memory

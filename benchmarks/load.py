@@ -85,7 +85,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator, xla_allocator
+from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_allocator
 
 # benchmarks/variants.py (engines that are not the product), loaded on first use.
 variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
@@ -773,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    prefer_virtual_memory_allocator(args.tp)  # as serve's engine process (the gRPC path's child inherits it)
+    apply_process_defaults(args.tp)  # as serve's engine process (the gRPC path's child inherits it)
     if args.switch_interval is not None:  # as `switchyard serve --switch-interval` does, without importing gRPC
         sys.setswitchinterval(args.switch_interval)
     spec, tokenizer = variants().serving_tokenizer(args)

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator, xla_allocator
+from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_allocator
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-slots", type=int, default=8)
     parser.add_argument("--out", default=None, help="result JSON path")
     args = parser.parse_args(argv)
-    prefer_virtual_memory_allocator(1)  # as serve's engine process on one GPU
+    apply_process_defaults(1)  # as serve's engine process on one GPU
     peer = peer_times(args) if args.peer else None
 
     import jax

@@ -47,7 +47,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator
+from switchyard.service.engine.xla_runtime import apply_process_defaults
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="sys.setswitchinterval, as switchyard serve --switch-interval (default: CPython's)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/current/serve-<device>.json")
     args = parser.parse_args(argv)
-    prefer_virtual_memory_allocator(args.tp)  # as serve's engine process
+    apply_process_defaults(args.tp)  # as serve's engine process
     from switchyard.service.api.server import tune_interpreter
 
     tune_interpreter(args.switch_interval)

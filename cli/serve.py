@@ -292,9 +292,9 @@ def build_engine(options: EngineOptions) -> tuple[Any, Any, float]:
 def choose_xla_runtime(options: EngineOptions) -> None:
     """The engine process, before it looks at its devices: the XLA allocator for its layout
     (``service.engine.xla_runtime``)."""
-    from switchyard.service.engine.xla_runtime import prefer_virtual_memory_allocator
+    from switchyard.service.engine.xla_runtime import apply_process_defaults
 
-    prefer_virtual_memory_allocator(options.layout.tp)
+    apply_process_defaults(options.layout.tp)
 
 
 def join_pipeline_group(options: EngineOptions) -> None:

@@ -40,13 +40,13 @@ COMMAND_BUFFER_OPTION = "xla_gpu_enable_command_buffer"
 SHORT_CHUNK_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 
 
-def prefer_virtual_memory_allocator(gpus: int, environ: dict[str, str] | None = None) -> None:
-    """Before JAX starts its GPU client, in a process that serves on ``gpus`` GPUs: let XLA use
-    :data:`PROCESS_MEMORY_FRACTION` of each GPU's memory, and on one GPU choose its virtual-memory
-    allocator; each unless the user chose. Under that allocator XLA keeps no memory statistics and
-    maps memory as it allocates, up to the fraction; the paged engine sizes its KV pool from the
-    driver's free-memory count instead. Only for one GPU: that is where it was measured
-    (benchmarks/NOTES.md); several GPUs keep XLA's default allocator and its collectives' memory."""
+def apply_process_defaults(gpus: int, environ: dict[str, str] | None = None) -> None:
+    """Before JAX starts its GPU client, in an engine's process on ``gpus`` GPUs, unless the user
+    chose: let XLA take :data:`PROCESS_MEMORY_FRACTION` of each GPU's memory, and on one GPU use its
+    virtual-memory allocator. That allocator keeps no memory statistics and maps memory as it
+    allocates, up to the fraction; the paged engine then sizes its KV pool from the driver's
+    free-memory count. Only on one GPU: that is where it was measured (benchmarks/NOTES.md); several
+    GPUs keep XLA's default allocator, preallocating the fraction, and its collectives' memory."""
     env = os.environ if environ is None else environ
     if not any(name in env for name in MEMORY_FRACTION_ENVS):
         env[MEMORY_FRACTION_ENVS[0]] = str(PROCESS_MEMORY_FRACTION)

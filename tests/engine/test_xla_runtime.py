@@ -8,9 +8,9 @@ from switchyard.service.engine.xla_runtime import (
     ALLOCATOR_ENV,
     PROCESS_MEMORY_FRACTION,
     SHORT_CHUNK_COMMAND_BUFFER,
+    apply_process_defaults,
     free_device_memory,
     memory_fraction,
-    prefer_virtual_memory_allocator,
     step_compiler_options,
 )
 from switchyard.service.modelspec import ModelSpecError
@@ -21,17 +21,17 @@ UPDATE_MODE = "xla_gpu_command_buffer_update_mode"
 
 def test_the_process_takes_the_planned_share_of_memory_and_one_gpu_the_virtual_memory_allocator():
     env: dict[str, str] = {}
-    prefer_virtual_memory_allocator(1, env)
+    apply_process_defaults(1, env)
     assert env == {ALLOCATOR_ENV: "vmm", "XLA_CLIENT_MEM_FRACTION": "0.9"}
     assert memory_fraction(env) == PROCESS_MEMORY_FRACTION == 0.9
     env = {}
-    prefer_virtual_memory_allocator(2, env)
+    apply_process_defaults(2, env)
     assert env == {"XLA_CLIENT_MEM_FRACTION": "0.9"}
     # The user's choices stand, under either name JAX reads.
     for chosen in ({ALLOCATOR_ENV: "bfc", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"},
                    {ALLOCATOR_ENV: "cuda_async", "XLA_CLIENT_MEM_FRACTION": "0.6"}):
         env = dict(chosen)
-        prefer_virtual_memory_allocator(1, env)
+        apply_process_defaults(1, env)
         assert env == chosen
     assert memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}) == 0.5
     assert memory_fraction({}) == 0.75  # JAX's own default
