@@ -323,7 +323,7 @@ def test_init_without_gpu_is_unavailable_not_an_error() -> None:
 CI_GENCODE = ("-gencode=arch=compute_90a,code=sm_90a",)  # one arch, to keep CI fast
 C_API = ("sy_last_error", "sy_init", "sy_error", "sy_reset", "sy_device_calls", "sy_host_calls",
          "sy_set_timeout_ns", "sy_oneshot_bytes", "sy_twoshot_bytes", "sy_is_ready", "sy_world",
-         "sy_preload_attention")
+         "sy_preload_attention", "sy_device_memory")
 DIAGNOSTIC_SYMBOLS = (*native.DIAGNOSTIC_TARGETS.values(), "sy_phase_read")
 
 
@@ -358,6 +358,23 @@ def test_cuda_sources_compile(libraries: dict[str, Path]) -> None:
 
         listing = subprocess.run(["cuobjdump", "--list-elf", str(out)], capture_output=True, text=True).stdout
         assert "sm_90a" in listing
+
+
+def test_the_device_memory_query_says_why_it_cannot_answer(libraries: dict[str, Path]) -> None:
+    """Where no GPU answers (CI), or for an ordinal out of range, the query fails with a reason and
+    leaves its outputs alone."""
+    lib = ctypes.CDLL(str(libraries["product"]))
+    u64 = ctypes.c_ulonglong
+    lib.sy_device_memory.argtypes = [ctypes.c_int, ctypes.POINTER(u64), ctypes.POINTER(u64)]
+    lib.sy_last_error.restype = ctypes.c_char_p
+    free, total = u64(7), u64(7)
+    assert lib.sy_device_memory(-1, ctypes.byref(free), ctypes.byref(total)) == 1
+    assert lib.sy_last_error() == b"device memory: bad device ordinal"
+    if lib.sy_device_memory(0, ctypes.byref(free), ctypes.byref(total)) == 0:  # a GPU answered
+        assert 0 < free.value <= total.value
+    else:
+        assert lib.sy_last_error().startswith(b"cudaMemGetInfo: ")
+        assert free.value == total.value == 7
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="nm not on PATH")
