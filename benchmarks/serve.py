@@ -47,7 +47,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from switchyard.service.engine.xla_runtime import apply_process_defaults
+from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_allocator
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/serve.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "device": label,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "xla_allocator": xla_allocator(),
         "config": {
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
             "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len,
