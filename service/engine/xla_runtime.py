@@ -99,6 +99,6 @@ def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tup
     counts = [driver_count(d) for d in devices]
     if any(c is None for c in counts):
         raise ModelSpecError("cannot size the KV pool: XLA's allocator keeps no memory statistics here and the "
-                             "GPUs' free memory cannot be read (the kernels library is not loaded); set "
-                             "layout.kv_tokens")
+                             "kernels library cannot read the GPUs' free memory (not built, or its query failed); "
+                             "set layout.kv_tokens")
     return min(max(0, min(free, int(fraction * total) - (total - free))) for free, total in counts)

@@ -377,15 +377,3 @@ def test_the_scheduler_counts_queued_prompts_in_the_backlog(checkpoint, tokenize
     assert tokens["r0"] == alone["r0"] == reference[-1]
     assert [tokens[f"r{i + 1}"] for i in range(len(prompts) - 1)] == reference[:-1]
     assert_pool_empty(engine)
-
-
-def test_only_short_chunk_steps_on_gpu_ask_for_cudnn_inside_command_buffers():
-    from switchyard.service.engine.xla_runtime import SHORT_CHUNK_COMMAND_BUFFER, step_compiler_options
-
-    assert step_compiler_options(64, 256, "gpu", {}) == {"xla_gpu_enable_command_buffer": SHORT_CHUNK_COMMAND_BUFFER}
-    assert "CUDNN" in SHORT_CHUNK_COMMAND_BUFFER.split(",")
-    for chunk, platform in ((256, "gpu"), (2048, "gpu"), (0, "gpu"), (64, "cpu")):
-        assert step_compiler_options(chunk, 256, platform, {}) is None, (chunk, platform)
-    assert step_compiler_options(64, 256, "gpu", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"}) is None
-
-

@@ -44,6 +44,14 @@ def test_the_process_share_is_what_the_planner_plans_with():
     assert abs(PROCESS_MEMORY_FRACTION - (1 - headroom)) < 1e-9
 
 
+def test_only_short_chunk_steps_on_gpu_ask_for_cudnn_inside_command_buffers():
+    assert step_compiler_options(64, 256, "gpu", {}) == {"xla_gpu_enable_command_buffer": SHORT_CHUNK_COMMAND_BUFFER}
+    assert "CUDNN" in SHORT_CHUNK_COMMAND_BUFFER.split(",")
+    for chunk, platform in ((256, "gpu"), (2048, "gpu"), (0, "gpu"), (64, "cpu")):
+        assert step_compiler_options(chunk, 256, platform, {}) is None, (chunk, platform)
+    assert step_compiler_options(64, 256, "gpu", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"}) is None
+
+
 def test_every_gpu_step_keeps_its_temporary_buffer_in_place_under_the_virtual_memory_allocator():
     for chunk in (0, 64, 256, 2048):
         options = step_compiler_options(chunk, 256, "gpu", VMM)
