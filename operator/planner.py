@@ -230,10 +230,6 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         reasons.append(f"{len(inventory.skipped)} GPU node(s) skipped for unreadable values: "
                        + "; ".join(n.message for n in inventory.skipped[:5])
                        + (" ..." if len(inventory.skipped) > 5 else ""))
-    if max_seq < MIN_SEQ_LEN:
-        msg = (f"{model.name} has max_position_embeddings {model.max_position_embeddings}: the server needs "
-               f"sequences of at least {MIN_SEQ_LEN} tokens")
-        return Plan(None, ServiceRejection.INVALID_MODEL, msg, (*reasons, msg), ())
     eligible, left_out = inventory.eligible(request.node_selector, request.tolerations)
     if left_out:
         reasons.append(f"{len(left_out)} GPU node(s) left out: " + "; ".join(left_out[:5])

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from switchyard.service.modelspec import ModelSpec, ModelSpecError, is_integer, is_number, preset
+from switchyard.service.modelspec import ModelSpec, ModelSpecError, preset
 
-from .crd import object_defaults, spec_defaults, spec_schema
+from .crd import object_defaults, spec_defaults
 from .planner import Request
 from .rejections import ServiceRejection
 
@@ -58,25 +57,6 @@ def config_map_ref(spec: Mapping[str, Any]) -> tuple[str, str] | None:
     return ref["name"], ref["key"]
 
 
-def check_config_bounds(config: Mapping[str, Any], where: str) -> None:
-    """The numbers of a config.json within the bounds the CRD schema sets for ``spec.model.config``: a
-    ConfigMap's config.json reaches the planner without the API server's validation."""
-    if not isinstance(config, Mapping):
-        return  # ModelSpec.from_config says what is wrong
-    for name, rule in spec_schema("model.config")["properties"].items():
-        if rule.get("type") not in ("integer", "number") or name not in config:
-            continue
-        value = config[name]
-        whole = rule["type"] == "integer"
-        if not (is_integer(value) if whole else is_number(value)):
-            raise SpecError(f"{where}: {name} must be {'an integer' if whole else 'a number'}, got {value!r:.40}")
-        low, high = rule.get("minimum", -math.inf), rule.get("maximum", math.inf)
-        if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high \
-                or (rule.get("exclusiveMinimum") and value == low):
-            raise SpecError(f"{where}: {name} {value!r:.40} is outside "
-                            f"[{rule.get('minimum', '-inf')}, {rule.get('maximum', 'inf')}]")
-
-
 def model_spec(spec: Mapping[str, Any], config_map_data: Mapping[str, str] | None = None) -> ModelSpec:
     """The model's shape from a preset, the inline config or the referenced ConfigMap's data."""
     model = spec["model"]
@@ -84,8 +64,7 @@ def model_spec(spec: Mapping[str, Any], config_map_data: Mapping[str, str] | Non
         if "preset" in model:
             return dataclasses.replace(preset(model["preset"]), name=model["name"])
         if "config" in model:
-            check_config_bounds(model["config"], "spec.model.config")
-            return ModelSpec.from_config(model["config"], name=model["name"])
+            return _from_config(model["config"], model["name"], "spec.model.config")
         ref = config_map_ref(spec)
         if ref is None:
             raise SpecError("spec.model needs one of preset, config, configMapRef")
@@ -97,10 +76,18 @@ def model_spec(spec: Mapping[str, Any], config_map_data: Mapping[str, str] | Non
             raw = json.loads(config_map_data[ref[1]])
         except json.JSONDecodeError as err:
             raise SpecError(f"ConfigMap {ref[0]} key {ref[1]} is not JSON: {err}") from err
-        check_config_bounds(raw, f"ConfigMap {ref[0]} key {ref[1]}")
-        return ModelSpec.from_config(raw, name=model["name"])
+        return _from_config(raw, model["name"], f"ConfigMap {ref[0]} key {ref[1]}")
     except ModelSpecError as err:
         raise SpecError(str(err)) from err
+
+
+def _from_config(config: Any, name: str, where: str) -> ModelSpec:
+    """The shape a config.json describes; its bounds and rules are modelspec's (the CRD states the
+    same bounds, which a ConfigMap's config.json never passed through)."""
+    try:
+        return ModelSpec.from_config(config, name=name)
+    except ModelSpecError as err:
+        raise SpecError(f"{where}: {err}") from err
 
 
 def request(spec: Mapping[str, Any]) -> Request:

@@ -32,6 +32,35 @@ MAX_KV_MEMORY_FRACTION = 0.95
 SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+# Bounds of a model's shape, by config.json name: the largest models served, with room to spare
+# (a vocabulary needs two tokens, RoPE pairs of dimensions, a sequence a prompt token and a generated
+# one). The CRD's schema for spec.model.config states the same numbers; a test holds them equal.
+INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (2, 1 << 20),
+    "hidden_size": (2, 1 << 17),
+    "intermediate_size": (1, 1 << 20),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 4096),
+    "max_position_embeddings": (2, 1 << 24),
+    "rope_scaling.original_max_position_embeddings": (1, 1 << 24),
+}
+# (exclusive lower bound, inclusive upper bound)
+NUMBER_BOUNDS: dict[str, tuple[float, float]] = {
+    "rms_norm_eps": (0.0, 1.0),
+    "rope_theta": (0.0, 1.0e12),
+    "rope_scaling.factor": (0.0, 1024.0),
+    "rope_scaling.low_freq_factor": (0.0, 1024.0),
+    "rope_scaling.high_freq_factor": (0.0, 1024.0),
+}
+# ModelSpec field -> its config.json name, for the messages.
+_CONFIG_NAMES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                 "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                 "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+                 "max_position_embeddings": "max_position_embeddings", "rms_norm_eps": "rms_norm_eps",
+                 "rope_theta": "rope_theta"}
+
 
 def is_integer(value: Any) -> bool:
     """An int that is not a bool (a JSON ``true`` is no count)."""
@@ -45,6 +74,57 @@ def is_number(value: Any) -> bool:
 
 class ModelSpecError(ValueError):
     """A config.json that does not describe a model this engine can run."""
+
+
+def check_integer(name: str, value: Any) -> int:
+    """``value`` of the config.json field ``name``, an integer within :data:`INTEGER_BOUNDS`."""
+    low, high = INTEGER_BOUNDS[name]
+    if not is_integer(value) or not low <= value <= high:
+        raise ModelSpecError(f"{name} must be an integer in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+def check_number(name: str, value: Any) -> float:
+    """``value`` of the config.json field ``name``, a finite number within :data:`NUMBER_BOUNDS`."""
+    low, high = NUMBER_BOUNDS[name]
+    if not is_number(value) or not low < value <= high:  # NaN fails both comparisons
+        raise ModelSpecError(f"{name} must be a number in ({low:g}, {high:g}], got {value!r:.40}")
+    return float(value)
+
+
+def check_shape(spec: ModelSpec) -> None:
+    """Every bound of a model's shape and every rule between its numbers, in one place: every way of
+    making a ModelSpec (a config.json, a preset, the operator's spec) passes here, so the CLI, serve,
+    the planner and the operator all refuse the same shapes with the same messages."""
+    for field, name in _CONFIG_NAMES.items():
+        value = getattr(spec, field)
+        if name in INTEGER_BOUNDS:
+            check_integer(name, value)
+        else:
+            check_number(name, value)
+    if spec.num_heads % spec.num_kv_heads:
+        raise ModelSpecError(
+            f"num_attention_heads ({spec.num_heads}) must be a multiple of num_key_value_heads ({spec.num_kv_heads})")
+    if spec.head_dim % 2:
+        raise ModelSpecError(f"head_dim must be even for rotary embeddings, got {spec.head_dim}")
+    if spec.dtype not in DTYPE_BYTES:
+        raise ModelSpecError(f"torch_dtype must be one of {sorted(DTYPE_BYTES)}, got {spec.dtype!r:.40}")
+    rope = spec.rope_scaling
+    if rope.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelSpecError(f"rope_scaling type {rope.rope_type!r:.40} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    for field in ("factor", "low_freq_factor", "high_freq_factor"):
+        check_number(f"rope_scaling.{field}", getattr(rope, field))
+    check_integer("rope_scaling.original_max_position_embeddings", rope.original_max_position_embeddings)
+    if rope.rope_type == "llama3" and not rope.low_freq_factor < rope.high_freq_factor:
+        raise ModelSpecError(f"rope_scaling.low_freq_factor ({rope.low_freq_factor:g}) must be below "
+                             f"rope_scaling.high_freq_factor ({rope.high_freq_factor:g}): llama3 scaling blends "
+                             "between the two")
+    vocab = spec.vocab_size
+    special = ([spec.bos_token_id] if spec.bos_token_id is not None else []) + list(spec.eos_token_ids)
+    bad = [t for t in special if not is_integer(t) or not 0 <= t < vocab]
+    if bad:
+        raise ModelSpecError(f"bos_token_id / eos_token_id must be token ids in [0, {vocab}), got {bad[:4]!r:.60}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,25 +169,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
-                raise ModelSpecError(f"{field} must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ModelSpecError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ModelSpecError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ModelSpecError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelSpecError(
-                f"rope_scaling type {self.rope_scaling.rope_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-        if not self.rms_norm_eps > 0:
-            raise ModelSpecError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        check_shape(self)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -194,9 +256,14 @@ class ModelSpec:
                                "num_attention_heads") if k not in config]
         if missing:
             raise ModelSpecError(f"config.json lacks required fields: {', '.join(missing)}")
-        heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
-        head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else 0)
+        heads = check_integer("num_attention_heads", config["num_attention_heads"])
+        hidden = check_integer("hidden_size", config["hidden_size"])
+        head_dim = config.get("head_dim")
+        if head_dim is None:
+            if hidden < heads:
+                raise ModelSpecError(f"hidden_size ({hidden}) is smaller than num_attention_heads ({heads}): "
+                                     "a head would have no dimensions (or give head_dim)")
+            head_dim = hidden // heads
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
@@ -209,6 +276,9 @@ class ModelSpec:
         else:
             rope_theta = config.get("rope_theta", 10000.0)
             scaling = config.get("rope_scaling")
+        tie = config.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ModelSpecError(f"tie_word_embeddings must be true or false, got {tie!r:.40}")
         return cls(
             name=name or config.get("_name_or_path") or config.get("name") or "llama",
             vocab_size=config["vocab_size"],
@@ -216,13 +286,13 @@ class ModelSpec:
             intermediate_size=config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
+            num_kv_heads=heads if config.get("num_key_value_heads") is None else config["num_key_value_heads"],
             head_dim=head_dim,
             max_position_embeddings=config.get("max_position_embeddings", 8192),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(rope_theta),
+            rms_norm_eps=check_number("rms_norm_eps", config.get("rms_norm_eps", 1e-5)),
+            rope_theta=check_number("rope_theta", rope_theta),
             rope_scaling=_rope_scaling_from_config(scaling),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tie,
             dtype=str(dtype),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -277,16 +347,14 @@ def _rope_scaling_from_config(raw: Any) -> RopeScaling:
     rope_type = raw.get("rope_type") or raw.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelSpecError(
-            f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    factor = float(raw.get("factor", 1.0))
-    if not factor > 0 or math.isinf(factor):
-        raise ModelSpecError(f"rope_scaling.factor must be positive, got {factor}")
+            f"rope_scaling type {rope_type!r:.40} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     return RopeScaling(
         rope_type=rope_type,
-        factor=factor,
-        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        factor=check_number("rope_scaling.factor", raw.get("factor", 1.0)),
+        low_freq_factor=check_number("rope_scaling.low_freq_factor", raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=check_number("rope_scaling.high_freq_factor", raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=check_integer(
+            "rope_scaling.original_max_position_embeddings", raw.get("original_max_position_embeddings", 8192)),
     )
 
 

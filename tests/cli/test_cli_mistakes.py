@@ -212,3 +212,32 @@ def test_ctrl_c_during_warm_up_stops_at_once() -> None:
         pytest.skip("warm-up finished before the signal")
     assert code == 130 and "stopped while loading the model" in text, text[-3000:]
     assert time.monotonic() - started < 10
+
+
+HOSTILE_VALUES = [2**63 - 1, -(2**63), 0, -1, 1.5, 1e308, float("nan"), "32", True, None, [], {}]
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta")
+
+
+def test_plan_answers_any_config_json_within_a_second(tmp_path: Path, capsys) -> None:
+    """Every field of a config.json set to each hostile value: `plan` answers (a plan, or one line and
+    exit 2) within a second, in this process so that the time is the planner's, not Python's start."""
+    from switchyard.cli.main import main
+
+    base = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+            "num_attention_heads": 32}
+    path = tmp_path / "config.json"
+    slow = []
+    for field in SHAPE_FIELDS:
+        for value in HOSTILE_VALUES:
+            path.write_text(json.dumps({**base, field: value}))
+            start = time.perf_counter()
+            code = main(["plan", "--model", str(path), "--nodes", str(NODES)])
+            elapsed = time.perf_counter() - start
+            err = capsys.readouterr().err
+            assert code in (0, 2), (field, value, code, err)
+            if code == 2:
+                assert len(err.strip().splitlines()) == 1 and field in err, (field, value, err)
+            if elapsed > 1.0:
+                slow.append((field, value, round(elapsed, 2)))
+    assert not slow, slow

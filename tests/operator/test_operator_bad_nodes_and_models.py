@@ -11,7 +11,7 @@ from helpers.kube.harness import decode_service, gpu_node
 from switchyard.operator import crd, inventory, planner, render
 from switchyard.operator import spec as specmod
 from switchyard.operator.rejections import ServiceRejection
-from switchyard.service.modelspec import ModelSpec, preset
+from switchyard.service.modelspec import ModelSpec, ModelSpecError, preset
 
 BAD_LABELS = [
     ("nvidia.com/gpu.memory", "inf"), ("nvidia.com/gpu.memory", "Infinity"), ("nvidia.com/gpu.memory", "1e308"),
@@ -75,13 +75,17 @@ def test_divisors_by_trial_division():
     assert time.perf_counter() - start < 1.0
 
 
-def test_planning_time_does_not_grow_with_the_layer_count():
-    model = ModelSpec.from_config({"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512,
-                                   "num_hidden_layers": 10**7, "num_attention_heads": 8}, name="deep")
+def test_planning_a_model_of_the_most_layers_allowed_is_quick_and_more_are_refused():
+    config = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1024,
+              "num_attention_heads": 8}
+    model = ModelSpec.from_config(config, name="deep")
     start = time.perf_counter()
     p = planner.plan(model, inventory.build([gpu_node("h200-0")]), planner.Request())
     assert time.perf_counter() - start < 0.5
     assert p.rejection is not None or p.layout is not None
+    for layers in (1025, 10**7, 2**63 - 1):
+        with pytest.raises(ModelSpecError, match=rf"num_hidden_layers must be an integer in \[1, 1024\], got {layers}"):
+            ModelSpec.from_config({**config, "num_hidden_layers": layers})
 
 
 def test_a_model_too_small_to_measure_still_plans():
@@ -92,26 +96,25 @@ def test_a_model_too_small_to_measure_still_plans():
     assert p.layout.tokens_per_s > 0
 
 
-def test_a_one_token_context_is_rejected_with_a_reason():
-    model = ModelSpec.from_config({"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-                                   "num_hidden_layers": 32, "num_attention_heads": 32,
-                                   "max_position_embeddings": 1}, name="short")
-    p = planner.plan(model, inventory.build([gpu_node("h200-0")]), planner.Request())
-    assert p.layout is None and p.rejection is ServiceRejection.INVALID_MODEL
-    assert "max_position_embeddings 1" in p.message and "at least 2 tokens" in p.message
+def test_a_one_token_context_is_refused_naming_the_field():
+    with pytest.raises(ModelSpecError, match=r"max_position_embeddings must be an integer in \[2, "):
+        ModelSpec.from_config({"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                               "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 1})
 
 
 @pytest.mark.parametrize(("field", "value", "words"), [
-    ("max_position_embeddings", 1, "outside"), ("num_hidden_layers", 10**7, "outside"),
-    ("vocab_size", 1, "outside"), ("hidden_size", 1e400, "must be an integer"),
-    ("rope_theta", float("inf"), "outside"), ("num_hidden_layers", "32", "must be an integer"),
+    ("max_position_embeddings", 1, r"must be an integer in \[2, "), ("num_hidden_layers", 10**7, "must be an integer"),
+    ("vocab_size", 1, "must be an integer"), ("hidden_size", 1e400, "must be an integer"),
+    ("rope_theta", float("inf"), r"must be a number in \(0, "), ("num_hidden_layers", "32", "must be an integer"),
+    ("num_key_value_heads", 5, "must be a multiple of num_key_value_heads"),
 ])
 def test_a_configmap_config_is_held_to_the_schema_bounds(field, value, words):
     config = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
               "num_attention_heads": 32, field: value}
     spec = {"model": {"name": "m", "configMapRef": {"name": "cfg"}, "source": {"pvc": {"claimName": "c"}}}}
-    with pytest.raises(specmod.SpecError, match=f"ConfigMap cfg key config.json: {field} .*{words}"):
+    with pytest.raises(specmod.SpecError, match=f"ConfigMap cfg key config.json: .*{words}") as raised:
         specmod.model_spec(spec, {"config.json": json.dumps(config)})
+    assert field in str(raised.value)
 
 
 def test_a_pinned_pp_that_does_not_divide_the_layers_says_so():

@@ -183,3 +183,22 @@ def test_rbac_is_a_valid_cluster_role_without_wildcards():
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[key], rule
         assert set(rule["verbs"]) <= standard, rule
+
+
+def test_the_model_config_bounds_are_modelspecs():
+    """The schema's bounds on spec.model.config are the ones every other path checks (modelspec)."""
+    from switchyard.service.modelspec import INTEGER_BOUNDS, NUMBER_BOUNDS
+
+    for name, (low, high) in INTEGER_BOUNDS.items():
+        rule = crd.spec_schema("model.config")
+        for part in name.split("."):
+            rule = rule["properties"][part]
+        assert (rule["type"], rule["minimum"], rule["maximum"]) == ("integer", low, high), name
+    for name, (low, high) in NUMBER_BOUNDS.items():
+        rule = crd.spec_schema("model.config")
+        for part in name.split("."):
+            rule = rule["properties"][part]
+        assert (rule["type"], rule["minimum"], rule["exclusiveMinimum"], rule["maximum"]) == \
+            ("number", low, True, high), name
+    integers = [n for n, r in crd.spec_schema("model.config")["properties"].items() if r.get("type") == "integer"]
+    assert set(integers) <= set(INTEGER_BOUNDS)

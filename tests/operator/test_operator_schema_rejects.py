@@ -77,6 +77,29 @@ REJECTED = {
     "slo": ({"slo": {"maxTimePerOutputTokenMs": 1e12}}, "spec.slo.maxTimePerOutputTokenMs: 1000000000000.0 is "),
     "kv fraction": ({"kvMemoryFraction": 0.99}, "spec.kvMemoryFraction: 0.99 is greater than the maximum of 0.95"),
     "step tokens": ({"stepTokens": 100}, "spec.stepTokens: 100 is not a multiple of 16"),
+    "image path with a newline": ({"model": model(source={"image": {"path": "/models/m\nx"}})},
+                                  "spec.model.source.image.path: "),
+    "host path with a control character": ({"model": model(source={"hostPath": {"path": "/models/\x1bm"}})},
+                                           "spec.model.source.hostPath.path: "),
+    "subPath with a newline": ({"model": model(source={"pvc": {"claimName": "c", "subPath": "a/b\nc"}})},
+                               "spec.model.source.pvc.subPath: "),
+    "toleration seconds without NoExecute": (
+        {"tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}]},
+        'spec.tolerations[0]: Invalid value: "object": tolerationSeconds applies to the NoExecute effect only'),
+    "toleration seconds without an effect": (
+        {"tolerations": [{"key": "k", "operator": "Exists", "tolerationSeconds": 30}]},
+        "tolerationSeconds applies to the NoExecute effect only"),
+    "heads not a multiple of KV heads": ({"model": model(num_attention_heads=3, num_key_value_heads=2)},
+                                         "num_attention_heads must be a multiple of num_key_value_heads"),
+    "odd head size": ({"model": model(head_dim=65)}, "head_dim (or hidden_size / num_attention_heads) must be even"),
+    "odd derived head size": ({"model": model(hidden_size=96, num_attention_heads=32)},
+                              "head_dim (or hidden_size / num_attention_heads) must be even"),
+    "hidden smaller than heads": ({"model": model(hidden_size=16, num_attention_heads=32)},
+                                  "hidden_size is smaller than num_attention_heads"),
+    "equal rope frequency factors": (
+        {"model": model(rope_scaling={"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+                                      "high_freq_factor": 4})},
+        "llama3 rope scaling needs low_freq_factor below high_freq_factor"),
 }
 
 ADMITTED = {
@@ -90,6 +113,12 @@ ADMITTED = {
     "prefixed selector": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200", "pool": ""}},
     "image with digest": {"image": "registry.example.com:5000/switchyard/llama-3-8b:0.1.0@sha256:" + "a" * 64},
     "kv and step": {"kvMemoryFraction": 0.5, "stepTokens": 512},
+    "toleration seconds with NoExecute": {"tolerations": [{"key": "k", "operator": "Exists", "effect": "NoExecute",
+                                                           "tolerationSeconds": 30}]},
+    "image path with a space": {"model": model(source={"image": {"path": "/models/llama 3"}})},
+    "grouped heads": {"model": model(num_attention_heads=32, num_key_value_heads=8, head_dim=128)},
+    "llama3 rope": {"model": model(rope_scaling={"rope_type": "llama3", "factor": 8, "low_freq_factor": 1,
+                                                 "high_freq_factor": 4})},
 }
 
 
