@@ -167,6 +167,10 @@ class TokenBudgetEngine(EngineBase, Protocol):
         """KV blocks that can be handed out now."""
         ...
 
+    def held_blocks(self) -> int:
+        """KV blocks some request holds."""
+        ...
+
     def blocks_to_begin(self, tokens: Sequence[int], reuse_prefix: bool = True) -> int:
         """Fresh KV blocks ``begin`` would take for this prompt."""
         ...

@@ -397,6 +397,10 @@ class PagedEngine(SlotBook):
         """Blocks that can be handed out now (free, or cached and unheld)."""
         return self.pool.available()
 
+    def held_blocks(self) -> int:
+        """Blocks some request holds."""
+        return self.pool.held()
+
     def blocks_to_begin(self, tokens: Sequence[int], reuse_prefix: bool = True) -> int:
         """Fresh blocks :meth:`begin` would take for this prompt (after cached prefix blocks)."""
         cached = len(self.pool.cached_prefix(tokens)[0]) if reuse_prefix else 0

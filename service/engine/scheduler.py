@@ -185,6 +185,11 @@ class Scheduler:
     def in_flight(self) -> int:
         return len(self._live)
 
+    @property
+    def kv_blocks_held(self) -> int:
+        """KV blocks the requests hold (0 for an engine without a paged pool)."""
+        return self.engine.held_blocks() if self.budget else 0  # type: ignore[union-attr]
+
     # ---- any thread ------------------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
         if not isinstance(req.request_id, str) or not req.request_id:
