@@ -5,13 +5,15 @@ The scheduler runs its continuous-batching loop on one dedicated thread and call
 (:class:`~switchyard.service.api.engine_process.EngineProcess`) that thread reads the engine's
 messages and makes the same calls. :meth:`EngineBridge.stream` turns those callbacks into an async iterator with
 ``loop.call_soon_threadsafe``; leaving the iterator early (client cancel, gRPC deadline, server
-shutdown) cancels the request in the scheduler, which frees its slot at the next step.
+shutdown) cancels the request in the scheduler, which frees its slot at the next step. Request
+identity (which ids are in flight, where their events go) is the :class:`RequestTable`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -19,8 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from switchyard.service.api.engine_process import EngineProcessLost
+from switchyard.service.api.requests import RequestTable
 from switchyard.service.api.wire import RequestSpec, Unavailable
-from switchyard.service.errors import DuplicateRequestError, quoted
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,7 @@ class EngineBridge:
         self.scheduler = scheduler
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # request id -> where its events go; also what to fail if the scheduler loop dies.
-        self._in_flight: dict[str, tuple[_EventPump, asyncio.Queue[Any]]] = {}
+        self.requests = RequestTable()  # ids in flight and where their events go
         self._pumps: dict[asyncio.AbstractEventLoop, _EventPump] = {}
         self._on_failure = on_failure  # called on the scheduler thread if its loop dies
         self.failed = False
@@ -83,9 +84,9 @@ class EngineBridge:
             # flight. End each with an error event (their callers get INTERNAL, not a hang) and report
             # the server unhealthy.
             if isinstance(err, EngineProcessLost):  # its own process logged what it knew
-                log.error("%s; failing %d request(s) in flight", err, len(self._in_flight))
+                log.error("%s; failing %d request(s) in flight", err, len(self.requests))
             else:
-                log.exception("the scheduler loop failed; failing %d request(s) in flight", len(self._in_flight))
+                log.exception("the scheduler loop failed; failing %d request(s) in flight", len(self.requests))
             self.failed = True
             self.accepting = False
             self._fail_in_flight()
@@ -96,8 +97,7 @@ class EngineBridge:
         from switchyard.service.engine.scheduler import TokenEvent
 
         now = time.monotonic()
-        for request_id, (pump, queue) in list(self._in_flight.items()):
-            pump.put(queue, TokenEvent(request_id, 0, None, "", "error", -1, 0, now))
+        self.requests.fail_all(lambda request_id: TokenEvent(request_id, 0, None, "", "error", -1, 0, now))
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
@@ -111,54 +111,71 @@ class EngineBridge:
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        """Requests the engine still holds, whether or not their callers are still there."""
+        return len(self.requests)
 
     def in_flight_ids(self) -> list[str]:
-        return list(self._in_flight)
+        return self.requests.ids()
 
     # ---- requests --------------------------------------------------------------------------------
     async def stream(self, spec: RequestSpec, *, timeout: float | None = None) -> AsyncIterator[Any]:
         """Submit ``spec`` and yield its TokenEvents; the last one has ``finish_reason`` set.
 
         Raises the scheduler's errors (InvalidRequestError, OutOfRangeError, QueueFullError) before
-        the first event, Unavailable when not accepting, DuplicateRequestError for a request id in flight.
+        the first event, Unavailable when not accepting, DuplicateRequestError for a request id in
+        flight. Leaving the iterator early, at any point, cancels the request in the engine.
         """
         if self.failed:
             raise Unavailable("the engine loop has failed; this server is restarting")
         if not self.accepting or not self.alive:
             raise Unavailable("the server is not accepting requests (starting up or draining)")
-        if spec.request_id in self._in_flight:
-            raise DuplicateRequestError(f"request id {quoted(spec.request_id)} is already in flight")
         loop = asyncio.get_running_loop()
         pump = self._pumps.get(loop) or self._pumps.setdefault(loop, _EventPump(loop))
         events: asyncio.Queue[Any] = asyncio.Queue()
-
-        def on_event(event: Any) -> None:  # scheduler thread
-            pump.put(events, event)
-
+        request_id = spec.request_id
+        self.requests.take(request_id, functools.partial(pump.put, events))
         deadline = None if timeout is None else time.monotonic() + timeout
-        request = spec.to_generation_request(deadline=deadline, on_event=on_event)
-        # A scheduler in this process raises its validation error here; one in the engine's own
-        # process (EngineProcess) answers with a future that raises it.
-        accepted = self.scheduler.submit(request)
-        if accepted is not None:
-            try:
-                await asyncio.wrap_future(accepted)
-            except asyncio.CancelledError:  # the caller left while the engine took the request
-                self.scheduler.cancel(spec.request_id)
-                raise
-        self._in_flight[spec.request_id] = (pump, events)
+        request = spec.to_generation_request(deadline=deadline, on_event=self.requests.event)
         finished = False
         try:
+            await self._submit(request)
             while True:
                 event = await events.get()
-                if event.finish_reason is not None:
-                    finished = True
+                finished = event.finish_reason is not None
                 yield event
                 if finished:
                     return
         finally:
-            if not finished:
-                # The caller went away (cancel, deadline, shutdown): free the slot at the next step.
-                self.scheduler.cancel(spec.request_id)
-            self._in_flight.pop(spec.request_id, None)
+            if not finished and self.requests.leave(request_id):
+                # The caller went away (cancel, deadline, shutdown): the engine frees the slot at its
+                # next step, and the id stays taken until it says so.
+                self.scheduler.cancel(request_id)
+
+    async def _submit(self, request: Any) -> None:
+        """Hand ``request`` to the scheduler; raise its refusal (the id is then free again)."""
+        try:
+            # A scheduler in this process raises its validation error here; one in the engine's own
+            # process (EngineProcess) answers with a future that raises it.
+            accepted = self.scheduler.submit(request)
+        except BaseException:
+            self.requests.rejected(request.request_id)
+            raise
+        if accepted is None:
+            return
+        answer = asyncio.wrap_future(accepted)
+        try:
+            # Shielded: a caller that leaves now must not cancel the engine's answer, which is still
+            # coming (the request may already be running there).
+            await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            answer.add_done_callback(functools.partial(self._answered_after_leaving, request.request_id))
+            raise
+        except BaseException:
+            self.requests.rejected(request.request_id)
+            raise
+
+    def _answered_after_leaving(self, request_id: str, answer: asyncio.Future[Any]) -> None:
+        """The engine's answer to a request whose caller left while waiting for it: a refusal frees the
+        id (an acceptance is followed by the final event of the cancel the caller sent)."""
+        if answer.cancelled() or answer.exception() is not None:
+            self.requests.rejected(request_id)

@@ -12,8 +12,8 @@ has seen its devices), a request to begin (the
 :class:`~switchyard.service.engine.scheduler.GenerationRequest` without its callback), a cancel, a
 stop. To the server: the devices the child sees, then either the engine's facts (it is warm) or why
 it could not start; per request, accepted or rejected (the scheduler's own validation error, raised
-again here); after each engine step, every token event, finished request record and the queue and
-slot counts of that step, in one message.
+again here); after each engine step, every token event, finished request record and the queue, slot
+and held-KV-block counts of that step, in one message.
 
 :class:`EngineProcess` is what the server's bridge drives: ``submit`` (returns a future that the
 acceptance settles), ``cancel``, and ``run(stop)``, the loop that reads the child's messages on the
@@ -107,11 +107,14 @@ class EngineProcess:
         child_end.close()
         lifeline.close()
         self._send_lock = threading.Lock()
+        # request id -> its on_event, from submit until its final event or refusal (never replaced).
         self._callbacks: dict[str, Callable[[Any], None]] = {}
         self._accepting: dict[str, concurrent.futures.Future[None]] = {}
+        self._requests_lock = threading.Lock()
         self.on_finish: Callable[[Any], None] | None = None  # a finished request's record (the recorder's)
         self.facts: EngineFacts | None = None
         self.active_slots = 0
+        self.kv_blocks_held = 0
         self.queue_depth = 0
         self._devices_seen = False
 
@@ -170,16 +173,24 @@ class EngineProcess:
         return self.facts.max_slots
 
     def submit(self, request: Any) -> concurrent.futures.Future[None]:
-        """Send ``request`` to the engine's scheduler; the future raises its validation error, if any."""
+        """Send ``request`` to the engine's scheduler; the future raises its validation error, if any.
+        A request id the engine still holds is refused here: its events never change hands."""
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._callbacks[request.request_id] = request.on_event
-        self._accepting[request.request_id] = accepted
+        request_id = request.request_id
+        with self._requests_lock:
+            if request_id in self._callbacks:
+                accepted.set_exception(errors.DuplicateRequestError(
+                    f"request id {errors.quoted(request_id)} is already in flight"))
+                return accepted
+            self._callbacks[request_id] = request.on_event
+            self._accepting[request_id] = accepted
         try:
             self._send(("submit", dataclasses.replace(request, on_event=None)))
         except Unavailable as err:
-            self._callbacks.pop(request.request_id, None)
-            self._accepting.pop(request.request_id, None)
-            accepted.set_exception(err)
+            with self._requests_lock:
+                self._callbacks.pop(request_id, None)
+                self._accepting.pop(request_id, None)
+            _settle(accepted, err)
         return accepted
 
     def cancel(self, request_id: str) -> None:
@@ -194,33 +205,36 @@ class EngineProcess:
                 if self._conn.poll(0.05):
                     self._handle(self._receive(None))
         except BaseException:
-            for request_id, accepted in list(self._accepting.items()):
-                if not accepted.done():
-                    accepted.set_exception(Unavailable("the engine process is gone"))
-                self._accepting.pop(request_id, None)
+            with self._requests_lock:
+                pending, self._accepting = self._accepting, {}
+            for accepted in pending.values():
+                _settle(accepted, Unavailable("the engine process is gone"))
             raise
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "step":
-            _, events, records, (self.active_slots, self.queue_depth) = message
+            _, events, records, (self.active_slots, self.queue_depth, self.kv_blocks_held) = message
             for record in records:  # before the final events: a client that sees its end finds the trace
                 if self.on_finish is not None:
-                    self.on_finish(record)
+                    _call(self.on_finish, record, "recording a finished request")
             for event in events:
-                callback = self._callbacks.get(event.request_id)
-                if event.finish_reason is not None:
-                    self._callbacks.pop(event.request_id, None)
+                with self._requests_lock:
+                    if event.finish_reason is None:
+                        callback = self._callbacks.get(event.request_id)
+                    else:
+                        callback = self._callbacks.pop(event.request_id, None)
                 if callback is not None:
-                    callback(event)
+                    _call(callback, event, "delivering a token event")
         elif kind in ("accepted", "rejected"):
-            accepted = self._accepting.pop(message[1], None)
-            if kind == "rejected":
-                self._callbacks.pop(message[1], None)
-                if accepted is not None:
-                    accepted.set_exception(_REJECTIONS.get(message[2], RuntimeError)(message[3]))
-            elif accepted is not None:
-                accepted.set_result(None)
+            request_id = message[1]
+            with self._requests_lock:
+                accepted = self._accepting.pop(request_id, None)
+                if kind == "rejected":
+                    self._callbacks.pop(request_id, None)
+            if accepted is not None:
+                _settle(accepted, _REJECTIONS.get(message[2], RuntimeError)(message[3]) if kind == "rejected"
+                        else None)
         elif kind == "loop_failed":
             raise EngineProcessLost(f"the engine loop failed: {message[1]}")
 
@@ -249,6 +263,25 @@ class EngineProcess:
         return self._process.exitcode
 
 
+def _settle(future: concurrent.futures.Future[None], error: BaseException | None) -> None:
+    """Answer a submission once; a future already answered (or cancelled by a caller that gave up
+    on it) is left as it is: no caller's action may end the loop that reads the engine."""
+    if future.done() or not future.set_running_or_notify_cancel():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _call(callback: Callable[[Any], None], argument: Any, what: str) -> None:
+    """One request's callback; its failure is logged and the loop reads on."""
+    try:
+        callback(argument)
+    except Exception:
+        log.exception("%s failed", what)
+
+
 # ---- the child -----------------------------------------------------------------------------------
 
 
@@ -260,7 +293,7 @@ class _Outbox:
         self._lock = threading.Lock()
         self._events: list[Any] = []
         self._records: list[Any] = []
-        self._counts = (0, 0)
+        self._counts = (0, 0, 0)
 
     def event(self, event: Any) -> None:  # scheduler thread
         self._events.append(event)
@@ -269,7 +302,7 @@ class _Outbox:
         self._records.append(record)
 
     def flush(self, scheduler: Any) -> None:  # scheduler thread, after each step
-        counts = (scheduler.active_slots, scheduler.queue_depth)
+        counts = (scheduler.active_slots, scheduler.queue_depth, scheduler.kv_blocks_held)
         if self._events or self._records or counts != self._counts:  # the counts for ModelInfo and metrics
             events, self._events = self._events, []
             records, self._records = self._records, []

@@ -229,15 +229,18 @@ def test_a_step_is_sent_when_it_made_events_or_changed_the_counts():
 
     sent: list = []
     outbox = _Outbox(SimpleNamespace(send=sent.append))
-    scheduler = SimpleNamespace(active_slots=0, queue_depth=0)
+    scheduler = SimpleNamespace(active_slots=0, queue_depth=0, kv_blocks_held=0)
     outbox.flush(scheduler)
     assert sent == []  # idle: nothing to say
     scheduler.queue_depth = 2  # two requests queued, no token yet
     outbox.flush(scheduler)
     scheduler.active_slots, scheduler.queue_depth = 1, 1  # one admitted, its prompt still going in
     outbox.flush(scheduler)
+    scheduler.kv_blocks_held = 3  # its first chunk took blocks
+    outbox.flush(scheduler)
     outbox.flush(scheduler)
     outbox.event("e1")
     outbox.record("r1")
     outbox.flush(scheduler)
-    assert sent == [("step", [], [], (0, 2)), ("step", [], [], (1, 1)), ("step", ["e1"], ["r1"], (1, 1))]
+    assert sent == [("step", [], [], (0, 2, 0)), ("step", [], [], (1, 1, 0)), ("step", [], [], (1, 1, 3)),
+                    ("step", ["e1"], ["r1"], (1, 1, 3))]
