@@ -34,7 +34,6 @@ from switchyard.service.api.wire import (
     RequestSpec,
     check_max_tokens,
     check_request_id,
-    check_request_size,
     sampling_from,
 )
 from switchyard.service.errors import InvalidRequestError, quoted
@@ -236,7 +235,6 @@ def request_spec(
 ) -> tuple[RequestSpec, Options]:
     """A ModelInferRequest -> (RequestSpec, Options). ``max_tokens`` 0 means the server's default, as
     on the Decode API."""
-    check_request_size(request.ByteSize(), limits)
     tensors = decode_inputs(request)
     missing = [n for n in REQUIRED if n not in tensors]
     if missing:
@@ -357,8 +355,10 @@ class KServeService:
             await self.app.abort_for(err, context)
         return text_response(request, self.app.model_name, "".join(pieces), _output_shape(request), None)
 
-    async def _stream_one(self, request: Any, out: asyncio.Queue[Any], context: Any) -> None:
-        """Run one request of a ModelStreamInfer call, putting its responses on ``out``."""
+    async def _stream_one(self, received: parsing.Received, out: asyncio.Queue[Any], context: Any) -> None:
+        """Run one request of a ModelStreamInfer call (in a task of its own), putting its responses on ``out``."""
+        request = received.message
+        parsing.set_request_bytes(received.size)
 
         def error(text: str) -> None:
             out.put_nowait(ModelStreamInferResponse(error_message=text))
@@ -438,11 +438,13 @@ class KServeService:
         if malformed:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed[0].reason)
 
-    def handler(self) -> grpc.GenericRpcHandler:
+    def handler(self, max_bytes: int | None = None) -> grpc.GenericRpcHandler:
+        """The service's methods; requests over ``max_bytes`` are refused unparsed."""
+
         def unary(fn: Any, req: str, resp: str) -> grpc.RpcMethodHandler:
             return grpc.unary_unary_rpc_method_handler(
                 parsing.unary(fn),
-                request_deserializer=parsing.parser(message(req)),
+                request_deserializer=parsing.parser(message(req), max_bytes),
                 response_serializer=message(resp).SerializeToString,
             )
 
@@ -459,7 +461,7 @@ class KServeService:
                 "ModelInfer": unary(self.ModelInfer, "ModelInferRequest", "ModelInferResponse"),
                 "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
                     self.ModelStreamInfer,
-                    request_deserializer=parsing.parser(ModelInferRequest),
+                    request_deserializer=parsing.parser(ModelInferRequest, max_bytes),
                     response_serializer=ModelStreamInferResponse.SerializeToString,
                 ),
             },

@@ -25,12 +25,12 @@ from grpc_reflection.v1alpha import reflection
 from switchyard.service.api import kserve, parsing
 from switchyard.service.api.bridge import EngineBridge
 from switchyard.service.api.engine_process import EngineStartError
+from switchyard.service.api.tokenizing import PromptEncoder, TextPool
 from switchyard.service.api.wire import (
     Limits,
     RequestSpec,
     Unavailable,
     check_final_event,
-    check_request_size,
     from_generate_request,
     status_for,
 )
@@ -48,6 +48,9 @@ HEALTH_SERVICES = ("", DECODE_SERVICE, kserve.SERVICE)
 # thread is still running, so the process should end at once (os._exit) rather than wait for it.
 STOPPED_WHILE_LOADING = 130
 CUT_IDS_LOGGED = 20  # request ids named in the log line of a drain that ran out of time
+# A request ends this long before its call's deadline, so that its last message is not written just
+# as gRPC ends the call: the client is told "deadline passed after N tokens" by us, not by a race.
+DEADLINE_MARGIN_S = 0.05
 _FINISH = {"stop": decode_pb2.FINISH_REASON_STOP, "length": decode_pb2.FINISH_REASON_LENGTH}
 
 
@@ -69,6 +72,8 @@ class DecodeApp:
         self.health = health.aio.HealthServicer()
         self.failed: asyncio.Event | None = None  # set if the scheduler loop dies
         self.tokenizer: Any = None
+        self.encoder: PromptEncoder | None = None  # the tokenizer as request conversion uses it
+        self.text_pool = TextPool()
         self.bridge: EngineBridge | None = None
         self.ready = False
 
@@ -82,6 +87,7 @@ class DecodeApp:
     async def attach(self, scheduler: Any, tokenizer: Any) -> None:
         """Start serving ``scheduler`` (built with ``on_finish=self.recorder.on_finish``)."""
         self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer, scheduler.max_seq_len - 1)
         loop = asyncio.get_running_loop()
 
         self.failed = asyncio.Event()
@@ -127,6 +133,7 @@ class DecodeApp:
     def close(self) -> None:
         if self.bridge is not None:
             self.bridge.stop()
+        self.text_pool.close()
         self.recorder.close()
 
     # ---- helpers for handlers --------------------------------------------------------------------
@@ -137,18 +144,21 @@ class DecodeApp:
         return text
 
     async def abort_for(self, err: BaseException, context: grpc.aio.ServicerContext) -> None:
+        """End the call with ``err``'s status; a call that gRPC has already ended (the client
+        cancelled, its deadline passed) is not answered: the handler just stops."""
         code, text = status_for(err)
         if code is grpc.StatusCode.INTERNAL:
             log.error("request failed", exc_info=err)
+        if context.done():
+            raise asyncio.CancelledError
         await context.abort(code, text)
 
     async def convert(self, convert: Callable[..., Any], request: Any, *args: Any) -> Any:
-        """``convert(request, tokenizer, limits, *args)``: a wire request to what the scheduler takes.
-        The size is checked first, on the loop; the rest (tokenizing up to a megabyte of text) runs
-        in a worker thread so that it never holds up the streams being served."""
+        """``convert(request, encoder, limits, *args)``: a wire request to what the scheduler takes,
+        in the text pool (``tokenizing.py``: tokenizing up to a megabyte of text never holds up the
+        streams being served). Its size was checked before it was parsed (``parsing.py``)."""
         self.require_ready()
-        check_request_size(request.ByteSize(), self.limits)
-        return await asyncio.to_thread(convert, request, self.tokenizer, self.limits, *args)
+        return await self.text_pool.run(parsing.request_bytes(), convert, request, self.encoder, self.limits, *args)
 
     @property
     def max_seq_len(self) -> int | None:
@@ -168,7 +178,7 @@ class DecodeApp:
         self.recorder.set_parent(spec.request_id, tracing.parent_context(context.invocation_metadata()))
         try:
             async with contextlib.aclosing(
-                self.bridge.stream(spec, timeout=context.time_remaining())
+                self.bridge.stream(spec, timeout=request_timeout(context.time_remaining()))
             ) as events:
                 async for event in events:
                     check_final_event(event, spec.request_id)
@@ -236,7 +246,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            ids = await self.app.convert(lambda r, tokenizer, _: tokenizer.encode(r.text), request)
+            ids = await self.app.convert(lambda r, encoder, _: encoder.encode_any(r.text), request)
         except Exception as err:
             await self.app.abort_for(err, context)
         return decode_pb2.TokenizeResponse(token_ids=ids)
@@ -262,6 +272,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             response.kv_tokens = s.engine.kv_tokens
             response.kv_block_size = s.engine.kv_block_size
             response.step_tokens = s.engine.step_tokens
+            response.kv_blocks_held = s.kv_blocks_held
         return response
 
     async def GetTraces(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -272,6 +283,26 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 f"no finished request {quoted(request.request_id)} among the last ones kept by this server",
             )
         return decode_pb2.GetTracesResponse(traces=[trace_to_proto(t) for t in found])
+
+
+def request_timeout(remaining: float | None) -> float | None:
+    """The request's time from its call's (``DEADLINE_MARGIN_S`` before the call's own deadline)."""
+    return None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S)
+
+
+class _EndedCallFilter(logging.Filter):
+    """gRPC logs a traceback at ERROR when a handler writes to a call that gRPC itself has just ended
+    (its deadline passed between the handler's check and its write). Nobody is there to answer and
+    the server is not at fault, so the record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("ExecuteBatchError raised in core")
+
+
+def _quiet_ended_calls() -> None:
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _EndedCallFilter) for f in grpc_log.filters):
+        grpc_log.addFilter(_EndedCallFilter())
 
 
 def engine_summary(engine: Any) -> str:
@@ -348,6 +379,7 @@ def reflection_pool() -> Any:
 
 
 def build_server(app: DecodeApp, *, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Server:
+    _quiet_ended_calls()
     # gRPC rejects messages above its transport limit with RESOURCE_EXHAUSTED before parsing them;
     # keep it well above our own limit so that ordinary oversize prompts get our INVALID_ARGUMENT.
     transport_limit = max(4 * app.limits.max_request_bytes, 4 << 20)
@@ -360,8 +392,8 @@ def build_server(app: DecodeApp, *, options: list[tuple[str, Any]] | None = None
     )
     server.add_generic_rpc_handlers((parsing.service_handler(
         decode_pb2.DESCRIPTOR.services_by_name["Decode"], DecodeService(app),
-        lambda descriptor: getattr(decode_pb2, descriptor.name)),))
-    server.add_generic_rpc_handlers((kserve.KServeService(app).handler(),))
+        lambda descriptor: getattr(decode_pb2, descriptor.name), app.limits.max_request_bytes),))
+    server.add_generic_rpc_handlers((kserve.KServeService(app).handler(app.limits.max_request_bytes),))
     health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
     names = (DECODE_SERVICE, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server, pool=reflection_pool())

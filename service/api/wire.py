@@ -20,8 +20,9 @@ class Limits:
     """Per-request limits the server applies before the scheduler sees a request."""
 
     default_max_tokens: int = 256
-    # Larger requests get INVALID_ARGUMENT from us; gRPC's own transport limit (a few times larger,
-    # see server.py) answers RESOURCE_EXHAUSTED before the message is even parsed.
+    # Larger requests get INVALID_ARGUMENT from us before they are parsed (parsing.py); gRPC's own
+    # transport limit (a few times larger, see server.py) answers RESOURCE_EXHAUSTED before they are
+    # even received whole.
     max_request_bytes: int = 1 << 20
 
 
@@ -71,13 +72,6 @@ def check_max_tokens(max_tokens: int, limits: Limits, room: int | None = None) -
 EMPTY_PROMPT = "prompt is empty: give text or at least one token id"
 
 
-def check_request_size(size: int, limits: Limits) -> None:
-    if size > limits.max_request_bytes:
-        raise InvalidRequestError(
-            f"request is {size} bytes; this server accepts at most {limits.max_request_bytes} bytes"
-        )
-
-
 def sampling_from(temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None) -> Any:
     """SamplingParams with defaults for unset values, validated (InvalidRequestError says which)."""
     from switchyard.service.engine.sampling import SamplingParams
@@ -123,8 +117,8 @@ class RequestSpec:
 def from_generate_request(
     msg: Any, tokenizer: Any, limits: Limits, max_seq_len: int | None = None
 ) -> RequestSpec:
-    """A ``switchyard.v1.GenerateRequest`` -> RequestSpec (raises InvalidRequestError)."""
-    check_request_size(msg.ByteSize(), limits)
+    """A ``switchyard.v1.GenerateRequest`` -> RequestSpec (raises InvalidRequestError); its size was
+    checked on the wire."""
     request_id = check_request_id(msg.request_id)
     which = msg.WhichOneof("prompt")
     if which == "text" and msg.text:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 from switchyard.service.modelspec import ModelSpec
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
@@ -87,14 +89,66 @@ class Tokenizer:
         spec = spec or ModelSpec.from_file(path)
         return cls(HFTokenizer.from_file(str(file)), spec.eos_token_ids, spec.vocab_size)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """The ids of ``text``; TooManyTokens when there are more than ``max_tokens``.
+
+        Through the library's batch call, which releases the GIL while it works (its plain ``encode``
+        holds it throughout: a megabyte of text would stop every other thread of the process for most
+        of a second), and counted before the ids become a Python list (which holds the GIL too)."""
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=True)
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise TooManyTokens(len(encoding))
+        return encoding.ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of text one token can stand for, where the tokenizer's pipeline never drops
+        text before its model sees it (so a text of N bytes has at least N / this many tokens); None
+        where it might (a normalizer, or a pre-tokenizer that removes what it splits on)."""
+        return max_token_bytes(json.loads(self._tok.to_str()))
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def incremental(self) -> IncrementalDecoder:
         return IncrementalDecoder(self)
+
+
+class TooManyTokens(ValueError):
+    """A text with more tokens than asked for; ``count`` is how many it has."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(f"{count} tokens")
+        self.count = count
+
+
+# Pre-tokenizers that only cut text into pieces or map its bytes, never dropping any of it; Split keeps
+# what it splits on unless its behaviour is "Removed".
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"}
+_KEEPING_SPLITS = {"Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"}
+
+
+def max_token_bytes(config: dict[str, Any]) -> int | None:
+    """:attr:`Tokenizer.max_token_bytes` from a ``tokenizer.json``'s contents. A token's string in the
+    vocabulary is never shorter, in UTF-8 bytes, than the text it stands for (byte-level alphabets,
+    metaspace and byte-fallback pieces all take at least one byte per byte of text)."""
+    if config.get("normalizer") is not None or not _keeps_text(config.get("pre_tokenizer")):
+        return None
+    vocab = config.get("model", {}).get("vocab") or {}
+    pieces = vocab.keys() if isinstance(vocab, dict) else (entry[0] for entry in vocab)  # BPE / Unigram
+    added = (token.get("content", "") for token in config.get("added_tokens") or [])
+    return max((len(piece.encode("utf-8")) for piece in (*pieces, *added)), default=None) or None
+
+
+def _keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in pre_tokenizer.get("pretokenizers", []))
+    if kind == "Split":
+        return pre_tokenizer.get("behavior") in _KEEPING_SPLITS
+    return kind in _KEEPING_PRE_TOKENIZERS
 
 
 class IncrementalDecoder:

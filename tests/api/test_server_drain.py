@@ -6,42 +6,20 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.serve_process import serve_tiny, wait_for, wait_serving
 from switchyard.service.api.client import DecodeClient, make_request
 
 pytestmark = pytest.mark.timeout(300)
 SLOTS = 4
 STREAMS = 7  # 4 generating, 3 queued when SIGTERM arrives
 MAX_TOKENS = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(condition, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            if condition():
-                return
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _children(pid: int) -> list[int]:
@@ -60,24 +38,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _serve(tmp_path: Path, grace: float = 60, max_seq_len: int = 256,
-           **popen) -> Iterator[tuple[subprocess.Popen, str, Path]]:
-    """``switchyard serve --tiny`` as a subprocess: (process, target, log); killed on the way out if
-    still running."""
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--no-warmup", "--host", "127.0.0.1",
-           "--port", str(port), "--batch-slots", str(SLOTS), "--max-seq-len", str(max_seq_len),
-           "--grace-period", str(grace)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ), **popen)
-    try:
-        yield proc, f"127.0.0.1:{port}", log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def _serve(tmp_path: Path, grace: float = 60, max_seq_len: int = 256, **popen):
+    return serve_tiny(tmp_path, slots=SLOTS, grace=grace, max_seq_len=max_seq_len, **popen)
 
 
 def _engine_process(proc: subprocess.Popen) -> int:
@@ -86,16 +48,6 @@ def _engine_process(proc: subprocess.Popen) -> int:
                if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
     assert len(engines) == 1, engines
     return engines[0]
-
-
-def _wait_serving(target: str, log: Path) -> None:
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
-    check = health_pb2.HealthCheckRequest(service="")
-    try:
-        _wait(lambda: health.Check(check, timeout=2).status == health_pb2.HealthCheckResponse.SERVING, 120,
-              "SERVING")
-    except AssertionError as err:
-        raise AssertionError(f"{err}; log:\n{log.read_text()}") from None
 
 
 def _long_stream(target: str) -> tuple[threading.Thread, list[object]]:
@@ -115,7 +67,7 @@ def _long_stream(target: str) -> tuple[threading.Thread, list[object]]:
 
     thread = threading.Thread(target=stream)
     thread.start()
-    _wait(lambda: len(texts) > 2, 60, "the stream's first tokens")
+    wait_for(lambda: len(texts) > 2, 60, "the stream's first tokens")
     return thread, outcome
 
 
@@ -125,7 +77,7 @@ def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
         health = health_pb2_grpc.HealthStub(channel)
         check = health_pb2.HealthCheckRequest(service="")
         serving = health_pb2.HealthCheckResponse.SERVING
-        _wait(lambda: health.Check(check, timeout=2).status == serving, 120, f"SERVING; log:\n{log.read_text()}")
+        wait_for(lambda: health.Check(check, timeout=2).status == serving, 120, f"SERVING; log:\n{log.read_text()}")
         engine = _engine_process(proc)
         client = DecodeClient(target)
         client.generate(make_request("compile the steps", max_tokens=MAX_TOKENS), timeout=120)
@@ -146,7 +98,7 @@ def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
             info = client.model_info(timeout=2)
             return info.active_slots + info.queue_depth == STREAMS and info.queue_depth > 0
 
-        _wait(all_accepted, 30, "every stream accepted")
+        wait_for(all_accepted, 30, "every stream accepted")
         proc.send_signal(signal.SIGTERM)
 
         def draining() -> bool:
@@ -155,7 +107,7 @@ def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
             except grpc.RpcError as err:
                 return err.code() == grpc.StatusCode.UNAVAILABLE
 
-        _wait(draining, 10, "NOT_SERVING after SIGTERM")
+        wait_for(draining, 10, "NOT_SERVING after SIGTERM")
         with pytest.raises(grpc.RpcError) as refused:
             client.generate(make_request("too late", max_tokens=2), timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -178,7 +130,7 @@ def test_sigterm_drains_every_accepted_request(tmp_path: Path) -> None:
 
 def test_a_lost_engine_process_fails_its_streams_and_stops_serve(tmp_path: Path) -> None:
     with _serve(tmp_path, max_seq_len=2048) as (proc, target, log):  # the tiny model's whole context
-        _wait_serving(target, log)
+        wait_serving(target, log)
         thread, outcome = _long_stream(target)
         os.kill(_engine_process(proc), signal.SIGKILL)
         thread.join(60)
@@ -195,7 +147,7 @@ def test_a_lost_engine_process_fails_its_streams_and_stops_serve(tmp_path: Path)
 def test_ctrl_c_to_the_process_group_drains_as_sigterm_does(tmp_path: Path) -> None:
     # A terminal sends SIGINT to every process of the group, the engine process included.
     with _serve(tmp_path, max_seq_len=2048, start_new_session=True) as (proc, target, log):
-        _wait_serving(target, log)
+        wait_serving(target, log)
         engine = _engine_process(proc)
         thread, outcome = _long_stream(target)
         os.killpg(proc.pid, signal.SIGINT)
