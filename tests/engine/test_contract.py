@@ -33,7 +33,7 @@ def test_the_contract_has_the_calls_of_the_scheduler_and_the_warm_up():
     assert contract_members(function, EngineBase) == BASE_METHODS
     assert contract_members(function) == BASE_METHODS | {"room", "prefill", "insert", "dispatch", "generate"}
     assert contract_members(function, TokenBudgetEngine) == BASE_METHODS | {
-        "check_fits", "free_blocks", "blocks_to_begin", "begin", "prefilling", "decoding", "next_chunk",
+        "check_fits", "free_blocks", "held_blocks", "blocks_to_begin", "begin", "prefilling", "decoding", "next_chunk",
         "ensure_decode_blocks", "dispatch"}
     assert inspect.signature(Scheduler).parameters["engine"].annotation == "DecodeEngine | TokenBudgetEngine"
 
