@@ -278,15 +278,19 @@ def warm_up(engine: Any, options: EngineOptions, compiled: str) -> float:
     return warmup_s
 
 
-def build_engine(options: EngineOptions) -> tuple[Any, Any, float]:
-    """The engine process's builder: the token-budget engine from the checkpoint, every step compiled
-    and the warm heap frozen. Returns (engine, tokenizer, warm-up seconds)."""
-    from switchyard.service.engine.paged import PagedEngine
-    from switchyard.service.engine.tokenizer import Tokenizer
+def load_engine(options: EngineOptions) -> Any:
+    """The engine of the checkpoint, as the layout says (a pipeline stage's share with ``pp`` > 1)."""
+    from switchyard.service.engine.engine import Engine, EngineConfig
 
-    engine = PagedEngine.from_checkpoint(options.model_path, options.layout, dtype=options.dtype, progress=False)
-    warmup_s = warm_up(engine, options, "every step")
-    return engine, Tokenizer.from_dir(options.model_path, engine.spec), warmup_s
+    config = EngineConfig.from_layout(options.layout, dtype=options.dtype)
+    return Engine.from_checkpoint(options.model_path, options.layout, config, progress=False)
+
+
+def build_engine(options: EngineOptions) -> tuple[Any, float]:
+    """The engine process's builder: the engine from the checkpoint, every step compiled and the warm
+    heap frozen. Returns (engine, warm-up seconds)."""
+    engine = load_engine(options)
+    return engine, warm_up(engine, options, "every step")
 
 
 def choose_xla_runtime(options: EngineOptions) -> None:
@@ -308,17 +312,13 @@ def join_pipeline_group(options: EngineOptions) -> None:
     join(layout)
 
 
-def build_pipeline_leader(options: EngineOptions) -> tuple[Any, Any, float]:
-    """Stage 0's engine process's builder: its stage of the pipeline, announcing every call to the
-    other stages, every program compiled on every stage and the warm heap frozen."""
-    from switchyard.service.engine.pipeline import PipelineEngine
+def build_pipeline_leader(options: EngineOptions) -> tuple[Any, float]:
+    """Stage 0's engine process's builder: its stage of the pipeline, sending every plan to the other
+    stages, every program compiled on every stage and the warm heap frozen."""
     from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine
-    from switchyard.service.engine.tokenizer import Tokenizer
 
-    pipeline = PipelineEngine.from_checkpoint(options.model_path, options.layout, dtype=options.dtype, progress=False)
-    engine = LeaderEngine(pipeline, CommandChannel.open(options.layout))
-    warmup_s = warm_up(engine, options, "every program on every stage")
-    return engine, Tokenizer.from_dir(options.model_path, pipeline.spec), warmup_s
+    engine = LeaderEngine(load_engine(options), CommandChannel.open(options.layout))
+    return engine, warm_up(engine, options, "every program on every stage")
 
 
 def release_pipeline_group(engine: Any) -> None:
@@ -422,7 +422,6 @@ def run(args: argparse.Namespace) -> int:
             layout.max_seq_len,
         )
         engine_process.wait_ready()  # the engine loads in its own process
-        engine_process.on_finish = recorder.on_finish
         # This process delivers every token: a full collection scanning its libraries' objects
         # (transformers, gRPC) would hold every stream for as long as it takes.
         log.info("heap: %d objects of the server's process frozen (a full collection took %.0f ms)",
@@ -451,7 +450,6 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
 
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from switchyard.service.engine.pipeline import PipelineEngine
     from switchyard.service.engine.pipeline_group import CommandChannel, GroupFormationError, exit_now, follow, join
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -466,7 +464,7 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         log.info("joining pipeline group of %d stages at %s as stage %d", layout.pp, layout.coordinator,
                  layout.pipeline_stage)
         join(layout)
-        engine = PipelineEngine.from_checkpoint(model_path, layout, dtype=args.dtype, progress=False)
+        engine = load_engine(EngineOptions(model_path, layout, args.dtype, warmup=True))
         channel = CommandChannel.open(layout)
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("stage %d ready: following stage 0", layout.pipeline_stage)

@@ -3,7 +3,8 @@
 The scheduler runs its continuous-batching loop on one dedicated thread and calls each request's
 ``on_event`` there; for an engine in its own process
 (:class:`~switchyard.service.api.engine_process.EngineProcess`) that thread reads the engine's
-messages and makes the same calls. :meth:`EngineBridge.stream` turns those callbacks into an async iterator with
+messages and makes the same calls. There each token id becomes text (``text.py``: a stop string ends
+the request), and :meth:`EngineBridge.stream` turns the results into an async iterator with
 ``loop.call_soon_threadsafe``; leaving the iterator early (client cancel, gRPC deadline, server
 shutdown) cancels the request in the scheduler, which frees its slot at the next step. Request
 identity (which ids are in flight, where their events go) is the :class:`RequestTable`'s.
@@ -22,6 +23,7 @@ from typing import Any
 
 from switchyard.service.api.engine_process import EngineProcessLost
 from switchyard.service.api.requests import RequestTable
+from switchyard.service.api.text import OutputEvent, TextStream
 from switchyard.service.api.wire import RequestSpec, Unavailable
 
 log = logging.getLogger(__name__)
@@ -59,15 +61,45 @@ class _EventPump:
 
 
 class EngineBridge:
-    def __init__(self, scheduler: Any, *, on_failure: Callable[[], None] | None = None) -> None:
+    """``scheduler``: a Scheduler in this process or an EngineProcess; ``tokenizer``: the model's, for
+    the output text; ``on_record``: where finished requests' records go (traces). The scheduler's
+    ``on_finish`` comes here first: a request that a stop string ended is recorded as the client saw it."""
+
+    def __init__(self, scheduler: Any, tokenizer: Any, *, on_failure: Callable[[], None] | None = None,
+                 on_record: Callable[[Any], None] | None = None) -> None:
         self.scheduler = scheduler
+        self.tokenizer = tokenizer
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.requests = RequestTable()  # ids in flight and where their events go
         self._pumps: dict[asyncio.AbstractEventLoop, _EventPump] = {}
         self._on_failure = on_failure  # called on the scheduler thread if its loop dies
+        self._on_record = on_record
+        # A finished request's record waits here for its final event, which says whether a stop string
+        # ended it first (then the record is cut to what the client received).
+        self._records: dict[str, Any] = {}
+        self._stopped_at: dict[str, int] = {}
+        scheduler.on_finish = self._records_until_final
         self.failed = False
         self.accepting = True
+
+    def _records_until_final(self, record: Any) -> None:  # engine thread, just before the final event
+        self._records[record.request_id] = record
+
+    def _on_engine_event(self, event: Any) -> None:  # engine thread
+        self.requests.event(event)
+        if event.finish_reason is not None:
+            self._flush_record(event.request_id)
+
+    def _flush_record(self, request_id: str) -> None:
+        record = self._records.pop(request_id, None)
+        if record is None:
+            return
+        stopped_at = self._stopped_at.pop(request_id, None)
+        if stopped_at is not None:
+            record = record.cut(stopped_at, "stop")
+        if self._on_record is not None:
+            self._on_record(record)
 
     # ---- the scheduler thread --------------------------------------------------------------------
     def start(self) -> None:
@@ -94,10 +126,8 @@ class EngineBridge:
                 self._on_failure()
 
     def _fail_in_flight(self) -> None:
-        from switchyard.service.engine.scheduler import TokenEvent
-
         now = time.monotonic()
-        self.requests.fail_all(lambda request_id: TokenEvent(request_id, 0, None, "", "error", -1, 0, now))
+        self.requests.fail_all(lambda request_id: OutputEvent(request_id, 0, None, "", "error", -1, 0, now))
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
@@ -133,9 +163,24 @@ class EngineBridge:
         pump = self._pumps.get(loop) or self._pumps.setdefault(loop, _EventPump(loop))
         events: asyncio.Queue[Any] = asyncio.Queue()
         request_id = spec.request_id
-        self.requests.take(request_id, functools.partial(pump.put, events))
+        text = TextStream(self.tokenizer, spec.stop_strings)
+
+        def deliver(event: Any) -> None:  # the thread that reads the engine
+            out = text.push(event)
+            if out is None:
+                return
+            if text.stopped_at is not None:
+                self._stopped_at[request_id] = text.stopped_at
+            if event.finish_reason is not None:
+                self._flush_record(request_id)  # the trace is there before the caller sees the end
+            pump.put(events, out)
+            # A stop string ended it before the engine did: stop the engine's generating.
+            if text.stopped_at is not None and event.finish_reason is None and self.requests.leave(request_id):
+                self.scheduler.cancel(request_id)
+
+        self.requests.take(request_id, deliver)
         deadline = None if timeout is None else time.monotonic() + timeout
-        request = spec.to_generation_request(deadline=deadline, on_event=self.requests.event)
+        request = spec.to_generation_request(deadline=deadline, on_event=self._on_engine_event)
         finished = False
         try:
             await self._submit(request)

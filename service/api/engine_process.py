@@ -18,8 +18,9 @@ and held-KV-block counts of that step, in one message.
 :class:`EngineProcess` is what the server's bridge drives: ``submit`` (returns a future that the
 acceptance settles), ``cancel``, and ``run(stop)``, the loop that reads the child's messages on the
 bridge's thread and calls each request's ``on_event`` there, as an in-process scheduler would.
-How the child builds its engine is a picklable ``builder(options) -> (engine, tokenizer, warm-up
-seconds)``, its module importable there: serve's from a checkpoint, a benchmark's from random weights.
+How the child builds its engine is a picklable ``builder(options) -> (engine, warm-up seconds)``, its
+module importable there: serve's from a checkpoint, a benchmark's from random weights. The child sees
+token ids only: text is the server's.
 ``prepare(options)``, when given, runs before the child looks at its devices: what must be set before
 JAX starts its runtime (serve's chooses XLA's allocator; stage 0 of a pipeline group joins the group
 there, as the distributed runtime must start before any device is used). Stage 0 also gives
@@ -45,8 +46,8 @@ from switchyard.service.modelspec import ModelSpecError
 
 log = logging.getLogger(__name__)
 
-# builder(options) -> (engine, tokenizer, warm-up seconds), run in the child; picklable by reference.
-Builder = Callable[[Any], tuple[Any, Any, float]]
+# builder(options) -> (engine, warm-up seconds), run in the child; picklable by reference.
+Builder = Callable[[Any], tuple[Any, float]]
 Prepare = Callable[[Any], None]  # prepare(options), in the child before it counts its devices
 Release = Callable[[Any], None]  # release(engine), in the child after a clean stop
 
@@ -347,8 +348,8 @@ def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, l
         outbox.send(("devices", Devices(len(devices), devices[0].platform, devices[0].device_kind)))
         if conn.recv()[0] != "load":  # the server may find the devices too few, and stop here
             _exit_now(0)
-        engine, tokenizer, warmup_s = recipe.build(recipe.options)
-        scheduler = Scheduler(engine, tokenizer, on_finish=outbox.record, **scheduler_options)
+        engine, warmup_s = recipe.build(recipe.options)
+        scheduler = Scheduler(engine, on_finish=outbox.record, **scheduler_options)
     except (EOFError, OSError):  # the server's end closed before loading
         return
     except ModelSpecError as err:  # the model or layout asks for what these devices cannot give

@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 from switchyard.service.api import parsing
+from switchyard.service.api.text import check_stop_strings
 from switchyard.service.api.wire import (
     Limits,
     RequestSpec,
@@ -253,7 +254,7 @@ def request_spec(
         _scalar(tensors, "random_seed", int),
     )
     stops = tuple(_text(v, "stop_words") for v in tensors.get("stop_words", np.empty(0, object)).reshape(-1))
-    stops = tuple(s for s in stops if s)
+    stops = check_stop_strings([s for s in stops if s])
     end_id = _scalar(tensors, "end_id", int)
     stop_ids = () if end_id is None else (end_id,)  # the scheduler adds the model's EOS ids, checks ranges
     prompt_ids = tokenizer.encode(text)

@@ -85,7 +85,8 @@ class DecodeApp:
             await self.health.set(name, status)
 
     async def attach(self, scheduler: Any, tokenizer: Any) -> None:
-        """Start serving ``scheduler`` (built with ``on_finish=self.recorder.on_finish``)."""
+        """Start serving ``scheduler`` (a Scheduler or an EngineProcess; its finished records go to the
+        recorder through the bridge), with ``tokenizer`` for text."""
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer, scheduler.max_seq_len - 1)
         loop = asyncio.get_running_loop()
@@ -97,7 +98,7 @@ class DecodeApp:
             asyncio.run_coroutine_threadsafe(self.set_health(False), loop)
             loop.call_soon_threadsafe(self.failed.set)
 
-        self.bridge = EngineBridge(scheduler, on_failure=on_failure)
+        self.bridge = EngineBridge(scheduler, tokenizer, on_failure=on_failure, on_record=self.recorder.on_finish)
         self.bridge.start()
         if self.recorder.telemetry is not None:
             self.recorder.telemetry.observe_scheduler(lambda: (scheduler.active_slots, scheduler.queue_depth))

@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 import grpc
+from switchyard.service.api.text import check_stop_strings
 from switchyard.service.errors import DuplicateRequestError, InvalidRequestError, OutOfRangeError, QueueFullError
 
 
@@ -88,7 +89,8 @@ def sampling_from(temperature: float | None, top_k: int | None, top_p: float | N
 
 @dataclasses.dataclass
 class RequestSpec:
-    """What a wire request asks for, checked, before it becomes a scheduler GenerationRequest."""
+    """What a wire request asks for, checked, before it becomes a scheduler GenerationRequest (the
+    stop strings stay with the server, which owns the text)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -97,9 +99,11 @@ class RequestSpec:
     stop_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
     reuse_prefix: bool = True  # may reuse the cached KV of a prompt prefix
+    ignore_eos: bool = False  # the model's end-of-sequence ids do not stop it
+    min_tokens: int = 0  # no stop ends it before this many tokens
 
     def to_generation_request(self, *, deadline: float | None, on_event: Any) -> Any:
-        from switchyard.service.engine.scheduler import GenerationRequest
+        from switchyard.service.engine.request import GenerationRequest
 
         return GenerationRequest(
             request_id=self.request_id,
@@ -107,9 +111,10 @@ class RequestSpec:
             max_tokens=self.max_tokens,
             sampling=self.sampling,
             stop_token_ids=self.stop_token_ids,
-            stop_strings=self.stop_strings,
             deadline=deadline,
             on_event=on_event,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             reuse_prefix=self.reuse_prefix,
         )
 
@@ -143,7 +148,7 @@ def from_generate_request(
         ),
         sampling=sampling,
         stop_token_ids=stop_ids,
-        stop_strings=tuple(msg.stop_strings),
+        stop_strings=check_stop_strings(msg.stop_strings),
         reuse_prefix=not msg.no_prefix_cache,
     )
 

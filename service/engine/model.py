@@ -1,4 +1,5 @@
-"""Llama forward passes, written for one tensor-parallel shard (they run inside ``jax.shard_map``).
+"""The forward pass of a token-budget step, written for one tensor-parallel shard (it runs inside
+``jax.shard_map``): one pass over a flat batch of decode rows and a prompt chunk, over a paged KV pool.
 
 Megatron layout: QKV and gate/up are column-parallel (each shard owns whole heads / a slice of the
 intermediate dimension), the attention output and down projections are row-parallel and followed
@@ -40,8 +41,6 @@ Params = dict[str, Any]
 RowParallelNorm = Callable[..., tuple[jax.Array, jax.Array]]
 # (a, w, residual, axis, strategy) -> residual + all_reduce(a @ w)
 RowParallel = Callable[..., jax.Array]
-# (qkv, k_cache, v_cache, positions, write_at) -> (out, k_cache, v_cache)
-DecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 # (qkv, k_pool, v_pool, block_tables, positions, write_at) -> (out, k_pool, v_pool)
 PagedDecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 # (q [C, H, D], k_pool, v_pool [blocks, kv, B, D], table [M], start, kv_len (static), k_chunk, v_chunk
@@ -140,27 +139,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 # ---- forward passes (per shard) ------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-    """How the forward passes run on one shard.
-
-    The three callables are the seam for benchmark variants (``benchmarks/variants.py``): their
-    defaults are the product's, and a variant's engine replaces them (decode attention through XLA's
-    ops, the row-parallel products as another number of partial products, or without the all-reduce).
-    """
+    """How the forward pass runs on one shard. The engine builds it from its public configuration
+    (``engine.EngineConfig``): the callables' defaults are the product's."""
 
     shape: ShardShape
     strategy: str
     inv_freq: tuple[float, ...]
-    # Prompts longer than this attend in query blocks of this many tokens, so the score matrix of a
-    # long prompt never exists whole (an 8k prompt's would be 8.6 GB per layer for Llama-3-8B).
-    prefill_chunk: int = 1024
     # Row-parallel product, all-reduce, residual add and RMSNorm (the fused kernel where it runs).
     row_parallel_norm: RowParallelNorm = row_parallel_residual_rmsnorm
     # Row-parallel product, all-reduce and residual add: a pipeline stage's last layer.
     row_parallel: RowParallel = row_parallel_residual
-    # Decode attention through the CUDA kernel where it can run (XLA's ops elsewhere): faster than
-    # XLA's ops, or within 1%, at every batch and context measured (benchmarks/NOTES.md).
-    decode_attention: DecodeAttention = attention.decode_attention_packed
-    # The same over a paged KV pool (block tables).
+    # Decode attention over a paged KV pool (block tables) through the CUDA kernel where it can run
+    # (XLA's ops elsewhere): faster than XLA's ops, or within 1%, at every batch and context measured
+    # (benchmarks/NOTES.md).
     paged_decode_attention: PagedDecodeAttention = attention.paged_decode_attention_packed
     # A prompt chunk's queries against its sequence's keys so far (see make()).
     chunk_attention: ChunkAttention | None = None
@@ -171,17 +162,6 @@ class ForwardConfig:
         attention (chosen here: tracing the cuDNN call needs cuDNN present)."""
         return cls(shape, strategy, tuple(float(f) for f in rope_inv_freq(shape.spec)),
                    chunk_attention=cudnn_chunk_attention if platform in ("gpu", "cuda") else chunk_attention)
-
-
-def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
-    hd = shape.spec.head_dim
-    q_end = shape.q_heads * hd
-    k_end = q_end + shape.kv_heads * hd
-    lead = qkv.shape[:-1]
-    q = qkv[..., :q_end].reshape(*lead, shape.q_heads, hd)
-    k = qkv[..., q_end:k_end].reshape(*lead, shape.kv_heads, hd)
-    v = qkv[..., k_end:].reshape(*lead, shape.kv_heads, hd)
-    return q, k, v
 
 
 def _mlp_activation(h: jax.Array, layer: Params, shape: ShardShape) -> jax.Array:
@@ -221,115 +201,6 @@ def run_layers(
             return cfg.row_parallel(act, layer["wdown"], residual, AXIS, cfg.strategy), None
         residual, h = cfg.row_parallel_norm(act, layer["wdown"], residual, next_norm, eps, AXIS, cfg.strategy)
     return residual, h
-
-
-def _layer_loop(x: jax.Array, params: Params, cfg: ForwardConfig, attention,
-                last_rows: jax.Array | None = None) -> jax.Array:
-    return run_layers(x, params["layers"], cfg, attention, params["final_norm"], last_rows)[1]
-
-
-def decode_attention(
-    layer: Params, h: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-    cfg: ForwardConfig, *, write: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One token of attention for each of the first n rows (slots) of the caches at ``positions``;
-    returns the partial output [n, q_heads * head_dim] and the caches with the new K/V written.
-
-    ``write``: per-row mask; rows where it is False leave the cache unchanged.
-    """
-    shape = cfg.shape
-    n = h.shape[0]
-    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
-    hd = shape.spec.head_dim
-    # [n, q heads | k heads | v heads, hd], rope applied to q and k in one elementwise pass; the
-    # attention reads q, k and v from it in place (no per-layer slice copies).
-    qkv = (h @ layer["wqkv"]).reshape(n, shape.q_heads + 2 * shape.kv_heads, hd)
-    roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
-    is_qk = jnp.arange(qkv.shape[1]) < shape.q_heads + shape.kv_heads
-    qkv = jnp.where(is_qk[None, :, None], roped, qkv)
-    # Rows that must not write aim past the cache's end: the write is dropped.
-    at = positions if write is None else jnp.where(write, positions, k_cache.shape[2])
-    out, k_cache, v_cache = cfg.decode_attention(qkv, k_cache, v_cache, positions, at)
-    return out.reshape(n, shape.q_heads * shape.spec.head_dim).astype(h.dtype), k_cache, v_cache
-
-
-def decode_forward(
-    params: Params,
-    k_cache: list[jax.Array],
-    v_cache: list[jax.Array],
-    tokens: jax.Array,
-    positions: jax.Array,
-    cfg: ForwardConfig,
-) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
-    """One decode step for rows ``[0, batch)`` of the cache.
-
-    tokens, positions: [batch]; caches: per layer [slots, kv_heads_local, max_seq, head_dim].
-    Returns local logits [batch, padded_vocab / tp] (float32) and the updated caches.
-    """
-    new_k, new_v = list(k_cache), list(v_cache)
-
-    def layer_attention(i: int, h: jax.Array) -> jax.Array:
-        out, new_k[i], new_v[i] = decode_attention(params["layers"][i], h, k_cache[i], v_cache[i], positions, cfg)
-        return out
-
-    x = params["embed"][tokens]
-    h = _layer_loop(x, params, cfg, layer_attention)
-    logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, new_k, new_v
-
-
-def prefill_layers(
-    x: jax.Array, layers: list[Params], length: jax.Array, cfg: ForwardConfig, final_norm: jax.Array | None
-) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
-    """Causal forward of ``layers`` over one prompt's residual stream x [T, hidden] (padded; the true
-    length is ``length``). Returns (residual, normed or None, K, V), K and V stacked over the layers
-    [layers, kv_heads_local, T, head_dim] (positions >= length hold padding)."""
-    shape = cfg.shape
-    T = x.shape[0]
-    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
-    positions = jnp.arange(T)
-    scale = 1.0 / math.sqrt(shape.spec.head_dim)
-    group = shape.q_heads // shape.kv_heads
-    chunk = T if cfg.prefill_chunk >= T or T % cfg.prefill_chunk else cfg.prefill_chunk
-    ks: list[jax.Array] = []
-    vs: list[jax.Array] = []
-
-    def attend(q_block: jax.Array, start: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        """Queries [C, kv, group, hd] at positions start.. against all keys (causal, < length)."""
-        q_pos = start + jnp.arange(q_block.shape[0])
-        mask = (positions[None, :] <= q_pos[:, None]) & (positions[None, :] < length)  # [C, T]
-        scores = jnp.einsum("qkgd,skd->kgqs", q_block, k, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(mask[None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("kgqs,skd->qkgd", probs, v)
-
-    def attention(i: int, h: jax.Array) -> jax.Array:
-        q, k, v = _split_qkv(h @ layers[i]["wqkv"], shape)  # [T, heads, hd]
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        ks.append(jnp.swapaxes(k, 0, 1))
-        vs.append(jnp.swapaxes(v, 0, 1))
-        qg = q.reshape(T // chunk, chunk, shape.kv_heads, group, shape.spec.head_dim)
-        starts = jnp.arange(T // chunk) * chunk
-        out = jax.lax.map(lambda args: attend(args[0], args[1], k, v), (qg, starts))
-        return out.reshape(T, shape.q_heads * shape.spec.head_dim).astype(h.dtype)
-
-    residual, normed = run_layers(x, layers, cfg, attention, final_norm)
-    return residual, normed, jnp.stack(ks), jnp.stack(vs)
-
-
-def prefill_forward(
-    params: Params, tokens: jax.Array, length: jax.Array, cfg: ForwardConfig
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Causal forward over one prompt padded to a bucket: tokens [T], true length scalar.
-
-    Returns the local logits at position ``length - 1`` [padded_vocab / tp] and the prompt's K and V
-    stacked over layers [layers, kv_heads_local, T, head_dim] (positions >= length hold padding).
-    """
-    _, h, ks, vs = prefill_layers(params["embed"][tokens], params["layers"], length, cfg, params["final_norm"])
-    last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
-    logits = jnp.dot(last, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, ks, vs
 
 
 # ---- paged KV pool: token-budget steps ------------------------------------------------------------
@@ -396,6 +267,51 @@ def _write_chunk_blocks(pool: jax.Array, new: jax.Array, chunk: Chunk) -> jax.Ar
     return pool.at[jnp.where(real, chunk.table[jnp.minimum(index, m - 1)], nb)].set(blocks, mode="drop")
 
 
+def budget_layers(
+    x: jax.Array,
+    layers: list[Params],
+    k_pool: list[jax.Array],
+    v_pool: list[jax.Array],
+    positions: jax.Array,
+    tables: jax.Array,
+    write: jax.Array,
+    chunk: Chunk | None,
+    cfg: ForwardConfig,
+    final_norm: jax.Array | None,
+    last_rows: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, list[jax.Array], list[jax.Array]]:
+    """``layers`` of one token-budget step on its residual stream x [n (+ C), hidden]: a token for each
+    of the ``n`` decode rows (positions, write [n], block tables [n, M]; rows where ``write`` is False
+    neither write nor matter) then, when given, the chunk's C tokens. Pools: per layer [blocks,
+    kv_heads_local, block_size, head_dim]. Returns (residual, its norm with ``final_norm`` or None,
+    pools); ``last_rows`` as in :func:`run_layers`."""
+    shape = cfg.shape
+    n = positions.shape[0]
+    hd = shape.spec.head_dim
+    heads = shape.q_heads + 2 * shape.kv_heads
+    new_k, new_v = list(k_pool), list(v_pool)
+    write_at = jnp.where(write, positions, tables.shape[1] * k_pool[0].shape[2])
+    all_pos = positions
+    if chunk is not None:
+        all_pos = jnp.concatenate([positions, chunk.start + jnp.arange(chunk.tokens.shape[0])])
+
+    # Rows that do not write are idle slots whose positions are stale: attending to one position
+    # keeps each from costing the attention over a whole earlier sequence.
+    attend_to = jnp.where(write, positions, 0)
+
+    def layer_attention(i: int, h: jax.Array) -> jax.Array:
+        qkv = _pack_rope((h @ layers[i]["wqkv"]).reshape(h.shape[0], heads, hd), all_pos, shape, cfg)
+        out, new_k[i], new_v[i] = cfg.paged_decode_attention(qkv[:n], new_k[i], new_v[i], tables, attend_to,
+                                                             write_at)
+        if chunk is not None:
+            c_out, new_k[i], new_v[i] = _chunk_layer_attention(qkv[n:], new_k[i], new_v[i], chunk, cfg)
+            out = jnp.concatenate([out.astype(h.dtype), c_out.astype(h.dtype)])
+        return out.reshape(h.shape[0], shape.q_heads * hd).astype(h.dtype)
+
+    residual, h = run_layers(x, layers, cfg, layer_attention, final_norm, last_rows)
+    return residual, h, new_k, new_v
+
+
 def budget_forward(
     params: Params,
     k_pool: list[jax.Array],
@@ -408,41 +324,17 @@ def budget_forward(
     cfg: ForwardConfig,
 ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
     """One token-budget step over a paged pool, in one forward pass: a token for each of the ``n``
-    decode rows (tokens, positions, write [n], block tables [n, M]; rows where ``write`` is False
-    neither write nor matter) plus, when given, one prompt chunk.
-
-    Pools: per layer [blocks, kv_heads_local, block_size, head_dim]. Returns local logits
+    decode rows plus, when given, one prompt chunk (:func:`budget_layers`). Returns local logits
     [n + 1, padded_vocab / tp] (the last row: the chunk's last real position; [n, ...] without a
     chunk) and the pools.
     """
-    shape = cfg.shape
     n = tokens.shape[0]
-    hd = shape.spec.head_dim
-    heads = shape.q_heads + 2 * shape.kv_heads
-    new_k, new_v = list(k_pool), list(v_pool)
-    write_at = jnp.where(write, positions, tables.shape[1] * k_pool[0].shape[2])
-    all_tokens, all_pos = tokens, positions
-    if chunk is not None:
-        all_tokens = jnp.concatenate([tokens, chunk.tokens])
-        all_pos = jnp.concatenate([positions, chunk.start + jnp.arange(chunk.tokens.shape[0])])
-
-    # Rows that do not write are idle slots whose positions are stale: attending to one position
-    # keeps each from costing the attention over a whole earlier sequence.
-    attend_to = jnp.where(write, positions, 0)
-
-    def layer_attention(i: int, h: jax.Array) -> jax.Array:
-        qkv = _pack_rope((h @ params["layers"][i]["wqkv"]).reshape(h.shape[0], heads, hd), all_pos, shape, cfg)
-        out, new_k[i], new_v[i] = cfg.paged_decode_attention(qkv[:n], new_k[i], new_v[i], tables, attend_to,
-                                                             write_at)
-        if chunk is not None:
-            c_out, new_k[i], new_v[i] = _chunk_layer_attention(qkv[n:], new_k[i], new_v[i], chunk, cfg)
-            out = jnp.concatenate([out.astype(h.dtype), c_out.astype(h.dtype)])
-        return out.reshape(h.shape[0], shape.q_heads * hd).astype(h.dtype)
-
+    all_tokens = tokens if chunk is None else jnp.concatenate([tokens, chunk.tokens])
     # Logits are wanted for the decode rows and the chunk's last real position only.
     last_rows = None
     if chunk is not None:
         last_rows = jnp.concatenate([jnp.arange(n), (n + jnp.maximum(chunk.length, 1) - 1)[None]])
-    h = _layer_loop(params["embed"][all_tokens], params, cfg, layer_attention, last_rows)
+    _, h, new_k, new_v = budget_layers(params["embed"][all_tokens], params["layers"], k_pool, v_pool, positions,
+                                       tables, write, chunk, cfg, params["final_norm"], last_rows)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, new_k, new_v

@@ -2,9 +2,9 @@
 
 Every step of a pipeline is one SPMD program over all stages' devices, so every process must launch
 the same programs in the same order. The first stage owns the scheduler, the tokenizer and the gRPC
-front; before each program it launches it announces the call (operation and arguments, a small int32
-vector) to the other stages over a command channel (TCP), and they run the same call. The later stages
-run headless: they answer gRPC health, and follow.
+front; before it launches a step it sends the step's plan (``plan.py``, as int32 words) to the other
+stages over a command channel (TCP), and they launch the same plan on their engines. The later
+stages run headless: they answer gRPC health, and follow.
 
 If any stage dies, the others' next collective or command fails (or the distributed runtime's
 heartbeat notices it): the group stops as a unit and its processes exit non-zero, so the whole group
@@ -20,28 +20,23 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import jax
 import numpy as np
-from switchyard.service.engine.contract import PendingStep, Prefix, StepResult
-from switchyard.service.engine.pipeline import PipelineEngine
-from switchyard.service.engine.sampling import SamplingParams
-from switchyard.service.engine.tensor_parallel import warm_up
+from switchyard.service.engine.engine import Engine, PendingStep
+from switchyard.service.engine.plan import StepPlan, StepTokens, decode_plan, encode_plan
 from switchyard.service.errors import FatalEngineError, GroupFormationError
-from switchyard.service.modelspec import ModelSpec, ServingLayout
+from switchyard.service.modelspec import ServingLayout
 
 log = logging.getLogger(__name__)
 
-PREFILL, INSERT, TICK, STOP = 1, 2, 3, 4
+STEP, WARMUP, STOP = 1, 2, 3
 
 
 class GroupBrokenError(FatalEngineError):
     """A stage of the pipeline group is gone; the group must be restarted as a unit."""
 
-
-HEADER = 10  # op, a, b, c, d, temperature bits, top_k, top_p bits, seed, greedy
 
 # How long a later stage waits for stage 0's coordinator port to accept a connection before it gives up.
 # Long enough for a stage 0 started at the same time to import, check its model folder and open the
@@ -212,14 +207,6 @@ def _has_gpu_plugin() -> bool:
             return False
 
 
-def _f32_bits(x: float) -> int:
-    return int(np.array([x], np.float32).view(np.int32)[0])
-
-
-def _bits_f32(x: int) -> float:
-    return float(np.array([x], np.int32).view(np.float32)[0])
-
-
 class CommandChannel:
     """Stage 0's announcements to the other stages: length-prefixed int32 frames over TCP.
 
@@ -264,13 +251,10 @@ class CommandChannel:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls([conn])
 
-    def send(self, op: int, *fields: int, tokens: np.ndarray | None = None) -> None:
-        message = np.zeros(HEADER + (0 if tokens is None else len(tokens)), np.int32)
-        message[0] = op
-        message[1 : 1 + len(fields)] = fields
-        if tokens is not None:
-            message[HEADER:] = tokens
-        frame = struct.pack("<I", len(message)) + message.tobytes()
+    def send(self, op: int, words: np.ndarray | None = None) -> None:
+        """An operation for every other stage, with its int32 ``words``."""
+        message = np.concatenate([np.array([op], np.int32), np.zeros(0, np.int32) if words is None else words])
+        frame = struct.pack("<I", len(message)) + message.astype(np.int32).tobytes()
         for conn in self._sockets:
             conn.sendall(frame)
 
@@ -292,126 +276,51 @@ class CommandChannel:
             conn.close()
 
 
-def _sampling_fields(s: SamplingParams) -> tuple[int, int, int, int, int]:
-    return _f32_bits(s.temperature), s.top_k, _f32_bits(s.top_p), s.seed, int(s.greedy)
-
-
-def _sampling_from(message: np.ndarray) -> SamplingParams:
-    return SamplingParams(temperature=_bits_f32(int(message[5])), top_k=int(message[6]),
-                          top_p=_bits_f32(int(message[7])), seed=int(message[8]))
-
-
 class LeaderEngine:
-    """Stage 0's engine: a :class:`PipelineEngine` whose every SPMD call is first announced to the group.
+    """Stage 0's engine: an :class:`~switchyard.service.engine.engine.Engine` over every stage's
+    devices whose every launch (and warm-up) is first sent to the group, which launches the same.
+    Its sizes and its policy are the wrapped engine's."""
 
-    Implements :class:`~switchyard.service.engine.contract.DecodeEngine`: the calls that run programs
-    on every stage (prefill, insert, dispatch, warmup) are announced, then run on the wrapped engine;
-    the host-side ones (slots, bookkeeping) are the wrapped engine's, delegated.
-    """
-
-    def __init__(self, engine: PipelineEngine, channel: CommandChannel) -> None:
+    def __init__(self, engine: Engine, channel: CommandChannel) -> None:
         self.engine = engine
         self._channel = channel
         self.broken: BaseException | None = None  # set once a group collective has failed
+        for name in ("spec", "config", "policy", "max_slots", "max_seq_len", "kv_tokens", "kv_block_size",
+                     "step_tokens"):
+            setattr(self, name, getattr(engine, name))
 
-    def _announce(self, op: int, *fields: int, tokens: np.ndarray | None = None) -> None:
+    def _announce(self, op: int, words: np.ndarray | None = None) -> None:
         if self.broken is not None:
             raise GroupBrokenError(f"the pipeline group is broken: {self.broken}")
         try:
-            self._channel.send(op, *fields, tokens=tokens)
+            self._channel.send(op, words)
         except Exception as err:
             self.broken = err
             raise GroupBrokenError(f"a pipeline stage did not answer: {err}") from err
 
     def _run(self, call: Any, *args: Any) -> Any:
-        """Stage 0's part of an announced call. The other stages run it too, so a failure here
-        leaves them in an unknown state (or waiting in a collective): the group is broken."""
+        """Stage 0's part of a call the whole group runs: a failure here leaves the other stages in an
+        unknown state (or waiting in a collective), so the group is broken."""
         try:
             return call(*args)
         except Exception as err:
             self.broken = err
             raise GroupBrokenError(f"stage 0 failed a call the whole group runs: {err!r}") from err
 
-    # ---- host-side: the wrapped engine's ---------------------------------------------------------------
-    @property
-    def spec(self) -> ModelSpec:
-        return self.engine.spec
+    def launch(self, plan: StepPlan) -> PendingStep:
+        self._announce(STEP, encode_plan(plan))
+        return self._run(self.engine.launch, plan)
 
-    @property
-    def max_slots(self) -> int:
-        return self.engine.max_slots
+    def collect(self, pending: PendingStep) -> StepTokens:
+        return self._run(self.engine.collect, pending)
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.engine.max_seq_len
-
-    @property
-    def kv_tokens(self) -> int:
-        return self.engine.kv_tokens
-
-    @property
-    def kv_block_size(self) -> int:
-        return self.engine.kv_block_size
-
-    @property
-    def step_tokens(self) -> int:
-        return self.engine.step_tokens
-
-    def validate_prompt(self, tokens: Sequence[int]) -> None:
-        self.engine.validate_prompt(tokens)
-
-    def free_slots(self) -> list[int]:
-        return self.engine.free_slots()
-
-    def room(self, slot: int) -> int:
-        return self.engine.room(slot)
-
-    def slot_generation(self, slot: int) -> int:
-        return self.engine.slot_generation(slot)
-
-    def evict(self, slot: int) -> None:
-        """Host bookkeeping only: the freed slot's stale state is overwritten by the next insert."""
-        self.engine.evict(slot)
+    def warmup(self) -> float:
+        """Compile every program the group will run, on every stage."""
+        self._announce(WARMUP)
+        return self._run(self.engine.warmup)
 
     def compiled_count(self) -> int:
         return self.engine.compiled_count()
-
-    # ---- programs of the whole group: announced, then run ----------------------------------------------
-    def prefill(self, tokens: Sequence[int], sampling: SamplingParams | None = None,
-                return_logits: bool = False) -> Prefix:
-        sampling = sampling or SamplingParams()
-        padded = self.engine.padded_prompt(tokens, sampling)  # bad requests are refused before any announce
-        n, bucket = len(tokens), len(padded)
-        self._announce(PREFILL, bucket, n, int(return_logits), 0, *_sampling_fields(sampling), tokens=padded)
-        return self._run(self.engine.run_prefill, padded, n, sampling, return_logits)
-
-    def insert(self, prefix: Prefix, slot: int) -> None:
-        self.engine.check_free(slot)
-        self._announce(INSERT, slot, prefix.first_token, prefix.length, prefix.bucket,
-                       *_sampling_fields(prefix.sampling))
-        self._run(self.engine.insert, prefix, slot)
-
-    def dispatch(self, return_logits: bool = False) -> PendingStep:
-        if return_logits:
-            raise NotImplementedError("a pipeline tick does not return logits; use prefill logits to check")
-        self._announce(TICK, self.engine.tick, int(self.engine.greedy_only()))
-        return self._run(self.engine.dispatch)
-
-    def collect(self, pending: PendingStep) -> StepResult:
-        return self._run(self.engine.collect, pending)
-
-    def generate(self, return_logits: bool = False) -> StepResult:
-        return self.collect(self.dispatch(return_logits))
-
-    def warmup(self) -> float:
-        """Compile every program the group will run, on every stage (each call is announced)."""
-
-        def ticks(greedy: bool) -> None:
-            for t in range(self.engine.pp):  # one program per local micro-batch array
-                self._announce(TICK, t, int(greedy))
-                self.engine.run_tick(t, greedy).block_until_ready()
-
-        return warm_up(self, self.engine, ticks)
 
     def stop(self) -> None:
         """Release the followers (they exit their loop)."""
@@ -429,35 +338,25 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def follow(engine: PipelineEngine, channel: CommandChannel) -> None:
-    """A later stage's loop: run whatever stage 0 announces, until it says stop.
+def follow(engine: Engine, channel: CommandChannel) -> None:
+    """A later stage's loop: launch every plan stage 0 sends, until it says stop.
 
-    Like stage 0 it keeps one tick in flight: it waits for tick n-1 only after launching tick n, so a
+    Like stage 0 it keeps one step in flight: it waits for step n-1 only after launching step n, so a
     failed program surfaces here while the devices stay busy."""
-    prefix: Prefix | None = None
-    in_flight: jax.Array | None = None
+    in_flight: PendingStep | None = None
     while True:
         message = channel.receive()
         op = int(message[0])
         if op == STOP:
             if in_flight is not None:
-                in_flight.block_until_ready()
+                jax.block_until_ready(in_flight.tokens)
             return
-        if op == PREFILL:
-            bucket, n, return_logits = int(message[1]), int(message[2]), bool(message[3])
-            padded = message[HEADER : HEADER + bucket].astype(np.int32)
-            prefix = engine.run_prefill(padded, n, _sampling_from(message), return_logits)
-        elif op == INSERT:
-            if prefix is None:
-                raise RuntimeError("insert announced before any prefill")
-            slot, first, length = int(message[1]), int(message[2]), int(message[3])
-            prefix.first_token, prefix.length = first, length  # stage 0's values
-            prefix.sampling = _sampling_from(message)
-            engine.run_insert(prefix, slot)
-        elif op == TICK:
-            tokens = engine.run_tick(int(message[1]), bool(message[2]))
+        if op == WARMUP:
+            engine.warmup()
+        elif op == STEP:
+            pending = engine.launch(decode_plan(message[1:]))
             if in_flight is not None:
-                in_flight.block_until_ready()
-            in_flight = tokens
+                jax.block_until_ready(in_flight.tokens)
+            in_flight = pending
         else:
             raise RuntimeError(f"unknown pipeline command {op}")

@@ -5,6 +5,7 @@ own types, cancels, traces, and every way the engine process can fail to start o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -14,12 +15,13 @@ import time
 
 import pytest
 from helpers import engine_builders
-from helpers.serving_harness import MAX_SEQ_LEN, SLOTS, tiny_dir, tiny_engine, tiny_tokenizer
+from helpers.engine_fixtures import generate
+from helpers.serving_harness import MAX_SEQ_LEN, SLOTS, tiny_dir
 from switchyard.cli.serve import EngineOptions
 from switchyard.service.api.engine_process import EngineProcess, EngineProcessLost, EngineStartError
 from switchyard.service.api.wire import Unavailable
+from switchyard.service.engine.request import GenerationRequest
 from switchyard.service.engine.sampling import SamplingParams
-from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
 from switchyard.service.errors import OutOfRangeError, QueueFullError
 from switchyard.service.modelspec import ModelSpecError, ServingLayout
 
@@ -78,27 +80,16 @@ def served():
     s.close()
 
 
+@functools.cache
+def in_process_engine():
+    """The engine serve's builder makes, built in this process."""
+    from switchyard.cli.serve import load_engine
+
+    return load_engine(EngineOptions(str(tiny_dir()), LAYOUT, None, False))
+
+
 def in_process_tokens(prompt: list[int], max_tokens: int) -> list[int]:
-    engine, tokenizer = tiny_engine(), tiny_tokenizer()
-    out: list[int] = []
-    done = threading.Event()
-
-    def on_event(event) -> None:
-        if event.token_id is not None:
-            out.append(event.token_id)
-        if event.finish_reason is not None:
-            done.set()
-
-    scheduler = Scheduler(engine, tokenizer)
-    scheduler.submit(GenerationRequest("ref", prompt, max_tokens, SamplingParams(), on_event=on_event,
-                                       ignore_eos=True))
-    stop = threading.Event()
-    thread = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
-    thread.start()
-    assert done.wait(120)
-    stop.set()
-    thread.join()
-    return out
+    return generate(in_process_engine(), [prompt], max_tokens)[0]
 
 
 def test_greedy_tokens_and_traces_are_those_of_the_scheduler_in_this_process(served):
@@ -214,8 +205,7 @@ def _alive(pid: int) -> bool:
 def test_requests_keep_their_fields_across_the_pipe():
     # Everything a request carries but its callback crosses to the engine's scheduler.
     request = GenerationRequest("x", [1, 2], 3, SamplingParams(temperature=0.5, top_k=4, seed=7), stop_token_ids=(9,),
-                                stop_strings=("ab",), deadline=12.5, on_event=print, ignore_eos=True,
-                                reuse_prefix=False)
+                                deadline=12.5, on_event=print, ignore_eos=True, min_tokens=2, reuse_prefix=False)
     import pickle
 
     sent = pickle.loads(pickle.dumps(dataclasses.replace(request, on_event=None)))

@@ -18,10 +18,8 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers.engine_fixtures import varied_checkpoint
+from helpers.engine_fixtures import generate, tiny_engine, varied_checkpoint
 from switchyard.service.api.client import DecodeClient, make_request
-from switchyard.service.engine.tensor_parallel import Engine
-from switchyard.service.modelspec import ServingLayout
 
 PROMPT = [1, 7, 300, 12, 99, 5]
 
@@ -80,10 +78,7 @@ def _serving_group(tmp_path, checkpoint, **layout: Any) -> Iterator[tuple[list[s
 
 
 def test_two_stage_group_serves_generate_like_one_device(checkpoint, tmp_path):
-    engine = Engine.from_checkpoint(checkpoint, ServingLayout(tp=1, batch_slots=2, max_seq_len=64), progress=False)
-    prefix = engine.prefill(PROMPT)
-    engine.insert(prefix, 0)
-    expected = [prefix.first_token] + [int(engine.generate().tokens[0]) for _ in range(9)]
+    expected = generate(tiny_engine(checkpoint, slots=2, max_seq_len=64), [PROMPT], 10)[0]
 
     with _serving_group(tmp_path, checkpoint, batch_slots=4, max_seq_len=64) as (procs, ports):
         with DecodeClient(f"127.0.0.1:{ports[0]}") as client:

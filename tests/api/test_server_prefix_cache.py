@@ -185,9 +185,9 @@ def test_model_info_reports_the_engines_kv_pool(served) -> None:
 
 def test_model_info_follows_the_engine(served, monkeypatch) -> None:
     """Not one engine's numbers copied: whatever the engine reports is what ModelInfo says."""
-    kind = type(served.scheduler.engine)
+    engine = served.scheduler.engine
     for name, value in (("kv_tokens", 123_456), ("kv_block_size", 16), ("step_tokens", 512)):
-        monkeypatch.setattr(kind, name, property(lambda self, value=value: value))
+        monkeypatch.setattr(engine, name, value)
     with DecodeClient(served.target) as client:
         info = client.model_info()
     assert (info.kv_tokens, info.kv_block_size, info.step_tokens) == (123_456, 16, 512)

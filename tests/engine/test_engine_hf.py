@@ -7,13 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import scripts
-from helpers.engine_fixtures import tiny_paged_engine
+from helpers.engine_fixtures import greedy_and_logits, tiny_engine
 from helpers.hf_reference import hf_greedy, hf_logits, hf_model, save_hf
-from switchyard.service.engine.checkpoint import load_params
-from switchyard.service.engine.sampling import SamplingParams
-from switchyard.service.engine.tensor_parallel import Engine, make_mesh
-from switchyard.service.modelspec import ModelSpec, RopeScaling, ServingLayout, preset
+from switchyard.service.modelspec import ModelSpec, RopeScaling, preset
 
 TINY = preset("tiny")  # GQA 2:1, llama3 rope scaling, untied
 CONFIGS = {
@@ -37,47 +33,16 @@ def reference(request, tmp_path_factory):
     return spec, model, folder
 
 
-def run_engine(folder, tp: int, dtype: str | None = None) -> tuple[list[int], np.ndarray]:
-    engine = Engine.from_checkpoint(folder, ServingLayout(tp=tp, batch_slots=2, max_seq_len=64), dtype=dtype,
-                                    progress=False)
-    prefix = engine.prefill(PROMPT, return_logits=True)
-    engine.insert(prefix, 0)
-    tokens, logits = [prefix.first_token], [np.asarray(prefix.logits, np.float64)]
-    for _ in range(N_TOKENS - 1):
-        step = engine.generate(return_logits=True)
-        tokens.append(int(step.tokens[0]))
-        logits.append(np.asarray(step.logits[0], np.float64))
-    vocab = engine.spec.vocab_size
-    return tokens, np.stack(logits)[:, :vocab]
+def run_engine(folder, tp: int, pp: int = 1, dtype: str | None = None) -> tuple[list[int], np.ndarray]:
+    """The engine, the prompt in chunks of 4 tokens over blocks of 4 positions, then one token a step."""
+    engine = tiny_engine(folder, tp=tp, pp=pp, slots=2, max_seq_len=64, step_tokens=4, block_size=4, dtype=dtype)
+    return greedy_and_logits(engine, PROMPT, N_TOKENS)
 
 
-def run_paged_engine(folder, tp: int, dtype: str | None = None) -> tuple[list[int], np.ndarray]:
-    """The token-budget engine, the prompt in chunks of 4 tokens over blocks of 4 positions."""
-    engine = tiny_paged_engine(folder, tp=tp, slots=2, max_seq_len=64, step_tokens=4, block_size=4, dtype=dtype)
-    assert engine.begin(0, PROMPT, SamplingParams()) == 0
-    while True:
-        chunk = engine.next_chunk(0)
-        result = engine.collect(engine.dispatch(chunk, return_logits=True))
-        if chunk.completes:
-            break
-    tokens, logits = [result.chunk_token], [np.asarray(result.logits[-1], np.float64)]
-    for _ in range(N_TOKENS - 1):
-        assert engine.ensure_decode_blocks()
-        step = engine.collect(engine.dispatch(return_logits=True))
-        tokens.append(int(step.tokens[0]))
-        logits.append(np.asarray(step.logits[0], np.float64))
-    return tokens, np.stack(logits)[:, : engine.spec.vocab_size]
-
-
-ENGINES = {"slots": run_engine, "paged": run_paged_engine}
-
-
-@pytest.mark.parametrize("engine", list(ENGINES))
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_fp32_logits_and_greedy_tokens_match_transformers(reference, tp, engine):
-    run_engine = ENGINES[engine]
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (4, 1), (1, 2)])
+def test_fp32_logits_and_greedy_tokens_match_transformers(reference, tp, pp):
     _, model, folder = reference
-    tokens, logits = run_engine(folder, tp)
+    tokens, logits = run_engine(folder, tp, pp)
     assert tokens == hf_greedy(model, PROMPT, N_TOKENS)
     expected = hf_logits(model, PROMPT + tokens[:-1])[len(PROMPT) - 1 :]
     rel = np.abs(logits - expected).max() / np.abs(expected).max()
@@ -89,10 +54,8 @@ def tiny_folder(tmp_path_factory):
     return save_hf(hf_model(TINY, seed=7), tmp_path_factory.mktemp("tiny-bf16"))
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("tp", [1, 2])
-def test_bf16_logits_stay_close_to_transformers(tiny_folder, tp, engine):
-    run_engine = ENGINES[engine]
+def test_bf16_logits_stay_close_to_transformers(tiny_folder, tp):
     spec = TINY
     tokens, logits = run_engine(tiny_folder, tp, dtype="bfloat16")
     history = PROMPT + tokens[:-1]
@@ -105,15 +68,3 @@ def test_bf16_logits_stay_close_to_transformers(tiny_folder, tp, engine):
     assert ours < 0.05 and ours < 3 * theirs + 1e-3, f"bf16 error {ours:.3e} vs transformers' own {theirs:.3e}"
 
 
-def test_long_prompts_attend_in_chunks_with_the_same_result(tiny_folder):
-    """A prompt longer than the prefill chunk is attended block by block; logits still match."""
-    spec = TINY
-    mesh = make_mesh(2)
-    params = load_params(tiny_folder, spec, mesh, "float32", progress=False)
-    variants = scripts.load("variants")
-    chunked = variants.VariantEngine(spec, params, mesh, batch_slots=2, max_seq_len=64,
-                                     variant=variants.Variant(prefill_chunk=16, cache="zeros"))
-    prompt = [1, *range(3, 43)]  # 41 tokens: bucket 64, four query blocks
-    logits = np.asarray(chunked.prefill(prompt, return_logits=True).logits, np.float64)[: spec.vocab_size]
-    expected = hf_logits(hf_model(spec, seed=7), prompt)[-1]
-    assert np.abs(logits - expected).max() / np.abs(expected).max() < 2e-5

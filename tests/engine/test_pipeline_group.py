@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 from helpers import HELPERS
-from helpers.engine_fixtures import varied_checkpoint
+from helpers.engine_fixtures import tiny_engine, varied_checkpoint
+from switchyard.service.engine.request import GenerationRequest
 from switchyard.service.engine.sampling import SamplingParams
-from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
-from switchyard.service.engine.tensor_parallel import Engine
-from switchyard.service.engine.tokenizer import Tokenizer
+from switchyard.service.engine.scheduler import Scheduler
 from switchyard.service.modelspec import ServingLayout
 
 RUNNER = HELPERS / "pipeline_group_run.py"
@@ -40,8 +39,8 @@ def checkpoint(tmp_path_factory, tiny_checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> dict[str, list[int]]:
-    engine = Engine.from_checkpoint(checkpoint, ServingLayout(tp=1, batch_slots=4, max_seq_len=64), progress=False)
-    sched = Scheduler(engine, Tokenizer.from_dir(checkpoint), max_queue=16)
+    engine = tiny_engine(checkpoint, slots=4, max_seq_len=64, step_tokens=8, block_size=8)
+    sched = Scheduler(engine, max_queue=16)
     out: dict[str, list[int]] = {}
     for i, (prompt, n, t, k, p, seed) in enumerate(REQUESTS):
         sched.submit(GenerationRequest(f"r{i}", prompt, n, SamplingParams(t, k, p, seed), ignore_eos=True,
@@ -101,52 +100,49 @@ def test_a_killed_stage_stops_the_group(checkpoint, tmp_path):
 
 def test_commands_round_trip_and_a_closed_channel_is_a_lost_stage():
     import numpy as np
-    from switchyard.service.engine.pipeline_group import HEADER, PREFILL, TICK, CommandChannel, GroupBrokenError
+    from switchyard.service.engine.pipeline_group import STEP, STOP, CommandChannel, GroupBrokenError
 
     a, b = socket.socketpair()
     leader, follower = CommandChannel([a]), CommandChannel([b])
-    leader.send(TICK, 41, 1)
-    leader.send(PREFILL, 3, 2, tokens=np.array([7, 8, 9], np.int32))
-    tick, prefill = follower.receive(), follower.receive()
-    assert tick.tolist() == [TICK, 41, 1] + [0] * (HEADER - 3)
-    assert prefill[:3].tolist() == [PREFILL, 3, 2] and prefill[HEADER:].tolist() == [7, 8, 9]
+    leader.send(STEP, np.array([7, 8, 9], np.int32))
+    leader.send(STOP)
+    step, stop = follower.receive(), follower.receive()
+    assert step.tolist() == [STEP, 7, 8, 9] and stop.tolist() == [STOP]
     leader.close()
     with pytest.raises(GroupBrokenError, match="closed the command channel"):
         follower.receive()
     follower.close()
 
 
-def test_a_failed_call_on_stage_0_breaks_the_group_and_nothing_more_is_announced():
-    import numpy as np
-    from switchyard.service.engine.pipeline_group import PREFILL, GroupBrokenError, LeaderEngine
+def test_a_failed_launch_on_stage_0_breaks_the_group_and_nothing_more_is_sent():
+    from switchyard.service.engine.engine import EngineConfig
+    from switchyard.service.engine.fake import FakeEngine
+    from switchyard.service.engine.kv_manager import KVManager
+    from switchyard.service.engine.pipeline_group import STEP, GroupBrokenError, LeaderEngine
 
     class Recorder:
         def __init__(self) -> None:
             self.ops: list[int] = []
 
-        def send(self, op: int, *fields: int, tokens=None) -> None:
+        def send(self, op: int, words=None) -> None:
             self.ops.append(op)
 
-    class DeviceLost:
-        tick, pp = 0, 2
-
-        def padded_prompt(self, tokens, sampling):
-            return np.zeros(16, np.int32)
-
-        def run_prefill(self, *args):
+    class DeviceLost(FakeEngine):
+        def launch(self, plan):
             raise RuntimeError("device lost")
 
-        def greedy_only(self) -> bool:
-            return True
-
+    engine = DeviceLost(config=EngineConfig(batch_slots=2, max_seq_len=64))
     channel = Recorder()
-    leader = LeaderEngine(DeviceLost(), channel)
+    leader = LeaderEngine(engine, channel)
+    kv = KVManager(max_slots=2, max_seq_len=64, kv_tokens=engine.kv_tokens, block_size=engine.kv_block_size)
+    kv.begin(0, [1, 2, 3], SamplingParams())
+    plan = engine.policy.plan(kv, 0)
     with pytest.raises(GroupBrokenError, match="device lost"):
-        leader.prefill([1, 2, 3])
+        leader.launch(plan)
     assert leader.broken is not None
     with pytest.raises(GroupBrokenError, match="broken"):
-        leader.dispatch()
-    assert channel.ops == [PREFILL]
+        leader.launch(plan)
+    assert channel.ops == [STEP]
 
 
 def _stage_1_of(coordinator: str) -> ServingLayout:

@@ -14,7 +14,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from switchyard import kernels
 from switchyard.service.engine.checkpoint import write_checkpoint
-from switchyard.service.engine.tensor_parallel import Engine
+from switchyard.service.engine.engine import Engine, EngineConfig
+from switchyard.service.engine.kv_manager import KVManager
+from switchyard.service.engine.sampling import SamplingParams
 from switchyard.service.modelspec import ServingLayout, preset
 
 WORLD = 8
@@ -54,14 +56,18 @@ def check_engine() -> None:
         outs = {}
         for tp in (1, WORLD):
             engine = Engine.from_checkpoint(folder, ServingLayout(tp=tp, batch_slots=2, max_seq_len=64),
+                                            EngineConfig(batch_slots=2, max_seq_len=64, step_tokens=16, block_size=16),
                                             progress=False)
-            prefix = engine.prefill([1, 5, 9, 200, 7], return_logits=True)
-            engine.insert(prefix, 0)
-            tokens, logits = [prefix.first_token], [np.asarray(prefix.logits)[: spec.vocab_size]]
-            for _ in range(15):
-                step = engine.generate(return_logits=True)
-                tokens.append(int(step.tokens[0]))
-                logits.append(np.asarray(step.logits[0])[: spec.vocab_size])
+            kv = KVManager(max_slots=2, max_seq_len=64, kv_tokens=engine.kv_tokens, block_size=16)
+            kv.begin(0, [1, 5, 9, 200, 7], SamplingParams())
+            tokens, logits = [], []
+            while len(tokens) < 16:  # the prompt in one chunk, then a token a step
+                assert kv.ensure_decode_blocks()
+                plan = engine.policy.plan(kv, 0 if kv.sequence(0).left else None)
+                logits.append(engine.logits(plan)[-1])
+                result = engine.collect(engine.launch(plan))
+                kv.launched(plan)
+                tokens.append(result.chunk_token if plan.chunk is not None else int(result.tokens[0]))
             outs[tp] = tokens, np.stack(logits)
         assert outs[1][0] == outs[WORLD][0], "TP=8 tokens differ from TP=1"
         rel = np.abs(outs[1][1] - outs[WORLD][1]).max() / np.abs(outs[1][1]).max()

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import sys
 
-from switchyard.service.engine.pipeline import PipelineEngine
+from switchyard.service.engine.engine import Engine, EngineConfig
 from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine, follow, join
+from switchyard.service.engine.request import GenerationRequest
 from switchyard.service.engine.sampling import SamplingParams
-from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
-from switchyard.service.engine.tokenizer import Tokenizer
+from switchyard.service.engine.scheduler import Scheduler
 from switchyard.service.modelspec import ServingLayout
 
 
@@ -23,14 +23,15 @@ def main() -> int:
     requests = json.loads(sys.argv[7]) if len(sys.argv) > 7 else []
     layout = ServingLayout(tp=tp, pp=pp, batch_slots=4, max_seq_len=64, pipeline_stage=stage, coordinator=coordinator)
     join(layout, heartbeat_timeout_s=5)
-    engine = PipelineEngine.from_checkpoint(checkpoint, layout, progress=False)
+    config = EngineConfig(batch_slots=4, max_seq_len=64, step_tokens=8, block_size=8)
+    engine = Engine.from_checkpoint(checkpoint, layout, config, progress=False)
     print(f"stage {stage}: {len(engine.mesh.devices.flat)} devices, ready", flush=True)
     channel = CommandChannel.open(layout)
     if stage:
         follow(engine, channel)
         return 0
     leader = LeaderEngine(engine, channel)
-    sched = Scheduler(leader, Tokenizer.from_dir(checkpoint), max_queue=64)
+    sched = Scheduler(leader, max_queue=64)
     tokens: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
 
@@ -48,7 +49,7 @@ def main() -> int:
         if leader.broken is not None:
             print(f"stage 0: pipeline group broken: {leader.broken}", flush=True)
             return 3
-    while sched.step():  # drain the last launched tick
+    while sched.step():  # drain the last launched step
         pass
     leader.stop()
     with open(out, "w") as f:

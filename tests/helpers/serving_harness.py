@@ -1,8 +1,11 @@
-"""One tiny random-weight checkpoint and one Engine for every server test in the session, and a
-context manager that serves them on a real localhost gRPC port (server on its own event-loop thread).
+"""One tiny random-weight checkpoint, its tokenizer and an engine for every server test in the session,
+and a context manager that serves them on a real localhost gRPC port (server on its own event-loop
+thread).
 
-Engines are shared because compiling their steps is the slow part on CPU; a scheduler (cheap) is made
-per server. Only one server uses the engine at a time: tests run sequentially.
+The server tests exercise the protocols, the text and the scheduling, so they serve the fake engine
+(``service/engine/fake.py``: the real scheduler and KV books, no model, nothing to compile); the real
+engine is served by the tests that run ``switchyard serve`` itself and by the engine's own tests.
+A scheduler (cheap) is made per server.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 SLOTS = 8
 MAX_SEQ_LEN = 256
+STEP_SECONDS = 0.002  # each fake step takes as long as a short step of a real device
 
 
 @functools.cache
@@ -32,13 +36,14 @@ def tiny_dir() -> Path:
     return write_checkpoint(preset("tiny"), folder, seed=0, progress=False)
 
 
-@functools.cache
 def tiny_engine() -> Any:
-    from switchyard.service.engine.paged import PagedEngine
-    from switchyard.service.modelspec import ServingLayout
+    """A fresh fake engine of the tiny model's shape (its KV books start empty)."""
+    from switchyard.service.engine.engine import EngineConfig
+    from switchyard.service.engine.fake import FakeEngine
+    from switchyard.service.modelspec import ModelSpec
 
-    layout = ServingLayout(tp=1, batch_slots=SLOTS, max_seq_len=MAX_SEQ_LEN)
-    return PagedEngine.from_checkpoint(tiny_dir(), layout, progress=False)
+    return FakeEngine(ModelSpec.from_file(tiny_dir()), EngineConfig(batch_slots=SLOTS, max_seq_len=MAX_SEQ_LEN),
+                      step_seconds=STEP_SECONDS)
 
 
 @functools.cache
@@ -83,8 +88,9 @@ class Served:
 
     def assert_no_leaked_slots(self) -> None:
         self.wait_idle()
-        engine = self.scheduler.engine
-        assert len(engine.free_slots()) == engine.max_slots, "engine slots still occupied"
+        kv = self.scheduler.kv
+        assert len(kv.free_slots()) == kv.max_slots, "engine slots still occupied"
+        assert kv.held_blocks() == 0, "KV blocks still held"
 
 
 @contextlib.contextmanager
@@ -98,7 +104,7 @@ def serving(
 
     engine, tokenizer = tiny_engine(), tiny_tokenizer()
     recorder = RequestRecorder(telemetry, keep=keep)
-    scheduler = Scheduler(engine, tokenizer, max_queue=max_queue, on_finish=recorder.on_finish, model_name="tiny")
+    scheduler = Scheduler(engine, max_queue=max_queue, model_name="tiny")
     app = DecodeApp(
         model_name="tiny", limits=limits or Limits(default_max_tokens=16), recorder=recorder,
         info={"tensor_parallel": 1, "allreduce_strategy": "xla", "max_queue": max_queue},
@@ -108,7 +114,3 @@ def serving(
         yield Served(server.target, scheduler, recorder, app, server)
     finally:
         server.stop(grace=5.0)
-        free = set(engine.free_slots())
-        for slot in range(engine.max_slots):  # leave a clean engine for the next server, whatever happened
-            if slot not in free:
-                engine.evict(slot)

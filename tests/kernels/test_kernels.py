@@ -197,23 +197,26 @@ def test_cuda_lowering_hands_the_partials_to_the_fused_kernel(fake_gpu_capabilit
 def test_engine_with_partial_products_decodes_like_xla(fake_gpu_capability) -> None:
     """TP=2 engine whose fused all-reduce takes partial products (staged; the reference runs on CPU):
     float32 logits equal those of the psum engine on the same weights."""
-    from switchyard.service.engine.tensor_parallel import Engine
+    from helpers.engine_fixtures import greedy_and_logits
+    from switchyard.service.engine.engine import Engine, EngineConfig
+    from switchyard.service.engine.step_policy import StepShape
     from switchyard.service.modelspec import ServingLayout, preset
 
     fake_gpu_capability(2)
     spec = preset("tiny")
-    engines = [Engine.from_random(spec, ServingLayout(tp=2, strategy=s, batch_slots=2, max_seq_len=64),
-                                  devices=jax.devices("cpu")[:2], dtype="float32", seed=3)
+    layout = ServingLayout(tp=2, batch_slots=2, max_seq_len=64)
+    engines = [Engine.from_random(spec, layout, EngineConfig(batch_slots=2, max_seq_len=64, strategy=s, dtype="float32",
+                                                             block_size=16, step_tokens=16),
+                                  seed=3, devices=jax.devices("cpu")[:2])
                for s in ("oneshot", "xla")]
-    step = engines[0]._step_fn(2, True, False)
-    text = step.trace(engines[0].params, engines[0]._state).lower(lowering_platforms=("cuda",)).as_text()
+    first = engines[0]
+    step = first._program("step", StepShape(2))
+    text = step.trace(first.params, first._state, first._io).lower(lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in text.splitlines() if "custom_call @switchyard_fused_rmsnorm" in ln]
     assert len(calls) == 2 * spec.num_layers and all("tensor<4x2x128xf32>" in c for c in calls), calls[:1]
-    for engine in engines:
-        engine.insert(engine.prefill([1, 5, 9, 13]), 0)
-    for _ in range(4):
-        a, b = (np.asarray(e.generate(return_logits=True).logits, np.float32)[:1] for e in engines)
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+    (ta, la), (tb, lb) = (greedy_and_logits(e, [1, 5, 9, 13], 4) for e in engines)
+    assert ta == tb
+    np.testing.assert_allclose(la, lb, rtol=2e-5, atol=2e-5)
 
 
 def test_check_vma_uses_reference_path(fake_gpu_capability) -> None:

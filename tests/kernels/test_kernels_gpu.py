@@ -162,16 +162,20 @@ def test_engine_with_partial_products_decodes_like_psum(mesh: Mesh) -> None:
     """TP=2 engines on the same bf16 weights: auto (fused kernel taking partial products, command
     buffers as XLA sets them) against XLA's psum, logits step after step."""
     from helpers.engine_fixtures import assert_decode_alike, kernel_sized_spec
-    from switchyard.service.engine.tensor_parallel import Engine
+    from switchyard.service.engine.engine import Engine, EngineConfig
+    from switchyard.service.engine.step_policy import StepShape
     from switchyard.service.modelspec import ServingLayout
 
     spec = kernel_sized_spec()
-    engines = [Engine.from_random(spec, ServingLayout(tp=2, strategy=s, batch_slots=4, max_seq_len=256),
+    layout = ServingLayout(tp=2, batch_slots=4, max_seq_len=256)
+    engines = [Engine.from_random(spec, layout, EngineConfig(batch_slots=4, max_seq_len=256, strategy=s,
+                                                             dtype="bfloat16", step_tokens=64),
                                   devices=list(mesh.devices.flat)) for s in ("auto", "xla")]
-    step = engines[0]._step_fn(4, True, False)
-    compiled = step.lower(engines[0].params, engines[0]._state).compile().as_text()
+    step = engines[0]._program("step", StepShape(4))
+    compiled = step.lower(engines[0].params, engines[0]._state, engines[0]._io).compile().as_text()
     assert compiled.count("switchyard_fused_rmsnorm") >= 2 * spec.num_layers - 1
-    assert_decode_alike(engines, [[1, 5, 9, 200], [1, *range(3, 100)], [1, 77]], steps=10)
+    for prompt in ([1, 5, 9, 200], [1, *range(3, 100)], [1, 77]):
+        assert_decode_alike(engines, prompt, steps=10)
     kernels.check_errors()
 
 

@@ -1,0 +1,514 @@
+"""The engine: a model's weights and paged KV pool on a device mesh, and the compiled steps that run
+the scheduler's plans over them. It keeps no books: the scheduler's KV manager decides which blocks
+each sequence holds and the step policy which program each step runs (``plan.py`` is the contract).
+
+Every step is ONE forward pass (``model.budget_forward``): a token for each decode row plus, when the
+plan carries one, a chunk of a prompt; the step that carries a prompt's last chunk samples its first
+token, and the slot decodes from then on. Per-slot decode state (last token, position, sampling
+parameters and counter) lives on the devices and is donated to each step, so a decode row needs no
+input from the host.
+
+A step's changing inputs (decode rows, block tables, the chunk) and its tokens live in donated device
+buffers of their own too (``_io``): small programs copy the host's new values in before a step and
+the step's tokens out after it. A step program then sees the same addresses at every launch, so XLA
+replays its command buffer as recorded; a new address anywhere makes it update the buffer's hundreds
+of commands first, which took 2-6 ms of host time on H200 (benchmarks/NOTES.md). XLA's own temporary
+buffer keeps its address under the allocator and update mode of ``xla_runtime``.
+
+With ``pp`` > 1 the mesh has a pipeline axis: each stage holds its share of the layers and of the KV
+pool, and a step runs the stages one after another, handing the residual stream on device to device
+(``pipeline.py``); the tokens are those of one device. Stage 0's process plans; in a group of
+processes it sends each plan to the others (``pipeline_group.py``), which launch it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from switchyard import kernels
+from switchyard.kernels.collectives import MAX_PARTIALS
+from switchyard.kernels.selection import check_strategy
+from switchyard.service.engine.checkpoint import NP_DTYPES, load_params
+from switchyard.service.engine.kv_blocks import NULL_BLOCK
+from switchyard.service.engine.model import AXIS, Chunk, ForwardConfig, ShardShape, budget_forward, param_specs
+from switchyard.service.engine.pipeline import (
+    PP,
+    STAGE_POOL_SPEC,
+    VOCAB_AXES,
+    make_pipeline_mesh,
+    pipeline_forward,
+    stage_param_specs,
+)
+from switchyard.service.engine.plan import ChunkPlan, StepPlan, StepTokens
+from switchyard.service.engine.sampling import SamplingParams, sample_sharded
+from switchyard.service.engine.step_policy import MIN_BATCH_WIDTH, StepPolicy, StepShape
+from switchyard.service.engine.xla_runtime import free_device_memory, memory_fraction, step_compiler_options
+from switchyard.service.modelspec import (
+    DEFAULT_KV_MEMORY_FRACTION,
+    DEFAULT_STEP_TOKENS,
+    IDLE_STEP_TOKENS,
+    KV_BLOCK_TOKENS,
+    ModelSpec,
+    ModelSpecError,
+    ServingLayout,
+    kv_tokens_for_memory,
+)
+
+POOL_SPEC = P(None, AXIS, None, None)  # [blocks, kv_heads, block_size, head_dim], sharded by KV head
+ATTENTIONS = ("auto", "xla")
+# Compiles at warm-up hold host memory each, so the pool stays small even on a large host.
+MAX_COMPILE_WORKERS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How an engine serves: its sizes, its collectives and its kernels.
+
+    ``kv_tokens`` 0 sizes the KV pool at start-up as ``kv_memory_fraction`` of the memory left after
+    the weights. ``decode_attention``: ``auto`` runs our decode-attention kernel where it can run
+    (XLA's ops elsewhere), ``xla`` always XLA's ops. ``row_parallel_splits``: the partial products a
+    row-parallel product hands the fused all-reduce (see ``kernels.collectives``). ``min_batch_width``:
+    the narrowest decode width compiled.
+    """
+
+    batch_slots: int = 8
+    max_seq_len: int = 2048
+    strategy: str = "auto"
+    dtype: str | None = None  # default: the checkpoint's
+    kv_tokens: int = 0
+    kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
+    step_tokens: int = DEFAULT_STEP_TOKENS
+    idle_step_tokens: int = IDLE_STEP_TOKENS
+    block_size: int = KV_BLOCK_TOKENS
+    min_batch_width: int = MIN_BATCH_WIDTH
+    decode_attention: str = "auto"
+    row_parallel_splits: int = kernels.K_SPLITS
+
+    def __post_init__(self) -> None:
+        check_strategy(self.strategy)
+        if self.decode_attention not in ATTENTIONS:
+            raise ValueError(f"decode_attention must be one of {ATTENTIONS}, got {self.decode_attention!r}")
+        if not 1 <= self.row_parallel_splits <= MAX_PARTIALS:
+            raise ValueError(f"row_parallel_splits must be 1..{MAX_PARTIALS}, got {self.row_parallel_splits}")
+        for name in ("batch_slots", "max_seq_len", "step_tokens", "block_size", "min_batch_width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_layout(cls, layout: ServingLayout, **changes: Any) -> EngineConfig:
+        """The layout file's sizes (what ``switchyard serve`` and the operator set), with ``changes``."""
+        return cls(**{"batch_slots": layout.batch_slots, "max_seq_len": layout.max_seq_len,
+                      "strategy": layout.strategy, "kv_tokens": layout.kv_tokens,
+                      "kv_memory_fraction": layout.kv_memory_fraction, "step_tokens": layout.step_tokens,
+                      **changes})
+
+    def step_policy(self) -> StepPolicy:
+        """The step policy these sizes make (the scheduler plans with it; the engine compiles its shapes)."""
+        return StepPolicy(max_slots=self.batch_slots, max_seq_len=self.max_seq_len, block_size=self.block_size,
+                          step_tokens=self.step_tokens, idle_step_tokens=self.idle_step_tokens,
+                          min_width=self.min_batch_width)
+
+
+def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None, pp: int = 1) -> Mesh:
+    """The devices of a tensor-parallel group (axis ``tp``), or of ``pp`` > 1 pipeline stages of such
+    groups (axes ``pp``, ``tp``)."""
+    if pp > 1:
+        return make_pipeline_mesh(pp, tp, devices)
+    devices = list(devices if devices is not None else jax.devices())
+    if tp > len(devices):
+        raise ValueError(f"tensor-parallel size {tp} needs {tp} devices; this process sees {len(devices)}")
+    return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+def compile_workers() -> int:
+    """Threads that compile step programs at warm-up: the CPUs this process may run on, at most
+    :data:`MAX_COMPILE_WORKERS`."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_COMPILE_WORKERS, cpus))
+
+
+# A step's chunk travels as one int32 array (one host-to-device copy, not one per field):
+# [tokens (padded to idle_step_tokens, the largest chunk size), the sequence's block table, slot,
+# start, length, completes, temperature, top_k, top_p, seed, counter], temperature and top_p as
+# float32 bits. A step's program reads the first tokens, as many as its chunk size.
+_CHUNK_FIELDS = 9
+
+
+def pack_chunk(chunk_tokens: int, table: np.ndarray, tokens: np.ndarray, slot: int, start: int, completes: bool,
+               sampling: SamplingParams, counter: int) -> np.ndarray:
+    m = table.shape[0]
+    out = np.zeros(chunk_tokens + m + _CHUNK_FIELDS, np.int32)
+    out[: len(tokens)] = tokens
+    out[chunk_tokens: chunk_tokens + m] = table
+    floats = np.array([sampling.temperature, sampling.top_p], np.float32).view(np.int32)
+    out[chunk_tokens + m:] = (slot, start, len(tokens), completes, floats[0], sampling.top_k, floats[1], sampling.seed,
+                              counter)
+    return out
+
+
+def _unpack_chunk(packed: jax.Array, table_len: int, chunk_tokens: int) -> tuple[jax.Array, ...]:
+    """(tokens [chunk_tokens], table, slot, start, length, completes, (temperature, top_k, top_p, seed,
+    counter))."""
+    c = packed.shape[0] - table_len - _CHUNK_FIELDS
+    f = c + table_len
+    slot, start, length, completes, temp, top_k, top_p, seed, counter = (packed[f + i] for i in range(_CHUNK_FIELDS))
+    as_float = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+    return (packed[:chunk_tokens], packed[c:f], slot, start, length, completes != 0,
+            (as_float(temp), top_k, as_float(top_p), seed, counter))
+
+
+def _write_io(io: dict[str, jax.Array], updates: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """``io`` with ``updates`` written over its entries in place (a donated ``io`` keeps its buffers)."""
+    return {key: jax.lax.dynamic_update_slice(a, updates[key], (0,) * a.ndim) if key in updates else a
+            for key, a in io.items()}
+
+
+def _read_out(io: dict[str, jax.Array]) -> jax.Array:
+    """A copy of a step's tokens, which outlives the next step's donation of ``io``."""
+    return io["out"] + 0
+
+
+def slot_state(mesh: Mesh, slots: int) -> dict[str, jax.Array]:
+    """Each slot's decode state, replicated over ``mesh``: its last token, the position it goes to,
+    its sampling counter and its sampling parameters."""
+    rep = NamedSharding(mesh, P())
+
+    def small(value: np.ndarray) -> jax.Array:
+        return jax.device_put(value, rep)
+
+    return {
+        "tokens": small(np.zeros(slots, np.int32)), "positions": small(np.zeros(slots, np.int32)),
+        "counters": small(np.zeros(slots, np.int32)), "temperature": small(np.zeros(slots, np.float32)),
+        "top_k": small(np.zeros(slots, np.int32)), "top_p": small(np.ones(slots, np.float32)),
+        "seeds": small(np.zeros(slots, np.int32)),
+    }
+
+
+def new_pool(shape: tuple[int, ...], sharding: NamedSharding, dtype: str,
+             layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per-layer K and V pools of zeros, made on the devices."""
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(NP_DTYPES[dtype])), out_shardings=sharding)
+    return [zeros() for _ in range(layers)], [zeros() for _ in range(layers)]
+
+
+def pool_tokens(spec: ModelSpec, config: EngineConfig, tp: int, pp: int, dtype: str, free: int | None) -> int:
+    """The KV pool's size in tokens: the config's, checked against ``free`` bytes per GPU, or what fits
+    in its share of them; with ``free`` None (host devices), every slot's whole context at most."""
+    bs = config.block_size
+    table_tokens = -(-config.max_seq_len // bs) * bs
+    if config.kv_tokens:
+        tokens = config.kv_tokens
+        if free is not None:
+            need = (tokens + bs) * spec.kv_bytes_per_token_per_gpu(tp, pp, dtype)  # and the null block
+            if need > free:
+                gib = 2**30
+                raise ModelSpecError(
+                    f"layout.kv_tokens {tokens} needs {need / gib:.2f} GiB of KV cache per GPU, but only "
+                    f"{free / gib:.2f} GiB is free after the weights; lower kv_tokens (0 sizes the pool from "
+                    f"kv_memory_fraction)")
+    elif free is None:
+        tokens = config.batch_slots * table_tokens
+    else:
+        tokens = kv_tokens_for_memory(spec, tp, pp, int(free * config.kv_memory_fraction), dtype) // bs * bs
+    if free is None:
+        # Host devices: no device memory to fill, so no more than the sequences can use (a layout
+        # planned for a GPU may ask for far more than the host has).
+        tokens = min(tokens, config.batch_slots * table_tokens)
+    if tokens % bs:
+        raise ModelSpecError(f"kv_tokens {tokens} is not a whole number of {bs}-token blocks")
+    if tokens < config.max_seq_len:
+        raise ModelSpecError(f"the KV pool holds {tokens} tokens, fewer than one sequence of max_seq_len "
+                             f"{config.max_seq_len}; lower max_seq_len or give the pool more memory")
+    return tokens
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A launched step whose tokens are still on the device: ``rows`` decode rows, and ``completes``
+    when its chunk was a prompt's last."""
+
+    step: int
+    tokens: jax.Array
+    rows: int
+    completes: bool
+
+
+class Engine:
+    """One model on a tensor-parallel group (module docstring): launches the scheduler's plans."""
+
+    def __init__(self, spec: ModelSpec, params: dict, mesh: Mesh, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.spec = spec
+        self.params = params
+        self.mesh = mesh
+        self.config = config
+        self.tp = mesh.shape[AXIS]
+        self.pp = dict(mesh.shape).get(PP, 1)
+        self.dtype = config.dtype or spec.dtype
+        self.shape = ShardShape(spec, self.tp, vocab_shards=self.pp * self.tp)
+        self.policy = config.step_policy()
+        self.max_slots = config.batch_slots
+        self.max_seq_len = config.max_seq_len
+        self.kv_block_size = config.block_size
+        self.step_tokens = config.step_tokens
+        self.blocks_per_seq = self.policy.blocks_per_seq
+        self._cfg = self._forward_config(mesh.devices.flat[0].platform)
+        self._pspecs = param_specs(spec) if self.pp == 1 else stage_param_specs(spec, self.pp)
+        self._vocab_axes = AXIS if self.pp == 1 else VOCAB_AXES
+        if config.strategy != "xla" and self.tp > 1 and self.pp == 1:
+            kernels.init(list(mesh.devices.flat))
+        self.kv_tokens = self._pool_tokens()
+        self.num_blocks = self.kv_tokens // self.kv_block_size + 1  # and the null block
+        self._state = self._new_state()
+        self._io = self._new_io()
+        self._programs: dict[tuple, Any] = {}
+        self.step_count = 0
+
+    # ---- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, layout: ServingLayout, config: EngineConfig | None = None,
+                        devices: Sequence[jax.Device] | None = None, progress: bool = True) -> Engine:
+        """The checkpoint's weights on a mesh of ``layout.pp`` stages of ``layout.tp`` devices, served
+        as ``config`` says (by default: as the layout says, in the checkpoint's dtype)."""
+        spec = ModelSpec.from_file(path)
+        config = config or EngineConfig.from_layout(layout)
+        ShardShape(spec, layout.tp)
+        mesh = make_mesh(layout.tp, devices, layout.pp)
+        params = load_params(path, spec, mesh, config.dtype or spec.dtype, progress=progress, stages=layout.pp)
+        return cls(spec, params, mesh, config)
+
+    @classmethod
+    def from_random(cls, spec: ModelSpec, layout: ServingLayout, config: EngineConfig | None = None, seed: int = 0,
+                    devices: Sequence[jax.Device] | None = None) -> Engine:
+        """Random weights of ``spec``'s shape, made on the devices (benchmarks and tests)."""
+        from switchyard.service.engine.random_weights import random_weights
+
+        config = config or EngineConfig.from_layout(layout, dtype="bfloat16")
+        mesh = make_mesh(layout.tp, devices, layout.pp)
+        return cls(spec, random_weights(spec, mesh, config.dtype or spec.dtype, seed), mesh, config)
+
+    def _forward_config(self, platform: str) -> ForwardConfig:
+        cfg = ForwardConfig.make(self.shape, self.config.strategy, platform=platform)
+        changes: dict[str, Any] = {}
+        if self.config.decode_attention == "xla":
+            changes["paged_decode_attention"] = functools.partial(
+                kernels.attention.paged_decode_attention_packed, use_kernel=False)
+        if self.config.row_parallel_splits != kernels.K_SPLITS:
+            changes["row_parallel_norm"] = functools.partial(kernels.row_parallel_residual_rmsnorm,
+                                                             k_splits=self.config.row_parallel_splits)
+        return dataclasses.replace(cfg, **changes)
+
+    def _pool_tokens(self) -> int:
+        free = free_device_memory(list(self.mesh.devices.flat), kernels.device_memory, memory_fraction())
+        return pool_tokens(self.spec, self.config, self.tp, self.pp, self.dtype, free)
+
+    @property
+    def _pool_spec(self) -> P:
+        return POOL_SPEC if self.pp == 1 else STAGE_POOL_SPEC
+
+    def _new_state(self) -> dict[str, Any]:
+        s, pp = self.spec, self.pp
+        shape = (self.num_blocks, s.num_kv_heads, self.kv_block_size, s.head_dim)
+        k, v = new_pool(shape if pp == 1 else (pp, *shape), NamedSharding(self.mesh, self._pool_spec), self.dtype,
+                        s.num_layers // pp)
+        return {"k": k, "v": v, **slot_state(self.mesh, self.max_slots)}
+
+    def _new_io(self) -> dict[str, jax.Array]:
+        """A step's inputs and tokens, replicated: ``rows`` [max_slots] (the decoding slots, then
+        max_slots), their block ``tables`` [max_slots, M], the ``chunk`` (packed) and ``out``
+        [max_slots + 1] (a token per row, then the chunk's)."""
+        rep = NamedSharding(self.mesh, P())
+        host = {**self._row_arrays(np.zeros(0, np.int64), None), "chunk": self._empty_chunk(),
+                "out": np.zeros(self.max_slots + 1, np.int32)}
+        return {key: jax.device_put(value, rep) for key, value in host.items()}
+
+    def _empty_chunk(self) -> np.ndarray:
+        """A packed chunk that carries no token (nothing is written)."""
+        return pack_chunk(self.policy.idle_step_tokens, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32),
+                          np.zeros(0, np.int32), 0, 0, False, SamplingParams(), 0)
+
+    def _row_arrays(self, rows: np.ndarray, tables: np.ndarray | None) -> dict[str, np.ndarray]:
+        """``rows`` and ``tables`` of ``_io``: the decoding slots (ascending), then ``max_slots``."""
+        padded = np.full(self.max_slots, self.max_slots, np.int32)
+        padded[: rows.size] = rows
+        if tables is None:
+            tables = np.full((self.max_slots, self.blocks_per_seq), NULL_BLOCK, np.int32)
+        return {"rows": padded, "tables": tables}
+
+    @functools.cached_property
+    def _state_shardings(self) -> dict[str, Any]:
+        return jax.tree.map(lambda a: a.sharding, self._state)
+
+    @functools.cached_property
+    def _io_shardings(self) -> dict[str, Any]:
+        return jax.tree.map(lambda a: a.sharding, self._io)
+
+    @functools.cached_property
+    def _write_io_fn(self):
+        return jax.jit(_write_io, donate_argnums=(0,), out_shardings=self._io_shardings)
+
+    @functools.cached_property
+    def _read_out_fn(self):
+        return jax.jit(_read_out)
+
+    # ---- the programs ----------------------------------------------------------------------------
+    def _program(self, kind: str, shape: StepShape) -> Any:
+        key = (kind, shape)
+        if key not in self._programs:
+            self._programs[key] = self._build(shape, logits=kind == "logits")
+        return self._programs[key]
+
+    def compiled_count(self) -> int:
+        """Compiled executables so far (flat after warm-up while serving)."""
+        return sum(fn._cache_size() for fn in self._programs.values())
+
+    def _build(self, shape: StepShape, logits: bool):
+        """The step program of ``shape``; with ``logits``, the same forward returning every row's logits
+        [width (+1: the chunk's last position), padded_vocab] instead of tokens, and changing nothing."""
+        cfg, vocab, pp, vocab_axes = self._cfg, self.spec.vocab_size, self.pp, self._vocab_axes
+        pools = [self._pool_spec] * (self.spec.num_layers // pp)
+        batch, chunk_tokens, kv_len = shape.width, shape.chunk_tokens, shape.kv_len
+        with_chunk = shape.with_chunk
+        aligned = self.policy.chunks_block_aligned
+        last = self.max_seq_len - 1
+
+        def shard_fn(params, k, v, tokens, positions, tables, write, temp, top_k, top_p, seeds, counters,
+                     c_tokens, c_start, c_len, c_table):
+            chunk = Chunk(c_tokens, c_start, c_len, c_table, kv_len, aligned) if with_chunk else None
+            if pp == 1:
+                out, k, v = budget_forward(params, k, v, tokens, positions, tables, write, chunk, cfg)
+            else:
+                out, k, v = pipeline_forward(params, k, v, tokens, positions, tables, write, chunk, cfg, pp)
+            if logits:
+                return jax.lax.all_gather(out, vocab_axes, axis=1, tiled=True), k, v
+
+            def sample(rows: slice) -> jax.Array:
+                return sample_sharded(out[rows], vocab, vocab_axes, greedy_only=shape.greedy, temperature=temp[rows],
+                                      top_k=top_k[rows], top_p=top_p[rows], seeds=seeds[rows],
+                                      counters=counters[rows])
+
+            # The chunk's row is sampled on its own: sampling batch + 1 rows in one call fails on GPU
+            # (an XLA runtime error at 257 rows with top-k / top-p) where batch rows do not.
+            n = tokens.shape[0]
+            tok = jnp.concatenate([sample(slice(0, n)), sample(slice(n, n + 1))]) if with_chunk else sample(slice(None))
+            return tok, k, v
+
+        rep = P()
+        mapped = jax.shard_map(shard_fn, mesh=self.mesh, in_specs=(self._pspecs, pools, pools) + (rep,) * 13,
+                               out_specs=(rep, pools, pools), check_vma=False)
+        slots_count = self.max_slots
+
+        def step(params, state, io):
+            # Row i decodes slot rows[i]; padding rows (rows[i] == slots_count) read the last slot's
+            # state, write nothing and are dropped from the updates.
+            tables = io["tables"]
+            slots = io["rows"][:batch]
+            write = slots < slots_count
+            take = jnp.minimum(slots, slots_count - 1)
+            samp = [state[key][take] for key in ("temperature", "top_k", "top_p", "seeds", "counters")]
+            c_tokens, c_table, c_slot, c_start, c_len, c_completes, c_sampling = _unpack_chunk(
+                io["chunk"], tables.shape[1], chunk_tokens)
+            if with_chunk:
+                samp = [jnp.concatenate([a, jnp.asarray(c)[None].astype(a.dtype)]) for a, c in zip(samp, c_sampling,
+                                                                                                  strict=True)]
+            positions = state["positions"][take]
+            tok, k, v = mapped(params, state["k"], state["v"], state["tokens"][take], positions, tables[:batch], write,
+                               *samp, c_tokens, c_start, c_len, c_table)
+            if logits:
+                return tok
+            new = dict(state, k=k, v=v)
+            step_tok = tok[:batch]
+            new["tokens"] = state["tokens"].at[slots].set(step_tok, mode="drop")
+            new["positions"] = state["positions"].at[slots].set(jnp.minimum(positions + 1, last), mode="drop")
+            new["counters"] = state["counters"].at[slots].add(1, mode="drop")
+            chunk_tok = jnp.int32(-1)
+            if with_chunk:
+                chunk_tok = tok[batch]
+                temp, top_k, top_p, seed, counter = c_sampling
+                for key, value in (("tokens", chunk_tok), ("positions", c_start + c_len), ("counters", counter + 1),
+                                   ("temperature", temp), ("top_k", top_k), ("top_p", top_p), ("seeds", seed)):
+                    old = new[key][c_slot]
+                    new[key] = new[key].at[c_slot].set(jnp.where(c_completes, jnp.asarray(value, old.dtype), old))
+            out = io["out"].at[:batch].set(step_tok).at[slots_count].set(chunk_tok)
+            return new, dict(io, out=out)
+
+        if logits:
+            return jax.jit(step)
+        options = step_compiler_options(chunk_tokens, self.step_tokens, self.mesh.devices.flat[0].platform, os.environ)
+        return jax.jit(step, donate_argnums=(1, 2), out_shardings=(self._state_shardings, self._io_shardings),
+                       compiler_options=options)
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def _stage(self, plan: StepPlan) -> None:
+        """Write the plan's inputs into ``_io``: the decode rows and their block tables when they
+        changed, and the packed chunk when the step carries one."""
+        updates: dict[str, np.ndarray] = {}
+        if plan.tables is not None:
+            updates.update(self._row_arrays(plan.rows, plan.tables))
+        if plan.chunk is not None:
+            updates["chunk"] = self._pack(plan.chunk)
+        if updates:
+            self._io = self._write_io_fn(self._io, updates)
+
+    def _pack(self, chunk: ChunkPlan) -> np.ndarray:
+        return pack_chunk(self.policy.idle_step_tokens, chunk.table, chunk.tokens, chunk.slot, chunk.start,
+                          chunk.completes, chunk.sampling, chunk.counter)
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Launch one step without waiting for it."""
+        self._stage(plan)
+        self._state, self._io = self._program("step", plan.shape)(self.params, self._state, self._io)
+        tokens = self._read_out_fn(self._io)
+        tokens.copy_to_host_async()
+        self.step_count += 1
+        completes = plan.chunk is not None and plan.chunk.completes
+        return PendingStep(self.step_count, tokens, int(plan.rows.size), completes)
+
+    def collect(self, pending: PendingStep) -> StepTokens:
+        """Wait for a launched step's tokens."""
+        out = np.asarray(pending.tokens)
+        chunk_token = int(out[self.max_slots]) if pending.completes else -1
+        return StepTokens(pending.step, out[: pending.rows].copy(), chunk_token)
+
+    def logits(self, plan: StepPlan) -> np.ndarray:
+        """The logits the plan's step would sample from, float32 [rows (+1: the chunk's last position),
+        vocab], without launching it: nothing changes (launch the plan after). A program of its own."""
+        self._stage(plan)
+        out = np.asarray(self._program("logits", plan.shape)(self.params, self._state, self._io), np.float32)
+        rows = [*range(plan.rows.size), *([plan.shape.width] if plan.chunk is not None else [])]
+        return out[rows, : self.spec.vocab_size]
+
+    def warmup(self) -> float:
+        """Compile every step program the policy lists and run each once (no slot is in use, so
+        nothing is written); returns seconds.
+
+        Tracing holds the GIL, so programs are traced one after another here, while XLA compiles
+        them in a thread pool as they come (it releases the GIL): on a 16-core H200 host the load
+        benchmark's 86 programs take 108-119 s, where 42 took 218 s one after another (benchmarks/NOTES.md)."""
+        t0 = time.perf_counter()
+        # The staging program once per set of inputs a step may change, so serving compiles none.
+        rows, chunk = self._row_arrays(np.zeros(0, np.int64), None), {"chunk": self._empty_chunk()}
+        for updates in (chunk, {**rows, **chunk}, rows):
+            self._io = self._write_io_fn(self._io, updates)
+        programs = [self._program("step", shape) for shape in self.policy.shapes()]
+        with ThreadPoolExecutor(compile_workers()) as pool:
+            compiling = [pool.submit(fn.lower(self.params, self._state, self._io).compile) for fn in programs]
+            for done in compiling:
+                done.result()
+        for fn in programs:
+            self._state, self._io = fn(self.params, self._state, self._io)
+        self._read_out_fn(self._io)
+        jax.block_until_ready((self._state, self._io))
+        return time.perf_counter() - t0
