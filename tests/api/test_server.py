@@ -70,10 +70,19 @@ def test_stop_string_ends_generation_without_emitting_it(client) -> None:
     stop = free.text[len(free.text) // 2 :][:3]
     if not stop.strip():
         pytest.skip("generated text has no usable stop string")
-    cut = client.generate(make_request("Once upon a time", max_tokens=40, stop=[stop]), timeout=60)
+    request = make_request("Once upon a time", max_tokens=40, stop=[stop])
+    request.request_id = "stopped-by-text"
+    cut = client.generate(request, timeout=60)
     assert cut.finish_reason == "stop"
     assert stop not in cut.text
     assert free.text.startswith(cut.text)
+    # The engine was stopped there too, and the trace records what the client received.
+    trace, = client.traces("stopped-by-text")
+    assert trace.finish_reason == "stop" and trace.token_s.size == len(cut.token_ids)
+    deadline = time.monotonic() + 10
+    while (info := client.model_info()).active_slots or info.kv_blocks_held:
+        assert time.monotonic() < deadline, "the engine kept generating after the stop string"
+        time.sleep(0.01)
 
 
 BAD_REQUESTS = {

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers.engine_fixtures import tiny_engine
+from helpers.engine_fixtures import greedy_and_logits, tiny_engine
 from helpers.hf_reference import hf_logits
 from switchyard.cli.main import main as cli
 from switchyard.service.engine.checkpoint import INDEX_FILE, CheckpointError, write_checkpoint
@@ -26,7 +26,7 @@ def test_make_checkpoint_writes_what_transformers_loads(tmp_path, capsys):
     assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = tiny_engine(folder, tp=2, slots=1, max_seq_len=32)
-    ours = np.asarray(engine.prefill(PROMPT, return_logits=True).logits, np.float64)[:512]
+    ours = greedy_and_logits(engine, PROMPT, 1)[1][0]
     theirs = hf_logits(hf, PROMPT)[-1]
     assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 2e-5
 
@@ -41,8 +41,7 @@ def test_sharded_checkpoint_with_index_loads_identically(tmp_path):
     assert files[0].endswith(f"-of-{len(files):05d}.safetensors")
     a = tiny_engine(single, tp=2, slots=1, max_seq_len=32)
     b = tiny_engine(sharded, tp=2, slots=1, max_seq_len=32)
-    la = np.asarray(a.prefill(PROMPT, return_logits=True).logits)
-    lb = np.asarray(b.prefill(PROMPT, return_logits=True).logits)
+    la, lb = (greedy_and_logits(e, PROMPT, 1)[1] for e in (a, b))
     np.testing.assert_array_equal(la, lb)
 
 

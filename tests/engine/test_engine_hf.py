@@ -41,7 +41,9 @@ def run_engine(folder, tp: int, pp: int = 1, dtype: str | None = None) -> tuple[
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (4, 1), (1, 2)])
 def test_fp32_logits_and_greedy_tokens_match_transformers(reference, tp, pp):
-    _, model, folder = reference
+    spec, model, folder = reference
+    if spec.num_layers % pp:
+        pytest.skip(f"{pp} pipeline stages do not divide {spec.num_layers} layers")
     tokens, logits = run_engine(folder, tp, pp)
     assert tokens == hf_greedy(model, PROMPT, N_TOKENS)
     expected = hf_logits(model, PROMPT + tokens[:-1])[len(PROMPT) - 1 :]
