@@ -4,15 +4,15 @@ on the GPU nodes at hand, and say why. Pure and deterministic: same inputs, same
 The model of one decode step (every term is a measurement from ``calibration.json`` or a stated model
 whose statement is printed in the reasons):
 
-* a pipeline stage reads its share of the weights and of the KV cache of its micro-batch from HBM:
+* a pipeline stage reads its share of the weights and of the batch's KV cache from HBM:
   ``bytes / (tp * pp) / (HBM bandwidth * decode efficiency(tp))``, or computes
   ``2 * parameters * batch / (tp * pp * flops)``, whichever is longer;
 * plus ``2 * layers / pp`` tensor-parallel all-reduces of the batch's hidden state, each fused with
   the residual add and RMSNorm as the engine runs them: the implementation the kernels' chooser
   picks for the strategy (``switchyard.kernels.selection``), timed by the calibrated table of its
   exchange, scaled from 2 GPUs to ``tp``;
-* plus a hop to the next stage when ``pp > 1``. With ``pp`` micro-batches in flight one token of every
-  sequence takes ``pp`` stage times, and a group emits ``batch`` tokens in that time.
+* plus a hop to the next stage when ``pp > 1``. The stages run a step one after another over the
+  whole batch, so a step takes ``pp`` stage times, and a group emits ``batch`` tokens in that time.
 
 The KV cache is a pool of 64-token blocks shared by a replica's sequences, sized in tokens: of each GPU's
 usable memory (``(1 - memory_headroom_fraction) x memory - runtime_reserve_bytes``, the runtime's
@@ -338,7 +338,7 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
     if lay.pp > 1:
         hop_us, hop_note = cal.pipeline_hop
         reasons.append(f"{lay.pp} pipeline stages of {model.num_layers // lay.pp} layers, "
-                       f"{lay.pp} micro-batches in flight; hop {hop_us:.0f} us ({hop_note.split(', ', 1)[0]}) "
+                       f"run one after another; hop {hop_us:.0f} us ({hop_note.split(', ', 1)[0]}) "
                        f"+ activations at {float(m['pipeline_hop_bytes_per_s']) / 1e9:.0f} GB/s over the network "
                        f"between nodes (stated model)")
     if chosen.slo_note:
@@ -431,10 +431,9 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
 
     def step(batch: int) -> tuple[float, str, float, int] | None:
         """(ms per token, all-reduce impl, µs per all-reduce, all-reduce bytes) at ``batch`` per replica."""
-        mb = max(math.ceil(batch / pp), 1)
-        mem_ms = model.decode_bytes_per_step(mb, ctx_avg) / gpus / bw * 1e3
-        comp_ms = 2 * model.param_count * mb / gpus / flops * 1e3
-        nbytes = model.allreduce_bytes(mb)
+        mem_ms = model.decode_bytes_per_step(batch, ctx_avg) / gpus / bw * 1e3
+        comp_ms = 2 * model.param_count * batch / gpus / flops * 1e3
+        nbytes = model.allreduce_bytes(batch)
         ar = cal.engine_allreduce(nbytes, tp, pool.nvswitch, request.strategy, model.dtype)
         if ar is None:
             return None
@@ -482,17 +481,7 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
                 batch = lo
                 if pinned is None and request.objective != "throughput":
                     dp = max(min(groups_free, math.ceil(request.concurrency / batch)), 1)
-    if pp > 1:
-        # The pipeline engine needs whole micro-batches (a multiple of pp slots), and micro-batches of
-        # one row run the slow one-row products: at least two rows each where the KV room allows.
-        whole = max_slots // pp * pp
-        if whole == 0:
-            return None, Rejected(LayoutRejection.TOO_FEW_SLOTS_PER_STAGE,
-                                  f"KV room for {max_slots} sequence(s): fewer than one per pipeline stage")
-        batch = min(batch, whole)
-        slots = min(-(-max(batch, 2 * pp) // pp) * pp, whole)
-    else:
-        slots = batch
+    slots = batch
     res = step(batch)
     assert res is not None  # batch <= a size that already had a figure
     ms, impl, ar_us, ar_bytes = res

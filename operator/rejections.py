@@ -31,7 +31,6 @@ class LayoutRejection(enum.Enum):
     NO_KV_ROOM = enum.auto()  # no room for one sequence's KV cache after the weights
     GROUP_NEVER_FITS = enum.auto()  # a pipeline group does not fit the nodes even when they are empty
     NO_ALLREDUCE_FIGURE = enum.auto()  # the calibration has no all-reduce figure for the message size
-    TOO_FEW_SLOTS_PER_STAGE = enum.auto()  # KV room for fewer sequences than pipeline stages
     # The layout fits, but the chosen one is better.
     SHORT_OF_REPLICAS = enum.auto()  # fewer replicas can be placed than were asked for
     SLO_NOT_MET = enum.auto()  # misses the SLO that the chosen layout meets

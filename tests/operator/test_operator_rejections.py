@@ -28,7 +28,6 @@ TEXTS = {
     LayoutRejection.NO_KV_ROOM: ("no room for the KV cache",),
     LayoutRejection.GROUP_NEVER_FITS: ("even when empty",),
     LayoutRejection.NO_ALLREDUCE_FIGURE: ("no calibrated figure",),
-    LayoutRejection.TOO_FEW_SLOTS_PER_STAGE: ("fewer than one per pipeline stage",),
     LayoutRejection.SHORT_OF_REPLICAS: ("replicas can be placed",),
     LayoutRejection.SLO_NOT_MET: ("SLO not met", "tokens/s needs"),
     LayoutRejection.RANKED_LOWER: ("slower:", "fewer tokens/s:", "tokens/s per GPU vs"),

@@ -97,7 +97,8 @@ def test_throughput_renders_one_statefulset_with_dp_pods():
 
 def test_pipeline_groups_are_statefulsets_of_pp_pods():
     body = decode_service(model={"name": "llama-405b", "preset": "llama3.1-405b",
-                                 "source": {"hostPath": {"path": "/mnt/405b"}}}, objective="throughput")
+                                 "source": {"hostPath": {"path": "/mnt/405b"}}}, objective="throughput",
+                          parallelism={"tp": 8, "pp": 2})
     p, objs = build(body, [gpu_node(f"h200-{i}") for i in range(8)])
     validate_all(objs)
     lay = p.layout
