@@ -93,14 +93,15 @@ class Scheduler:
         self,
         engine: Any,
         *,
-        eos_token_ids: Sequence[int] = (),
+        eos_token_ids: Sequence[int] | None = None,
         max_queue: int = 64,
         on_finish: Callable[[RequestRecord], None] | None = None,
         model_name: str | None = None,
         policy: StepPolicy | None = None,
     ) -> None:
         self.engine = engine
-        self.eos_token_ids = tuple(eos_token_ids)
+        # The model's end-of-sequence ids stop a request (unless it ignores them); None: the checkpoint's.
+        self.eos_token_ids = tuple(engine.spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.max_queue = max_queue
         self.on_finish = on_finish
         self.model_name = model_name or engine.spec.name

@@ -78,6 +78,7 @@ def test_stop_token_id_ends_with_stop_but_not_before_min_tokens(sched):
 
 
 def test_the_models_end_of_sequence_stops_unless_ignored():
+    assert Scheduler(fake()).eos_token_ids == fake().spec.eos_token_ids == (EOS,), "the checkpoint's, by default"
     s = Scheduler(fake(), eos_token_ids=(), max_queue=8)
     tokens = greedy_tokens(s, 20)
     eos = tokens[3]
