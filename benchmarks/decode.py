@@ -102,6 +102,12 @@ def copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> dict[str, float]:
     return probes
 
 
+# Decode steps each row runs after seating, besides the timed loop: the synchronous steps (and their
+# warm-up) and the profile's (warm-up and traced). Every step moves each sequence one position on.
+SYNC_WARMUP = 2
+PROFILE_WARMUP, PROFILE_STEPS = 3, 8
+
+
 STEP_MODULE = "jit_step"  # the name XLA gives the engine's step programs (``jax.jit`` of its ``step``)
 
 
@@ -182,7 +188,7 @@ def profile_steps(engine: Engine, kv: Any, steps: int, out_dir: str) -> dict:
     """Trace ``steps`` decode steps (each collected before the next) with the JAX profiler and
     summarise GPU kernel time from the Perfetto trace: how much of each step the GPU is busy, and
     with what."""
-    drive().time_synchronous(engine, kv, steps=0, warmup=3)
+    drive().time_synchronous(engine, kv, steps=0, warmup=PROFILE_WARMUP)
 
     def run() -> None:
         drive().time_synchronous(engine, kv, steps=steps, warmup=0)
@@ -249,12 +255,6 @@ def comparison(rows: list[dict], peer_rows: list[dict]) -> str:
         lines.append(f"{row['batch']:>5} {row['context']:>7} {row['ms_per_token']:>13.3f} "
                      f"{best['ms_per_token']:>8.3f} {best['sdpa']:>9} {ratio:>11.3f}")
     return "\n".join(lines)
-
-
-# Decode steps each row runs after seating, besides the timed loop: the synchronous steps (and their
-# warm-up) and the profile's (warm-up and traced). Every step moves each sequence one position on.
-SYNC_WARMUP = 2
-PROFILE_WARMUP, PROFILE_STEPS = 3, 8
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -41,7 +41,7 @@ from switchyard.service.modelspec import (
     preset,
 )
 
-FIRST_TOKEN = 3  # random prompts leave out the special tokens below this id (padding, BOS, EOS)
+FIRST_TOKEN = 3  # random prompt ids start here (below it: the tiny preset's padding, BOS and EOS)
 
 
 # ---- building --------------------------------------------------------------------------------------
