@@ -186,7 +186,7 @@ class JaxBench:
         self.reps = reps
         self.rng = np.random.default_rng(0)
 
-    def _put(self, a, spec):
+    def put(self, a, spec):
         import jax.numpy as jnp
         from jax.sharding import NamedSharding
 
@@ -232,7 +232,7 @@ class JaxBench:
 
         fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P("tp"), out_specs=(P("tp"),) * 3, check_vma=False))
         xs = self.rng.standard_normal((world, n)).astype(np.float32) * 2.0**-80
-        x = self._put(xs, P("tp"))
+        x = self.put(xs, P("tp"))
 
         def check(y) -> float:
             got = np.asarray(y[0].astype(jax.numpy.float32), np.float64) / float(world) ** (k - 1)
@@ -257,7 +257,7 @@ class JaxBench:
             return t0[None], t1[None], v[None]
 
         fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P("tp"), out_specs=(P("tp"),) * 3, check_vma=False))
-        return fn, (self._put(self.np.zeros((self.world, 8)), P("tp")),), k
+        return fn, (self.put(self.np.zeros((self.world, 8)), P("tp")),), k
 
     def fused(self, strategy: str, nbytes: int) -> tuple:
         from jax.sharding import PartitionSpec as P
@@ -282,9 +282,9 @@ class JaxBench:
         )
         # Same inputs for every implementation at one size, so their chains can be compared.
         rng = np.random.default_rng(nbytes)
-        x = self._put(rng.standard_normal((world, rows, hidden)), P("tp"))
-        res = self._put(rng.standard_normal((rows, hidden)), P())
-        w = self._put(rng.uniform(0.5, 1.5, hidden), P())
+        x = self.put(rng.standard_normal((world, rows, hidden)), P("tp"))
+        res = self.put(rng.standard_normal((rows, hidden)), P())
+        w = self.put(rng.uniform(0.5, 1.5, hidden), P())
         return fn, (x, res, w), k
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Token-budget steps under a mixed state: sequences decoding while a prompt goes through in chunks.
 
-For each ``--state N:C`` (N sequences decoding at context C, their blocks and random K/V set up without
-running their prompts), a prompt of ``--prompt`` random tokens is computed in chunks of ``--step-tokens``
-beside them, then the same sequences decode alone for ``--decode-steps`` steps. Steps are launched as the
-scheduler launches them: the next one before the previous one's tokens are collected, so the host's
+For each ``--state N:C`` (N sequences decoding at context C, seated by ``benchmarks/drive.py``: their
+random prompts computed in real chunk steps), a prompt of ``--prompt`` random tokens is computed in
+chunks of ``--step-tokens`` beside them, then the same sequences decode alone for ``--decode-steps``
+steps. Every step is planned by the engine's step policy over the benchmark's KV books and launched as
+the scheduler launches it: the next one before the previous one's tokens are collected, so the host's
 launch overlaps the device's work. Reported per state: the median over ``--repeats`` of ms per step with
 a chunk and per decode-only step, and the median host time of launching each kind (the call that
 enqueues the step: when it nears the step's own time, the device waits for the host); with
@@ -34,7 +35,7 @@ from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_al
 
 @functools.cache
 def sibling(name: str) -> dict:
-    """Another benchmark script's functions (decode.py's profiler, variants.py's occupy_paged)."""
+    """Another benchmark script's functions (drive.py's engines and steps, decode.py's profiler)."""
     return runpy.run_path(str(Path(__file__).with_name(f"{name}.py")))
 
 
@@ -91,37 +92,26 @@ def pipelined(engine, launches: Iterator) -> tuple[float, int]:
     return 1e3 * (marks[-1] - marks[0]) / max(len(marks) - 1, 1), len(marks)
 
 
-def launch(engine, launch_ms: list[float], chunk=None):
-    """One step (with ``chunk``), after making room for the decoding sequences' next tokens; the host
-    time of the launch itself goes on ``launch_ms``."""
-    if not engine.ensure_decode_blocks():
-        raise RuntimeError("the pool ran out of blocks")
-    t0 = time.perf_counter()
-    pending = engine.dispatch(chunk)
-    launch_ms.append(1e3 * (time.perf_counter() - t0))
-    return pending
-
-
-def chunk_steps(engine, slot: int, prompt: list[int], launch_ms: list[float] | None = None) -> tuple[float, int]:
-    """ms per step of ``prompt``'s chunk steps beside the decoding sequences, and how many there were;
-    each launch's host time goes on ``launch_ms``."""
+def chunk_steps(engine, kv, slot: int, prompt: list[int], launch_ms: list[float] | None = None) -> tuple[float, int]:
+    """ms per step of ``prompt``'s chunk steps beside the decoding sequences of ``kv``, and how many
+    there were; each launch's host time goes on ``launch_ms``. The prompt's slot is free again after."""
     from switchyard.service.engine.sampling import SamplingParams
 
-    if engine.begin(slot, prompt, SamplingParams(), reuse_prefix=False) is None:
+    if kv.begin(slot, prompt, SamplingParams(), reuse_prefix=False) is None:
         raise RuntimeError("the pool has too few blocks for the prompt")
 
     def launches() -> Iterator:
-        while slot in engine.prefilling():
-            yield launch(engine, [] if launch_ms is None else launch_ms, engine.next_chunk(slot))
+        while kv.sequence(slot).left:
+            yield sibling("drive")["launch_step"](engine, kv, slot, launch_ms)
 
     timed = pipelined(engine, launches())
-    engine.evict(slot)
+    kv.evict(slot)
     return timed
 
 
-def decode_steps(engine, steps: int, launch_ms: list[float] | None = None) -> float:
-    launch_ms = [] if launch_ms is None else launch_ms
-    return pipelined(engine, (launch(engine, launch_ms) for _ in range(steps)))[0]
+def decode_steps(engine, kv, steps: int, launch_ms: list[float] | None = None) -> float:
+    launch_step = sibling("drive")["launch_step"]
+    return pipelined(engine, (launch_step(engine, kv, None, launch_ms) for _ in range(steps)))[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,47 +121,49 @@ def main(argv: list[str] | None = None) -> int:
     apply_process_defaults(1)  # as serve's engine process on one GPU
     import jax
     import numpy as np
-    from switchyard.service.engine.paged import PagedEngine
-    from switchyard.service.modelspec import KV_BLOCK_TOKENS, ServingLayout, preset
+    from switchyard.service.modelspec import KV_BLOCK_TOKENS, preset
 
+    drive = sibling("drive")
     spec = preset(args.preset)
     most = max(count for count, _ in args.state)
-    blocks_per_seq = -(-args.max_seq_len // KV_BLOCK_TOKENS)
-    layout = ServingLayout(tp=1, strategy="xla", batch_slots=args.batch_slots, max_seq_len=args.max_seq_len,
-                           kv_tokens=(most + 1) * blocks_per_seq * KV_BLOCK_TOKENS, step_tokens=args.step_tokens)
-    engine = PagedEngine.from_random(spec, layout)
+    # A pool for the most decoding sequences of any state and the prompt, each with its whole table.
+    config = drive["whole_tables_config"](args.batch_slots, args.max_seq_len, tables=most + 1, strategy="xla",
+                                          dtype="bfloat16", step_tokens=args.step_tokens)
+    engine = drive["random_engine"](spec, config)
     rng = np.random.default_rng(0)
     rows = []
     for count, context in args.state:
-        sibling("variants")["occupy_paged"](engine, context, count)
-        prompt = [int(t) for t in rng.integers(3, spec.vocab_size, args.prompt)]
+        kv = drive["books"](engine)
         t0 = time.perf_counter()
-        _, chunks = chunk_steps(engine, count, prompt)  # compiles what this state runs
+        drive["seat"](engine, kv, count, context, seed=count)
+        seat_s = time.perf_counter() - t0
+        prompt = drive["random_prompt"](rng, spec.vocab_size, args.prompt)
+        t0 = time.perf_counter()
+        _, chunks = chunk_steps(engine, kv, count, prompt)  # compiles what this state runs
         if count:
-            decode_steps(engine, 2)
+            decode_steps(engine, kv, 2)
         compile_s = time.perf_counter() - t0
         chunk_launch: list[float] = []
         decode_launch: list[float] = []
-        chunk_ms = statistics.median(chunk_steps(engine, count, prompt, chunk_launch)[0] for _ in range(args.repeats))
-        decode_ms = statistics.median(decode_steps(engine, args.decode_steps, decode_launch)
+        chunk_ms = statistics.median(chunk_steps(engine, kv, count, prompt, chunk_launch)[0]
+                                     for _ in range(args.repeats))
+        decode_ms = statistics.median(decode_steps(engine, kv, args.decode_steps, decode_launch)
                                       for _ in range(args.repeats)) if count else None
         row = {"decoding": count, "context": context, "prompt": args.prompt, "chunk_steps": chunks,
                "chunk_step_ms": round(chunk_ms, 3),
                "decode_step_ms": None if decode_ms is None else round(decode_ms, 3),
                "chunk_launch_ms": round(statistics.median(chunk_launch), 3),
                "decode_launch_ms": round(statistics.median(decode_launch), 3) if decode_launch else None,
-               "first_run_s": round(compile_s, 1)}
+               "seat_s": round(seat_s, 1), "first_run_s": round(compile_s, 1)}
         decode_text = "-" if decode_ms is None else f"{decode_ms:.3f} ms (launched in {row['decode_launch_ms']:.3f})"
         print(f"{count} decoding at {context}: chunk step {chunk_ms:.3f} ms ({chunks} per prompt, launched in "
               f"{row['chunk_launch_ms']:.3f}), decode-only step {decode_text}", flush=True)
         if args.profile_dir:
             decode = sibling("decode")
-            kernels, _ = decode["trace_gpu"](functools.partial(chunk_steps, engine, count, prompt),
+            kernels, _ = decode["trace_gpu"](functools.partial(chunk_steps, engine, kv, count, prompt),
                                              f"{args.profile_dir}/{count}-{context}")
             row["profile"] = decode["step_profile"](kernels, chunks)
         rows.append(row)
-        for slot in range(count):
-            engine.evict(slot)
     result = {
         "command": "python benchmarks/chunk_steps.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": f"{jax.device_count()}x {jax.devices()[0].device_kind}",

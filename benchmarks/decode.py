@@ -1,17 +1,22 @@
 """Decode step time against the HBM roofline, for a Llama shape with random weights on the GPU.
 
 In one run: measures the device's copy bandwidth (a large device-to-device copy, bytes read + written),
-then for each (tp, batch, context, strategy) builds the engine with every slot occupied at that context,
-times the serving loop (launch step n+1, then bring step n's tokens to the host, as the scheduler does) and reports
-ms/token against the roofline (weight + KV bytes per GPU per step over the measured bandwidth).
-``roofline_ms`` counts the bytes a step must read (``ModelSpec.decode_bytes_per_step``: the embedding
-table only as the rows it gathers); ``roofline_all_weights_ms`` counts every parameter byte plus the
-KV, the accounting behind the target "85% of roofline = 4.4 ms/token" for Llama-3-8B on H200.
-Every engine is built through ``benchmarks/variants.py`` (a random KV cache; ``--attention``,
-``--k-splits``, ``--min-batch-bucket`` and the ``none`` strategy, a step without communication, are
-variants of the product). ``--peer torch-compile`` also times ``benchmarks/torch_peer.py`` (a
-gpt-fast-style PyTorch decoder under ``torch.compile``) at the same batches and contexts in the same
-run, in a subprocess that ends before JAX takes the GPU, and writes its rows beside ours.
+then for each (tp, batch, context, strategy, attention, k-splits, narrowest width) builds the engine,
+seats ``batch`` sequences at that context (their random prompts computed in real chunk steps), times
+the serving loop (each step's blocks, plan and launch, then step n-1's tokens brought to the host, as
+the scheduler does) and reports ms/token against the roofline (weight + KV bytes per GPU per step over
+the measured bandwidth). ``roofline_ms`` counts the bytes a step must read
+(``ModelSpec.decode_bytes_per_step``: the embedding table only as the rows it gathers);
+``roofline_all_weights_ms`` counts every parameter byte plus the KV, the accounting behind the target
+"85% of roofline = 4.4 ms/token" for Llama-3-8B on H200.
+Every engine is the product's, built and driven by ``benchmarks/drive.py``; each option is a field
+of ``EngineConfig``: ``--attention kernel|xla`` its ``decode_attention`` (``auto``, our kernel where it
+runs, or XLA's ops), ``--k-splits`` its ``row_parallel_splits``, ``--min-batch-bucket`` its
+``min_batch_width``, ``--strategy`` its all-reduce strategy. ``--hlo-dir`` writes the optimised HLO
+of each configuration's decode step (at the first batch and context) as XLA dumps it.
+``--peer torch-compile`` also times ``benchmarks/torch_peer.py`` (a gpt-fast-style PyTorch decoder
+under ``torch.compile``) at the same batches and contexts in the same run, in a subprocess that ends
+before JAX takes the GPU, and writes its rows beside ours.
 
     python benchmarks/decode.py --model llama3-8b --tp 1 --batch 1 8 32 --context 1024 \
         --peer torch-compile --out benchmarks/results/current/decode-tp1-h200.json
@@ -30,9 +35,11 @@ import platform
 import runpy
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -41,12 +48,15 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import jax
 import jax.numpy as jnp
 from switchyard.kernels import K_SPLITS
-from switchyard.service.engine.tensor_parallel import Engine
+from switchyard.kernels.selection import STRATEGIES
+from switchyard.service.engine.engine import Engine
 from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_allocator
-from switchyard.service.modelspec import KV_BLOCK_TOKENS, ModelSpec, ServingLayout, preset
+from switchyard.service.modelspec import preset
 
-# benchmarks/variants.py (engines that are not the product), loaded on first use.
-variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
+# benchmarks/drive.py (engines built through EngineConfig, driven through the step contract), loaded on first use.
+drive = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("drive.py")))))
+# --attention: EngineConfig.decode_attention
+ATTENTIONS = {"kernel": "auto", "xla": "xla"}
 
 
 def copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> dict[str, float]:
@@ -92,9 +102,17 @@ def copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> dict[str, float]:
     return probes
 
 
-def hlo_summary(engine: Engine, batch: int) -> dict:
-    """Counts in the optimised step HLO that reveal bytes read twice (copies, dynamic slices)."""
-    text = engine._step_fn(batch, True, False).lower(engine.params, engine._state).compile().as_text()
+# Decode steps each row runs after seating, besides the timed loop: the synchronous steps (and their
+# warm-up) and the profile's (warm-up and traced). Every step moves each sequence one position on.
+SYNC_WARMUP = 2
+PROFILE_WARMUP, PROFILE_STEPS = 3, 8
+
+
+STEP_MODULE = "jit_step"  # the name XLA gives the engine's step programs (``jax.jit`` of its ``step``)
+
+
+def hlo_summary(text: str) -> dict:
+    """Counts in an optimised step HLO that reveal bytes read twice (copies, dynamic slices)."""
     lines = text.splitlines()
     return {
         "copies": sum(" copy(" in ln or "copy-start" in ln for ln in lines),
@@ -102,8 +120,27 @@ def hlo_summary(engine: Engine, batch: int) -> dict:
         "all_reduces": sum("all-reduce(" in ln or "all-reduce-start(" in ln for ln in lines),
         "custom_calls": sum("custom-call(" in ln for ln in lines),
         "fusions": sum(ln.lstrip().startswith("%fusion") or " fusion(" in ln for ln in lines),
-        "hlo_text": text,
     }
+
+
+def dump_step_programs(folder: Path) -> None:
+    """Have XLA write the optimised HLO of every step program this process compiles into ``folder``
+    (XLA's own dump flags, read when JAX starts its backend: call before any device is used)."""
+    flags = f"--xla_dump_to={folder} --xla_dump_hlo_as_text --xla_dump_hlo_module_re={STEP_MODULE}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+
+def dumped_step_programs(folder: Path | None) -> set[Path]:
+    """The optimised step programs XLA has written into ``folder`` so far (none without a folder)."""
+    return set() if folder is None else set(folder.glob(f"module_*.{STEP_MODULE}.*after_optimizations.txt"))
+
+
+def new_step_program(folder: Path, before: set[Path]) -> str:
+    """The HLO of the step program compiled since ``before`` was listed: the last one, when several."""
+    new = sorted(dumped_step_programs(folder) - before)
+    if not new:
+        raise RuntimeError(f"XLA wrote no step program into {folder}")
+    return new[-1].read_text()
 
 
 def trace_gpu(run, out_dir: str) -> tuple[list[dict], list[dict]]:
@@ -147,15 +184,14 @@ def step_profile(kernels: list[dict], steps: int, name_chars: int = 90, top: int
                             for n, d in ranked]}
 
 
-def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
-    """Trace ``steps`` engine steps with the JAX profiler and summarise GPU kernel time from the
-    Perfetto trace: how much of each step the GPU is busy, and with what."""
-    for _ in range(3):
-        engine.generate()
+def profile_steps(engine: Engine, kv: Any, steps: int, out_dir: str) -> dict:
+    """Trace ``steps`` decode steps (each collected before the next) with the JAX profiler and
+    summarise GPU kernel time from the Perfetto trace: how much of each step the GPU is busy, and
+    with what."""
+    drive().time_synchronous(engine, kv, steps=0, warmup=PROFILE_WARMUP)
 
     def run() -> None:
-        for _ in range(steps):
-            engine.generate()
+        drive().time_synchronous(engine, kv, steps=steps, warmup=0)
 
     kernels, host = trace_gpu(run, out_dir)
     busy, span, top = kernel_totals(kernels, name_chars=80, top=20)
@@ -170,34 +206,6 @@ def profile_steps(engine: Engine, steps: int, out_dir: str) -> dict:
         "host_api_calls": dict(sorted(api.items(), key=lambda kv: -kv[1])[:12]),
         "top_kernels": [{"name": n, "count": len(d), "total_us": round(sum(d), 1)} for n, d in top],
     }
-
-
-def time_serving_loop(engine: Engine, steps: int, warmup: int) -> list[float]:
-    """Per-token times of the serving loop: launch step n+1, then bring step n's tokens to the host
-    (what the scheduler does), so host work overlaps the device's."""
-    pending = engine.dispatch()
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        nxt = engine.dispatch()
-        engine.collect(pending)
-        pending = nxt
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    engine.collect(pending)
-    return times
-
-
-def time_synchronous(engine: Engine, steps: int, warmup: int) -> list[float]:
-    """Per-token times when each step is waited for before the next is launched."""
-    for _ in range(warmup):
-        engine.generate()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.generate()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def source_commit() -> str:
@@ -249,60 +257,25 @@ def comparison(rows: list[dict], peer_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def paged_rows(args: argparse.Namespace, spec: ModelSpec, tp: int, bandwidth: float) -> list[dict]:
-    """The token-budget engine's decode step (paged KV pool, block tables), timed as the slot engine's."""
-    from switchyard.service.engine.paged import PagedEngine
-
-    rows, params = [], None
-    for context in args.context:
-        for batch in args.batch:
-            max_seq = context + args.steps + args.warmup + 4
-            blocks = -(-max_seq // KV_BLOCK_TOKENS)
-            layout = ServingLayout(tp=tp, strategy="auto" if tp > 1 else "xla", batch_slots=batch,
-                                   max_seq_len=max_seq, kv_tokens=batch * blocks * KV_BLOCK_TOKENS)
-            if params is None:
-                engine = PagedEngine.from_random(spec, layout, devices=jax.devices()[:tp])
-                params = engine.params, engine.mesh
-            else:
-                engine = PagedEngine(spec, *params, dtype="bfloat16", **PagedEngine.layout_arguments(layout))
-            # No engine.warmup(): the untimed steps compile the one decode program timed here.
-            variants().occupy_paged(engine, context, batch)
-            times = time_serving_loop(engine, args.steps, args.warmup)
-            ms = 1000 * statistics.median(times)
-            roofline_ms = 1000 * spec.decode_bytes_per_step(batch, context) / tp / bandwidth
-            rows.append({"model": args.model, "tp": tp, "batch": batch, "context": context, "engine": "paged",
-                         "strategy": layout.strategy, "attention": "kernel", "ms_per_token": round(ms, 4),
-                         "tokens_per_s": round(batch * 1000 / ms, 1), "roofline_ms": round(roofline_ms, 4),
-                         "fraction_of_roofline": round(roofline_ms / ms, 4),
-                         "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4)})
-            print(f"tp={tp} batch={batch:3d} ctx={context:5d} paged {ms:8.3f} ms/token "
-                  f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%)", flush=True)
-            del engine
-            gc.collect()
-    return rows
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--tp", type=int, nargs="+", default=[1])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--strategy", nargs="+", default=["xla"],
-                        help="all-reduce strategies to compare; 'none' times the step without communication "
-                             "(a variant whose outputs are meaningless, for the all-reduces' share of a step)")
-    parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "xla"],
+    parser.add_argument("--strategy", nargs="+", default=["xla"], choices=STRATEGIES,
+                        help="all-reduce strategies to compare")
+    parser.add_argument("--attention", nargs="+", default=["kernel"], choices=sorted(ATTENTIONS),
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
     parser.add_argument("--k-splits", type=int, nargs="+", default=[K_SPLITS],
                         help="row-parallel products as this many partial products for the fused kernel (1: plain dot)")
-    parser.add_argument("--engine", nargs="+", default=["slots"], choices=["slots", "paged"],
-                        help="the slot engine (its variants), or the token-budget engine with its paged KV pool")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--out", help="result JSON path")
-    parser.add_argument("--hlo-dir", help="write the optimised step HLO of each tp at batch 1 here")
+    parser.add_argument("--hlo-dir", help="write the optimised decode-step HLO of each configuration here (at the "
+                                          "first batch and context)")
     parser.add_argument("--min-batch-bucket", type=int, nargs="+", default=[1],
-                        help="smallest step batch the engine compiles (compare 1 and 2)")
+                        help="narrowest decode width the engine compiles (compare 1 and 2)")
     parser.add_argument("--profile-dir", help="trace a few steps of the first config of each tp here")
     parser.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth-probe copy")
     parser.add_argument("--peer", choices=["torch-compile"],
@@ -310,8 +283,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-sdpa", nargs="+", default=["math", "efficient"],
                         help="the peer's attention backends (gpt-fast uses math; the best one is compared)")
     parser.add_argument("--peer-device", default="cuda", help="the peer's torch device (cpu: eager, for tests)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def decode_room(args: argparse.Namespace) -> int:
+    """Positions each seated sequence moves on in a row: the timed loop (with the step launched
+    ahead), the synchronous steps and the profile's."""
+    return 1 + args.warmup + args.steps + args.steps // 2 + SYNC_WARMUP + PROFILE_WARMUP + PROFILE_STEPS
+
+
+def measure(engine: Engine, args: argparse.Namespace, batch: int, context: int, name: str, first: bool,
+            dump: Path | None) -> dict:
+    """Seat ``batch`` sequences at ``context`` on ``engine`` and time its decode steps: the timed
+    loop's per-step seconds, the synchronous step's median ms, and (for the first configuration) the
+    step's HLO and profile."""
+    kv = drive().books(engine)
+    drive().seat(engine, kv, batch, context)
+    before = dumped_step_programs(dump)
+    timed = drive().time_decode(engine, kv, args.steps, args.warmup)  # its first step compiles the decode program
+    out: dict[str, Any] = {"times": timed.times}
+    if dump is not None and first:
+        Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+        text = new_step_program(dump, before)
+        Path(args.hlo_dir, f"step-{name}.hlo.txt").write_text(text)
+        print("  hlo:", hlo_summary(text), flush=True)
+    out["sync_ms"] = 1000 * statistics.median(drive().time_synchronous(engine, kv, args.steps // 2, SYNC_WARMUP))
+    # The profile comes after the timing, so that the tracer cannot touch the timed steps.
+    if args.profile_dir and first:
+        out["profile"] = profile_steps(engine, kv, PROFILE_STEPS, f"{args.profile_dir}/{name}")
+        print("  profile:", json.dumps(out["profile"], indent=1), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     apply_process_defaults(max(args.tp))  # as serve's engine process (one allocator for every run here)
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    scratch = tempfile.TemporaryDirectory(prefix="switchyard-hlo-") if args.hlo_dir else None
+    dump = Path(scratch.name) if scratch else None
+    if dump is not None:
+        dump_step_programs(dump)
 
     spec = preset(args.model)
     peer = run_peer(args) if args.peer else None  # before JAX initialises the GPU and takes its memory
@@ -322,43 +333,26 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in probes.items()) + ")", flush=True)
     rows = []
     for tp in args.tp:
-        mesh_devices = jax.devices()[:tp]
-        base = None
-        slot_configs = itertools.product(args.strategy, args.min_batch_bucket, args.attention, args.k_splits)
-        for strategy, min_bucket, attn, k_splits in (slot_configs if "slots" in args.engine else ()):
-            # "none": the row-parallel products are not summed (the engine's strategy is then moot)
-            engine_strategy = "xla" if strategy == "none" else strategy
-            variant = variants().Variant(attention=attn, k_splits=k_splits, communication=strategy != "none",
-                                         min_batch_bucket=min_bucket)
+        weights = None  # this tp's random weights, shared by every configuration
+        configs = itertools.product(args.strategy, args.min_batch_bucket, args.attention, args.k_splits)
+        for strategy, min_bucket, attn, k_splits in configs:
             for context in args.context:
                 for batch in args.batch:
                     slots = max(batch, min_bucket)
-                    layout = ServingLayout(tp=tp, strategy=engine_strategy, batch_slots=slots,
-                                           max_seq_len=context + args.steps + args.warmup + 1)
+                    config = drive().whole_tables_config(
+                        slots, context + decode_room(args), strategy=strategy, dtype="bfloat16",
+                        min_batch_width=min_bucket, decode_attention=ATTENTIONS[attn], row_parallel_splits=k_splits)
                     t0 = time.perf_counter()
-                    if base is None:
-                        engine = variants().VariantEngine.from_random(spec, layout, devices=mesh_devices,
-                                                                      variant=variant)
-                        base = engine.params, engine.mesh
+                    if weights is None:
+                        engine = drive().random_engine(spec, config, tp=tp, devices=jax.devices()[:tp])
+                        weights = drive().weights_of(engine)
                     else:
-                        engine = variants().VariantEngine(spec, *base, batch_slots=slots,
-                                                          max_seq_len=layout.max_seq_len, strategy=engine_strategy,
-                                                          dtype="bfloat16", variant=variant)
-                    engine.occupy_slots(context, count=batch)
-                    name = f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == K_SPLITS else f"-k{k_splits}")
-                    if args.hlo_dir and batch == args.batch[0] and context == args.context[0]:
-                        summary = hlo_summary(engine, batch)
-                        Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-                        hlo_file = Path(args.hlo_dir, f"step-{name}.hlo.txt")
-                        hlo_file.write_text(summary.pop("hlo_text"))
-                        print("  hlo:", summary, flush=True)
-                    times = time_serving_loop(engine, args.steps, args.warmup)
-                    sync_ms = 1000 * statistics.median(time_synchronous(engine, args.steps // 2, 2))
-                    # The profile comes after the timing, so that the tracer cannot touch the timed steps.
-                    prof = None
-                    if args.profile_dir and batch == args.batch[0] and context == args.context[0]:
-                        prof = profile_steps(engine, 8, f"{args.profile_dir}/{name}")
-                        print("  profile:", json.dumps(prof, indent=1), flush=True)
+                        engine = drive().engine_on(weights, config)
+                    name = (f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == K_SPLITS else f"-k{k_splits}")
+                            + ("" if min_bucket == 1 else f"-w{min_bucket}"))
+                    first = batch == args.batch[0] and context == args.context[0]
+                    got = measure(engine, args, batch, context, name, first, dump)
+                    times, sync_ms = got["times"], got["sync_ms"]
                     setup = time.perf_counter() - t0
                     ms = 1000 * statistics.median(times)
                     per_gpu = spec.decode_bytes_per_step(batch, context) / tp
@@ -374,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                            "fraction_of_roofline_all_weights": round(all_weights_ms / ms, 4),
                            "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
                            "synchronous_ms_per_token": round(sync_ms, 4)}
-                    if prof is not None:
-                        row["profile"] = prof
+                    if "profile" in got:
+                        row["profile"] = got["profile"]
                     rows.append(row)
                     print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
                           f"k-splits {k_splits} min-bucket {min_bucket} "
@@ -384,9 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)
                     del engine
                     gc.collect()
-        if "paged" in args.engine:
-            rows += paged_rows(args, spec, tp, bandwidth)
-        del base
+        del weights
         gc.collect()
 
     result = {
@@ -398,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.node(),
         "copy_bandwidth_bytes_per_s": round(bandwidth),
         "copy_bandwidth_probes": {k: round(v) for k, v in probes.items()},
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_flags": xla_flags,
         "xla_allocator": xla_allocator(),
         "rows": rows,
     }
@@ -409,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(rows))
+    if scratch is not None:
+        scratch.cleanup()
     return 0
 
 

@@ -82,13 +82,14 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from sys import _current_frames as current_frames  # CPython's view of every thread's innermost frame
 from types import SimpleNamespace
 from typing import Any
 
 from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_allocator
 
-# benchmarks/variants.py (engines that are not the product), loaded on first use.
-variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
+# benchmarks/drive.py (the serving engine built from the benchmark's flags), loaded on first use.
+drive = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("drive.py")))))
 # benchmarks/serve.py (the serving engine's flags; it imports nothing heavy at load), loaded on first use.
 serve_bench = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("serve.py")))))
 
@@ -396,10 +397,10 @@ def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: fl
 
 
 class StepClock:
-    """Times the engine's host calls in process (a benchmark-only wrap of one engine object): how long
-    each step's launch (``dispatch``) takes on the host, per kind of step, and how long ``collect``
-    then waits for the step's tokens. A wait near zero means the device had finished before the host
-    asked: the host, not the device, set that step's pace.
+    """The engine as the scheduler in this process sees it, with its host calls timed: how long each
+    step's launch takes on the host, per kind of step, and how long ``collect`` then waits for the
+    step's tokens. A wait near zero means the device had finished before the host asked: the host,
+    not the device, set that step's pace. Everything else is the engine's own.
 
     Where two consecutive collects both waited and the second step was launched before the first
     returned, the device went from the first step's end straight to the second: the time between
@@ -410,50 +411,46 @@ class StepClock:
     LONGEST = 5
 
     def __init__(self, engine: Any) -> None:
-        self.launch: dict[str, list[float]] = {"decode": [], "chunk": []}
+        self.engine = engine
+        self.launch_s: dict[str, list[float]] = {"decode": [], "chunk": []}
         self.wait: list[float] = []
         self.widths: dict[str, list[int]] = {"decode": [], "chunk": []}
         self.device: dict[str, list[float]] = {"decode": [], "chunk": []}
-        self._launched: dict[int, tuple[str, float]] = {}  # step: (kind, when its launch returned)
+        self.launched: dict[int, tuple[str, float]] = {}  # step: (kind, when its launch returned)
         self.longest: list[tuple[float, str, int, int]] = []  # (seconds, kind, width, end of its chunk or 0)
-        self._last_return: float | None = None  # when the previous collect returned, if it waited
-        self._engine = engine
-        dispatch, collect = engine.dispatch, engine.collect
+        self.last_return: float | None = None  # when the previous collect returned, if it waited
 
-        def timed_dispatch(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            pending = dispatch(*args, **kwargs)
-            chunk = args[0] if args else kwargs.get("chunk")
-            kind = "chunk" if chunk is not None else "decode"
-            t1 = time.perf_counter()
-            self.launch[kind].append(t1 - t0)
-            width = int(getattr(pending, "width", pending.batch))
-            self.widths[kind].append(width)
-            self.longest = sorted([*self.longest, (t1 - t0, kind, width, chunk.start + chunk.length if chunk else 0)],
-                                  reverse=True)[: self.LONGEST]
-            self._launched[pending.step] = (kind, t1)
-            return pending
+    def __getattr__(self, name: str) -> Any:  # the engine's sizes, policy and counters
+        return getattr(self.engine, name)
 
-        def timed_collect(pending: Any) -> Any:
-            t0 = time.perf_counter()
-            result = collect(pending)
-            t1 = time.perf_counter()
-            self.wait.append(t1 - t0)
-            kind, launched = self._launched.pop(pending.step, ("decode", t0))
-            waited = t1 - t0 >= self.IDLE_WAIT_S
-            if waited and self._last_return is not None and launched <= self._last_return:
-                self.device[kind].append(t1 - self._last_return)
-            self._last_return = t1 if waited else None
-            return result
+    def launch(self, plan: Any) -> Any:
+        t0 = time.perf_counter()
+        pending = self.engine.launch(plan)
+        t1 = time.perf_counter()
+        kind = "chunk" if plan.chunk is not None else "decode"
+        self.launch_s[kind].append(t1 - t0)
+        width = plan.shape.width
+        self.widths[kind].append(width)
+        end = plan.chunk.end if plan.chunk is not None else 0
+        self.longest = sorted([*self.longest, (t1 - t0, kind, width, end)], reverse=True)[: self.LONGEST]
+        self.launched[pending.step] = (kind, t1)
+        return pending
 
-        engine.dispatch, engine.collect = timed_dispatch, timed_collect
-
-    def remove(self) -> None:
-        del self._engine.dispatch, self._engine.collect  # the class's methods again
+    def collect(self, pending: Any) -> Any:
+        t0 = time.perf_counter()
+        result = self.engine.collect(pending)
+        t1 = time.perf_counter()
+        self.wait.append(t1 - t0)
+        kind, launched = self.launched.pop(pending.step, ("decode", t0))
+        waited = t1 - t0 >= self.IDLE_WAIT_S
+        if waited and self.last_return is not None and launched <= self.last_return:
+            self.device[kind].append(t1 - self.last_return)
+        self.last_return = t1 if waited else None
+        return result
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for kind, times in self.launch.items():
+        for kind, times in self.launch_s.items():
             out[f"{kind}_steps"] = len(times)
             out[f"{kind}_launch_ms_mean"] = _ms(sum(times) / len(times)) if times else None
             out[f"{kind}_launch_ms_p99"] = _ms(percentile(times, 99))
@@ -487,39 +484,39 @@ class StallSampler:
         self.samples: list[tuple[float, dict[str, tuple[tuple[Any, int], ...]]]] = []
         # The garbage collector's collections: start, end, generation, the thread that ran it.
         self.collections: list[tuple[float, float, int, str]] = []
-        self._gc_start = 0.0
-        self._interval, self._depth = interval, depth
-        self._stop = threading.Event()
-        gc.callbacks.append(self._on_gc)
-        self._thread = threading.Thread(target=self._run, name="load-stall-sampler", daemon=True)
-        self._thread.start()
+        self.gc_start = 0.0
+        self.interval, self.depth = interval, depth
+        self.stopping = threading.Event()
+        gc.callbacks.append(self.on_gc)
+        self.thread = threading.Thread(target=self.sample_threads, name="load-stall-sampler", daemon=True)
+        self.thread.start()
 
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:  # the collecting thread, holding the GIL
+    def on_gc(self, phase: str, info: dict[str, int]) -> None:  # the collecting thread, holding the GIL
         if phase == "start":
-            self._gc_start = time.monotonic()
+            self.gc_start = time.monotonic()
         else:
-            self.collections.append((self._gc_start, time.monotonic(), info["generation"],
+            self.collections.append((self.gc_start, time.monotonic(), info["generation"],
                                      threading.current_thread().name))
 
-    def _run(self) -> None:
+    def sample_threads(self) -> None:
         me = threading.get_ident()
-        while not self._stop.wait(self._interval):
+        while not self.stopping.wait(self.interval):
             names = {t.ident: t.name for t in threading.enumerate()}
             sample = {}
-            for ident, frame in sys._current_frames().items():
+            for ident, frame in current_frames().items():
                 if ident == me:
                     continue
                 stack = []
-                while frame is not None and len(stack) < self._depth:
+                while frame is not None and len(stack) < self.depth:
                     stack.append((frame.f_code, frame.f_lineno))
                     frame = frame.f_back
                 sample[names.get(ident, str(ident))] = tuple(stack)
             self.samples.append((time.monotonic(), sample))
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        gc.callbacks.remove(self._on_gc)
+        self.stopping.set()
+        self.thread.join()
+        gc.callbacks.remove(self.on_gc)
 
     def report(self, token_times: Sequence[Sequence[float]], threshold_s: float, most: int = 5) -> list[dict[str, Any]]:
         """``token_times``: each request's token times on ``time.monotonic``'s clock."""
@@ -551,12 +548,13 @@ class StallSampler:
         return out
 
 
-def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], timeout: float,
+def run_in_process(engine: Any, plan: list[PlannedRequest], timeout: float,
                    peak: dict[str, int] | None = None) -> list[RequestTimes]:
     """Run ``plan`` through the scheduler in this process; ``peak["generating"]`` gets the most
     requests that held a slot at once."""
+    from switchyard.service.engine.request import GenerationRequest, RequestRecord
     from switchyard.service.engine.sampling import SamplingParams
-    from switchyard.service.engine.scheduler import GenerationRequest, RequestRecord, Scheduler
+    from switchyard.service.engine.scheduler import Scheduler
 
     stamp = time.monotonic_ns()
     results = [RequestTimes(math.nan, [], UNFINISHED, prompt_tokens=len(p.prompt_ids)) for p in plan]
@@ -565,7 +563,7 @@ def run_in_process(engine: Any, tokenizer: Any, plan: list[PlannedRequest], time
         if record.chunk_times.size:
             results[int(record.request_id.rsplit("-", 1)[1])].first_chunk = float(record.chunk_times[0])
 
-    scheduler = Scheduler(engine, tokenizer, max_queue=len(plan) + 8, on_finish=on_finish)
+    scheduler = Scheduler(engine, max_queue=len(plan) + 8, on_finish=on_finish)
     stop = threading.Event()
     thread = threading.Thread(target=scheduler.run, args=(stop,), name="load-scheduler", daemon=True)
     thread.start()
@@ -622,17 +620,19 @@ def run_grpc(engine_process: Any, tokenizer: Any, plan: list[PlannedRequest], ti
     times as the engine's scheduler emitted them (the machine's monotonic clock)."""
     from switchyard.service.api.server import DecodeApp, ServerThread
     from switchyard.service.api.wire import Limits
-    from switchyard.service.engine.scheduler import RequestRecord
+    from switchyard.service.engine.request import RequestRecord
     from switchyard.service.telemetry.tracing import RequestRecorder
 
-    recorder = RequestRecorder(None)
+    class EmitTimes(RequestRecorder):
+        """The server's recorder (the bridge hands it every finished request's record), keeping each
+        request's emit times too."""
 
-    def on_finish(record: RequestRecord) -> None:
-        if emitted is not None:
-            emitted.append(record.token_times.tolist())
-        recorder.on_finish(record)
+        def on_finish(self, record: RequestRecord) -> None:
+            if emitted is not None:
+                emitted.append(record.token_times.tolist())
+            super().on_finish(record)
 
-    engine_process.on_finish = on_finish
+    recorder = EmitTimes(None)
     app = DecodeApp(model_name="load", limits=Limits(default_max_tokens=max((p.output_tokens for p in plan),
                                                                              default=1)), recorder=recorder)
     server = ServerThread(app, engine_process, tokenizer)
@@ -645,9 +645,10 @@ def run_grpc(engine_process: Any, tokenizer: Any, plan: list[PlannedRequest], ti
     return [RequestTimes(m["arrival"], m["token_times"], m["status"], m["finish_reason"]) for m in measured]
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Any, Any, float]:
-    """The engine process's builder for the gRPC path (runs there): the benchmark's engine."""
-    return variants().serving_engine(args)
+def build_engine(args: argparse.Namespace) -> tuple[Any, float]:
+    """The engine process's builder for the gRPC path (runs there): the benchmark's engine and its
+    warm-up's seconds."""
+    return drive().serving_engine(args)
 
 
 def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], tokenizer: Any) -> dict[str, Any]:
@@ -656,8 +657,10 @@ def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], token
     from switchyard.service.api.engine_process import EngineProcess
     from switchyard.service.engine.heap import freeze_warm_heap
 
+    # The model's end-of-sequence ids stop a request that does not ignore them (the wire cannot ask to).
     process = EngineProcess(build_engine, args, scheduler_options={
-        "max_queue": max(len(plan) for plan in plans) + 8, "model_name": "load"})
+        "max_queue": max(len(plan) for plan in plans) + 8, "model_name": "load",
+        "eos_token_ids": tuple(tokenizer.eos_token_ids)})
     clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         devices = process.wait_devices()
@@ -686,16 +689,13 @@ def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], token
 
 def in_process_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]]) -> dict[str, Any]:
     """Every rate with the scheduler in this process: {"rows", "warmup_s", "device", "facts"}."""
-    engine, tokenizer, warmup_s = variants().serving_engine(args)
+    engine, warmup_s = drive().serving_engine(args)
     rows = []
     for rate, plan in zip(args.rates, plans, strict=True):
         sampler = StallSampler() if args.stall_report is not None else None
         extra: dict[str, Any] = {}
         steps, clock = engine.step_count, StepClock(engine)
-        try:
-            measured = run_in_process(engine, tokenizer, plan, args.timeout, extra)
-        finally:
-            clock.remove()
+        measured = run_in_process(clock, plan, args.timeout, extra)
         extra["engine_steps"] = engine.step_count - steps
         extra["host"] = clock.summary()
         row = finish_row("in-process", rate, measured, args, extra, sampler)
@@ -776,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_process_defaults(args.tp)  # as serve's engine process (the gRPC path's child inherits it)
     if args.switch_interval is not None:  # as `switchyard serve --switch-interval` does, without importing gRPC
         sys.setswitchinterval(args.switch_interval)
-    spec, tokenizer = variants().serving_tokenizer(args)
+    spec, tokenizer = drive().serving_tokenizer(args)
     avoid = set(tokenizer.eos_token_ids) | {spec.bos_token_id}
     plans = [plan_requests(rate, args.duration, args.prompt_mix, args.output_mix, vocab_size=spec.vocab_size,
                            avoid=avoid, shared_prefix=args.shared_prefix, seed=args.seed * 1000 + i)
@@ -801,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         "xla_allocator": xla_allocator(),
         "config": {
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
-            "engine": args.engine, "step_tokens": facts.step_tokens, "kv_tokens": facts.kv_tokens,
+            "step_tokens": facts.step_tokens, "kv_tokens": facts.kv_tokens,
             "kv_block_size": facts.kv_block_size,
             "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len, "rates_rps": args.rates,
             "duration_s": args.duration, "timeout_s": args.timeout, "prompt_lengths": args.prompt_lengths,

@@ -3,16 +3,19 @@
 
 1. Correctness: a random fp32 checkpoint served through the scheduler (continuous batching, greedy
    and seeded sampling) by TP=1 on one GPU and by a PP=2 pipeline group (one process per GPU,
-   joined with ``jax.distributed``); the tokens must be identical.
-2. Speed, Llama shape (default Llama-3-8B), bf16, random weights, every stream's slot at
-   ``--context``: for each number of concurrent streams, the PP=2 group (stage 0 announcing every
-   tick to stage 1, as in serving) and TP=2 in one process (the shipped all-reduce strategy), each
-   timed with the serving loop (launch step n+1, then bring step n's tokens to the host).
+   joined with ``jax.distributed``, stage 0 sending every step's plan to stage 1 as serving does);
+   the tokens must be identical.
+2. Speed, Llama shape (default Llama-3-8B), bf16, random weights: for each number of concurrent
+   streams, that many sequences seated at ``--context`` (``benchmarks/drive.py``: their random prompts
+   computed in real chunk steps), then the serving loop timed (each step's blocks, plan and launch,
+   then the previous step's tokens brought to the host) on the PP=2 group and on TP=2 in one process
+   (the shipped all-reduce strategy).
 
-Per row: ``tokens_per_s`` counts the tokens emitted to active streams over the timed wall time;
-``ms_per_token`` is the time between two tokens of one stream (streams / tokens_per_s), so for the
-pipeline it spans ``pp`` ticks. ``step_ms`` is the median time per launched program (a tick for the
-pipeline, a step for TP).
+A pipelined step runs the stages one after another over the whole batch: every step gives every
+stream a token, with one stage's GPU busy at a time. Per row: ``tokens_per_s`` counts the tokens the
+timed steps brought back over their wall time; ``ms_per_token`` is the time between two tokens of one
+stream (streams / tokens_per_s, the mean step); ``step_ms`` the median step, ``tokens`` the tokens
+counted. Both layouts run at least two decode rows (``batch_slots`` = max(streams, 2)).
 
     python benchmarks/pipeline.py --model llama3-8b --streams 1 8 32 64 --context 1024 \\
         --out benchmarks/results/pipeline-h200x2.json
@@ -59,8 +62,8 @@ CHECK_REQUESTS = [
 ]
 
 
-# benchmarks/variants.py (engines that are not the product), loaded on first use.
-variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
+# benchmarks/drive.py (engines built through EngineConfig, driven through the step contract), loaded on first use.
+drive = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("drive.py")))))
 
 
 def check_spec() -> Any:
@@ -70,16 +73,23 @@ def check_spec() -> Any:
                                num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, dtype="float32")
 
 
+def check_config() -> Any:
+    """The check's configuration, the same for TP=1 and the group: serve's defaults at these sizes."""
+    from switchyard.service.engine.engine import EngineConfig
+
+    return EngineConfig(batch_slots=4, max_seq_len=128)
+
+
 # ---- the parts, each in its own process -----------------------------------------------------------
 
 
-def serve_requests(engine: Any, checkpoint: str) -> dict[str, list[int]]:
+def serve_requests(engine: Any) -> dict[str, list[int]]:
     """Run CHECK_REQUESTS through the scheduler on ``engine``; each request's tokens."""
+    from switchyard.service.engine.request import GenerationRequest
     from switchyard.service.engine.sampling import SamplingParams
-    from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
-    from switchyard.service.engine.tokenizer import Tokenizer
+    from switchyard.service.engine.scheduler import Scheduler
 
-    sched = Scheduler(engine, Tokenizer.from_dir(checkpoint), max_queue=64)
+    sched = Scheduler(engine, max_queue=64)
     tokens: dict[str, list[int]] = {}
 
     def on_event(e: Any) -> None:
@@ -95,64 +105,58 @@ def serve_requests(engine: Any, checkpoint: str) -> dict[str, list[int]]:
 
 
 def role_check_reference(args: argparse.Namespace) -> None:
-    from switchyard.service.engine.tensor_parallel import Engine
+    from switchyard.service.engine.engine import Engine
     from switchyard.service.modelspec import ServingLayout
 
-    engine = Engine.from_checkpoint(args.checkpoint, ServingLayout(tp=1, batch_slots=4, max_seq_len=128),
-                                    progress=False)
-    Path(args.result).write_text(json.dumps(serve_requests(engine, args.checkpoint)))
+    engine = Engine.from_checkpoint(args.checkpoint, ServingLayout(tp=1), check_config(), progress=False)
+    Path(args.result).write_text(json.dumps(serve_requests(engine)))
 
 
-def group_layout(args: argparse.Namespace, **kw: Any) -> Any:
+def group_layout(args: argparse.Namespace) -> Any:
     from switchyard.service.modelspec import ServingLayout
 
-    return ServingLayout(tp=1, pp=PP, pipeline_stage=args.stage, coordinator=args.coordinator, **kw)
+    return ServingLayout(tp=1, pp=PP, pipeline_stage=args.stage, coordinator=args.coordinator)
 
 
 def role_check_stage(args: argparse.Namespace) -> None:
-    from switchyard.service.engine.pipeline import PipelineEngine
+    from switchyard.service.engine.engine import Engine
     from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine, follow, join
 
-    layout = group_layout(args, batch_slots=4, max_seq_len=128)
+    layout = group_layout(args)
     join(layout)
-    engine = PipelineEngine.from_checkpoint(args.checkpoint, layout, progress=False)
+    engine = Engine.from_checkpoint(args.checkpoint, layout, check_config(), progress=False)
     channel = CommandChannel.open(layout)
     if args.stage:
         follow(engine, channel)
         return
     leader = LeaderEngine(engine, channel)
-    tokens = serve_requests(leader, args.checkpoint)
+    tokens = serve_requests(leader)
     leader.stop()
     Path(args.result).write_text(json.dumps(tokens))
 
 
-def timed_loop(engine: Any, steps: int, warmup: int) -> tuple[list[float], int, float]:
-    """The serving loop: per-step times, tokens emitted to active slots and wall time, after warm-up."""
-    pending = engine.dispatch()
-    times: list[float] = []
-    emitted, wall = 0, 0.0
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        nxt = engine.dispatch()
-        result = engine.collect(pending)
-        pending = nxt
-        if i >= warmup:
-            dt = time.perf_counter() - t0
-            times.append(dt)
-            wall += dt
-            emitted += int(result.active.sum())
-    engine.collect(pending)
-    return times, emitted, wall
+def speed_config(args: argparse.Namespace, slots: int, **changes: Any) -> Any:
+    """Room for the timed loop after seating (and the step launched ahead), every slot's whole table."""
+    return drive().whole_tables_config(slots, args.context + args.steps + args.warmup + 8, dtype=args.dtype,
+                                       **changes)
 
 
-def speed_row(layout: str, streams: int, slots: int, times: list[float], emitted: int, wall: float,
+def timed_row(engine: Any, args: argparse.Namespace, layout: str, streams: int, t0: float) -> dict[str, Any]:
+    """Seat ``streams`` sequences at ``--context`` on ``engine`` and time its decode steps."""
+    kv = drive().books(engine)
+    drive().seat(engine, kv, streams, args.context)
+    timed = drive().time_decode(engine, kv, args.steps, args.warmup)
+    return speed_row(layout, streams, engine.max_slots, timed.times, timed.tokens, time.perf_counter() - t0)
+
+
+def speed_row(layout: str, streams: int, slots: int, times: list[float], tokens: int,
               setup_s: float) -> dict[str, Any]:
-    tokens_per_s = emitted / wall
+    tokens_per_s = tokens / sum(times)
     return {"layout": layout, "streams": streams, "batch_slots": slots,
             "ms_per_token": round(1000 * streams / tokens_per_s, 4), "tokens_per_s": round(tokens_per_s, 1),
             "step_ms": round(1000 * statistics.median(times), 4),
             "step_p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
-            "steps": len(times), "setup_s": round(setup_s, 1)}
+            "steps": len(times), "tokens": tokens, "setup_s": round(setup_s, 1)}
 
 
 def role_speed_stage(args: argparse.Namespace) -> None:
@@ -160,24 +164,20 @@ def role_speed_stage(args: argparse.Namespace) -> None:
     from switchyard.service.modelspec import preset
 
     spec = preset(args.model)
-    group = group_layout(args, batch_slots=PP, max_seq_len=args.context + 2)
-    join(group)
-    channel = CommandChannel.open(group)
+    layout = group_layout(args)
+    join(layout)
+    channel = CommandChannel.open(layout)
     rows = []
     for streams in args.streams:
         t0 = time.perf_counter()
-        slots = -(-max(streams, PP) // PP) * PP
-        # A stream advances one position every pp ticks.
-        layout = group_layout(args, batch_slots=slots, max_seq_len=args.context + args.steps + args.warmup + 8)
-        engine = variants().VariantPipelineEngine.from_random(spec, layout, dtype=args.dtype)
-        engine.occupy_slots(args.context, count=streams)
+        # Every stage builds the same engine: one program over both stages' devices.
+        engine = drive().random_engine(spec, speed_config(args, max(streams, 2)), pp=PP)
         if args.stage:
             follow(engine, channel)
         else:
             leader = LeaderEngine(engine, channel)
-            times, emitted, wall = timed_loop(leader, args.steps, args.warmup)
+            rows.append(timed_row(leader, args, f"PP{PP}", streams, t0))
             leader.stop()
-            rows.append(speed_row(f"PP{PP}", streams, slots, times, emitted, wall, time.perf_counter() - t0))
             print(json.dumps(rows[-1]), flush=True)
         del engine
         gc.collect()
@@ -187,19 +187,15 @@ def role_speed_stage(args: argparse.Namespace) -> None:
 
 def role_speed_tp(args: argparse.Namespace) -> None:
     import jax
-    from switchyard.service.modelspec import ServingLayout, preset
+    from switchyard.service.modelspec import preset
 
     spec = preset(args.model)
     rows = []
     for streams in args.streams:
         t0 = time.perf_counter()
-        slots = max(streams, 2)  # the engine's smallest step bucket is two rows
-        layout = ServingLayout(tp=PP, strategy=args.strategy, batch_slots=slots,
-                               max_seq_len=args.context + args.steps + args.warmup + 8)
-        engine = variants().VariantEngine.from_random(spec, layout, dtype=args.dtype, devices=jax.devices()[:PP])
-        engine.occupy_slots(args.context, count=streams)
-        times, emitted, wall = timed_loop(engine, args.steps, args.warmup)
-        rows.append(speed_row(f"TP{PP}", streams, slots, times, emitted, wall, time.perf_counter() - t0))
+        config = speed_config(args, max(streams, 2), strategy=args.strategy)
+        engine = drive().random_engine(spec, config, tp=PP, devices=jax.devices()[:PP])
+        rows.append(timed_row(engine, args, f"TP{PP}", streams, t0))
         rows[-1]["strategy"] = args.strategy
         print(json.dumps(rows[-1]), flush=True)
         del engine
@@ -256,7 +252,7 @@ def run_group(args: argparse.Namespace, role: str, result: Path, extra_env: dict
                 part_env(args, str(stage), **extra_env)) for stage in range(PP)], args.timeout)
 
 
-def drive(args: argparse.Namespace) -> int:
+def compare(args: argparse.Namespace) -> int:
     from switchyard.service.engine.checkpoint import write_checkpoint
 
     started = datetime.datetime.now(datetime.UTC)
@@ -342,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 exit_now(1)
             raise
         return 0
-    return drive(args)
+    return compare(args)
 
 
 if __name__ == "__main__":

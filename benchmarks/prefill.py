@@ -1,23 +1,27 @@
-"""Time to first token of a prompt alone, and with a cached prefix, through the token-budget engine.
+"""Time to first token of a prompt alone, and with a cached prefix, through the engine's chunked steps.
 
-A prompt alone is computed in chunks of ``--step-tokens`` (one engine step each, as serving runs it;
-the last step samples the first token): its time is the wall time from the first chunk's launch to
-the first token on the host. Prefix reuse: a prompt of ``--shared-prefix`` tokens plus
-``--suffix`` new ones, first with the prefix cache empty, then a second prompt with the same prefix
-and other new tokens, whose full blocks of the prefix come from the cache.
+A prompt alone is computed in chunks of ``--step-tokens`` (one engine step each, planned by the
+engine's step policy over the benchmark's KV books, as serving runs it; the last step samples the
+first token): its time is the wall time from the prompt's begin in the books to the first token on
+the host. Prefix reuse: a prompt of ``--shared-prefix`` tokens plus ``--suffix`` new ones, first with
+the prefix cache empty, then a second prompt with the same prefix and other new tokens, whose full
+blocks of the prefix come from the cache.
 
 The peer (``--peer torch``): the same shape in plain PyTorch, eager, cuBLAS products and SDPA's causal
 attention (flash), one pass over the whole prompt (``torch_peer.prefill_last_logits``). It runs first,
 before JAX takes the GPU's memory.
 
     python benchmarks/prefill.py --prompt 1024 4096 --step-tokens 256 512 --peer torch
+    python benchmarks/prefill.py --cpu --model tiny --prompt 40 --step-tokens 16 --shared-prefix 64 \
+        --suffix 8 --repeats 1 --batch-slots 2 --no-warmup
 
 ``--profile-dir`` adds, per step budget, a JAX profiler summary (GPU busy time per step, top kernels)
 of the longest prompt alone, of a prompt whose ``--shared-prefix`` is cached, and of a mixed load:
 ``--profile-decoding`` sequences decoding at context ``--profile-context`` while a prompt of
 ``--shared-prefix`` tokens goes through in chunks, beside decode-only steps of the same sequences
-(as many as leave the pool room for that prompt). The profiler runs XLA's command buffers kernel by
-kernel, so the cached prompt's host phases (begin, launch, wait for the token) are timed outside it.
+(as many as leave the pool room for that prompt; seated by ``benchmarks/drive.py``). The profiler
+runs XLA's command buffers kernel by kernel, so the cached prompt's host phases (begin, launch, wait
+for the token) are timed outside it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import datetime
 import functools
 import gc
 import json
+import os
 import runpy
 import statistics
 import sys
@@ -67,103 +72,102 @@ def peer_times(args: argparse.Namespace) -> dict:
     return out
 
 
-def first_token_phases(engine, prompt: list[int], reuse_prefix: bool) -> tuple[tuple[float, float, float], int, int]:
-    """Seconds of the prompt's begin (prefix lookup, blocks), of launching its steps and of waiting for
-    the first token on the host after the last launch; the cached tokens; the steps the prompt took."""
+def first_token_phases(engine, kv, prompt: list[int],
+                       reuse_prefix: bool) -> tuple[tuple[float, float, float], int, int]:
+    """Seconds of the prompt's begin in ``kv`` (prefix lookup, blocks), of planning and launching its
+    steps and of waiting for the first token on the host after the last launch; the cached tokens;
+    the steps the prompt took. Its slot (0) is free again after."""
     from switchyard.service.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    cached = engine.begin(0, prompt, SamplingParams(), reuse_prefix=reuse_prefix)
+    cached = kv.begin(0, prompt, SamplingParams(), reuse_prefix=reuse_prefix)
     if cached is None:
         raise RuntimeError("the pool has too few blocks for the prompt")
     t1 = time.perf_counter()
     steps = 0
-    while True:
-        chunk = engine.next_chunk(0)
-        pending = engine.dispatch(chunk)
+    while kv.sequence(0).left:
+        pending = drive()["launch_step"](engine, kv, 0)
         steps += 1
-        if chunk.completes:
-            break
     t2 = time.perf_counter()
     engine.collect(pending)
     t3 = time.perf_counter()
-    engine.evict(0)
+    kv.evict(0)
     return (t1 - t0, t2 - t1, t3 - t2), cached, steps
 
 
-def time_to_first_token(engine, prompt: list[int], reuse_prefix: bool) -> tuple[float, int, int]:
+def time_to_first_token(engine, kv, prompt: list[int], reuse_prefix: bool) -> tuple[float, int, int]:
     """Seconds from the prompt's begin to its first token on the host; the cached tokens; the steps."""
-    phases, cached, steps = first_token_phases(engine, prompt, reuse_prefix)
+    phases, cached, steps = first_token_phases(engine, kv, prompt, reuse_prefix)
     return sum(phases), cached, steps
 
 
-def host_phases(engine, prefix: list[int], rng, args: argparse.Namespace, runs: int = 5) -> dict:
+def host_phases(engine, kv, prefix: list[int], rng, args: argparse.Namespace, runs: int = 5) -> dict:
     """Median µs of each of :func:`first_token_phases` for prompts whose ``prefix`` is cached."""
-    samples = [first_token_phases(engine, prefix + [int(t) for t in rng.integers(3, engine.spec.vocab_size,
-                                                                               args.suffix)], True)[0]
+    vocab = engine.spec.vocab_size
+    samples = [first_token_phases(engine, kv, prefix + drive()["random_prompt"](rng, vocab, args.suffix), True)[0]
                for _ in range(runs)]
     return {key: round(1e6 * statistics.median(s[i] for s in samples), 1)
             for i, key in enumerate(("begin_us", "launch_us", "wait_us"))}
 
 
 @functools.cache
-def _decode_benchmark() -> dict:
-    """decode.py's functions (profiling, the source commit), loaded once."""
-    return runpy.run_path(str(Path(__file__).with_name("decode.py")))
+def sibling(name: str) -> dict:
+    """Another benchmark script's functions, loaded once."""
+    return runpy.run_path(str(Path(__file__).with_name(f"{name}.py")))
 
 
-def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
+def drive() -> dict:
+    """drive.py's: engines built through EngineConfig, driven through the step contract."""
+    return sibling("drive")
+
+
+def profile(engine, kv, rng, args: argparse.Namespace, out_dir: str) -> dict:
     """Profiler summaries of a prompt alone and of chunk steps beside decoding sequences."""
     from switchyard.service.engine.sampling import SamplingParams
 
-    trace_gpu, summarise = _decode_benchmark()["trace_gpu"], _decode_benchmark()["step_profile"]
+    trace_gpu, summarise = sibling("decode")["trace_gpu"], sibling("decode")["step_profile"]
+    launch_step, prompt_of = drive()["launch_step"], drive()["random_prompt"]
     vocab = engine.spec.vocab_size
-    alone = [int(t) for t in rng.integers(3, vocab, max(args.prompt))]
+    alone = prompt_of(rng, vocab, max(args.prompt))
     runs: list[tuple[float, int, int]] = []
-    kernels, _ = trace_gpu(lambda: runs.append(time_to_first_token(engine, alone, False)), f"{out_dir}/alone")
+    kernels, _ = trace_gpu(lambda: runs.append(time_to_first_token(engine, kv, alone, False)), f"{out_dir}/alone")
     out = {"prompt_alone": {"prompt": len(alone), **summarise(kernels, runs[-1][2])}}
-    prefix = [int(t) for t in rng.integers(3, vocab, args.shared_prefix)]
-    engine.pool.clear_cache()
-    time_to_first_token(engine, prefix + [int(t) for t in rng.integers(3, vocab, args.suffix)], True)
-    suffix = [int(t) for t in rng.integers(3, vocab, args.suffix)]
-    kernels, _ = trace_gpu(lambda: runs.append(time_to_first_token(engine, prefix + suffix, True)),
+    prefix = prompt_of(rng, vocab, args.shared_prefix)
+    kv.pool.clear_cache()
+    time_to_first_token(engine, kv, prefix + prompt_of(rng, vocab, args.suffix), True)
+    suffix = prompt_of(rng, vocab, args.suffix)
+    kernels, _ = trace_gpu(lambda: runs.append(time_to_first_token(engine, kv, prefix + suffix, True)),
                            f"{out_dir}/cached")
     out["cached_prefix"] = {"shared_prefix": args.shared_prefix, "suffix": args.suffix,
-                            "wall_us": round(1e6 * runs[-1][0], 1), **host_phases(engine, prefix, rng, args),
+                            "wall_us": round(1e6 * runs[-1][0], 1), **host_phases(engine, kv, prefix, rng, args),
                             **summarise(kernels, runs[-1][2])}
     # As many decoding sequences as leave the pool room for the chunked prompt beside them, each
     # growing by a token per step: the decode-only steps, then the chunked prompt twice.
     warm_steps, traced_steps = 4, 16
     chunked_steps = -(-args.shared_prefix // engine.step_tokens)  # at most; a surge takes fewer
     grown = warm_steps + traced_steps + 2 * chunked_steps + 1
-    pool = engine.pool
-    room = pool.available() - pool.blocks_for(args.shared_prefix)
-    n = min(args.profile_decoding, engine.max_slots - 1, room // pool.blocks_for(args.profile_context + grown))
-    for slot in range(n):  # sequences decoding at about --profile-context
-        if engine.begin(slot, [int(t) for t in rng.integers(3, vocab, args.profile_context)], SamplingParams()) is None:
-            raise RuntimeError("the pool has too few blocks for the profile's decoding sequences")
-        while slot in engine.prefilling():
-            engine.collect(engine.dispatch(engine.next_chunk(slot)))
+    kv.pool.clear_cache()
+    room = kv.free_blocks() - kv.pool.blocks_for(args.shared_prefix)
+    n = min(args.profile_decoding, engine.max_slots - 1, room // kv.pool.blocks_for(args.profile_context + grown))
+    drive()["seat"](engine, kv, n, args.profile_context, seed=1)  # sequences decoding at --profile-context
 
     def decode_steps(count: int) -> None:
         for _ in range(count):
-            assert engine.ensure_decode_blocks()
-            engine.collect(engine.dispatch())
+            engine.collect(launch_step(engine, kv))
 
     decode_steps(warm_steps)
     kernels, _ = trace_gpu(lambda: decode_steps(traced_steps), f"{out_dir}/decode")
     out["decode_only"] = {"decoding": n, "context": args.profile_context, **summarise(kernels, traced_steps)}
-    prompt = [int(t) for t in rng.integers(3, vocab, args.shared_prefix)]
+    prompt = prompt_of(rng, vocab, args.shared_prefix)
 
     def chunk_steps() -> int:
-        if engine.begin(n, prompt, SamplingParams(), reuse_prefix=False) is None:
+        if kv.begin(n, prompt, SamplingParams(), reuse_prefix=False) is None:
             raise RuntimeError("the pool has too few blocks for the chunked prompt")
         steps = 0
-        while n in engine.prefilling():
-            assert engine.ensure_decode_blocks()
-            engine.collect(engine.dispatch(engine.next_chunk(n)))
+        while kv.sequence(n).left:
+            engine.collect(launch_step(engine, kv, n))
             steps += 1
-        engine.evict(n)
+        kv.evict(n)
         return steps
 
     chunk_steps()
@@ -172,7 +176,7 @@ def profile(engine, rng, args: argparse.Namespace, out_dir: str) -> dict:
     out["chunk_beside_decoding"] = {"decoding": n, "context": args.profile_context, "prompt": len(prompt),
                                     **summarise(kernels, steps[0])}
     for slot in range(n):
-        engine.evict(slot)
+        kv.evict(slot)
     print(f"  cached prefix: begin {out['cached_prefix']['begin_us']:.0f} us, launch "
           f"{out['cached_prefix']['launch_us']:.0f} us, wait {out['cached_prefix']['wait_us']:.0f} us", flush=True)
     for name, row in out.items():
@@ -196,39 +200,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-decoding", type=int, default=16)
     parser.add_argument("--profile-context", type=int, default=1024)
     parser.add_argument("--batch-slots", type=int, default=8)
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="compile each program on first use (the untimed first run of each measure) instead "
+                             "of every program first; no warm-up row")
+    parser.add_argument("--cpu", action="store_true", help="host devices (JAX_PLATFORMS=cpu): a smoke test of tiny")
     parser.add_argument("--out", default=None, help="result JSON path")
     args = parser.parse_args(argv)
+    if args.cpu:
+        os.environ["JAX_PLATFORMS"] = "cpu"
     apply_process_defaults(1)  # as serve's engine process on one GPU
     peer = peer_times(args) if args.peer else None
 
     import jax
     import numpy as np
-    from switchyard.service.engine.paged import PagedEngine
-    from switchyard.service.modelspec import KV_BLOCK_TOKENS, ServingLayout, preset
+    from switchyard.service.engine.engine import EngineConfig
+    from switchyard.service.modelspec import KV_BLOCK_TOKENS, preset
 
     spec = preset(args.model)
     rng = np.random.default_rng(0)
+    prompt_of = drive()["random_prompt"]
     longest = max(*args.prompt, args.shared_prefix + args.suffix)
     max_seq = -(-(longest + 64) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    rows, params = [], None
+    rows, weights = [], None
     for step_tokens in args.step_tokens:
-        layout = ServingLayout(tp=1, strategy="xla", batch_slots=args.batch_slots, max_seq_len=max_seq,
-                               kv_tokens=max(4, args.batch_slots // 2) * max_seq,
-                               step_tokens=step_tokens)
-        if params is None:
-            engine = PagedEngine.from_random(spec, layout)
-            params = engine.params, engine.mesh
+        config = EngineConfig(batch_slots=args.batch_slots, max_seq_len=max_seq, strategy="xla", dtype="bfloat16",
+                              kv_tokens=max(4, args.batch_slots // 2) * max_seq, step_tokens=step_tokens)
+        if weights is None:
+            engine = drive()["random_engine"](spec, config)
+            weights = drive()["weights_of"](engine)
         else:
-            engine = PagedEngine(spec, *params, dtype="bfloat16", **PagedEngine.layout_arguments(layout))
-        warm = engine.warmup()
-        print(f"step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
-        rows.append({"kind": "warm-up", "step_tokens": step_tokens, "programs": engine.compiled_count(),
-                     "s": round(warm, 1)})
+            engine = drive()["engine_on"](weights, config)
+        if not args.no_warmup:
+            warm = engine.warmup()
+            print(f"step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
+            rows.append({"kind": "warm-up", "step_tokens": step_tokens, "programs": engine.compiled_count(),
+                         "s": round(warm, 1)})
+        kv = drive()["books"](engine)
         for length in args.prompt:
             times = []
             for i in range(args.repeats + 1):
-                prompt = [int(t) for t in rng.integers(3, spec.vocab_size, length)]
-                elapsed, _, steps = time_to_first_token(engine, prompt, reuse_prefix=False)
+                elapsed, _, steps = time_to_first_token(engine, kv, prompt_of(rng, spec.vocab_size, length),
+                                                        reuse_prefix=False)
                 if i:
                     times.append(elapsed)
             ms = 1000 * statistics.median(times)
@@ -237,12 +249,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  prompt {length:5d} alone: {ms:8.2f} ms ({steps} steps)", flush=True)
         firsts, seconds = [], []
         for i in range(args.repeats + 1):
-            engine.pool.clear_cache()
-            prefix = [int(t) for t in rng.integers(3, spec.vocab_size, args.shared_prefix)]
+            kv.pool.clear_cache()
+            prefix = prompt_of(rng, spec.vocab_size, args.shared_prefix)
             first, cached_first, _ = time_to_first_token(
-                engine, prefix + [int(t) for t in rng.integers(3, spec.vocab_size, args.suffix)], True)
+                engine, kv, prefix + prompt_of(rng, spec.vocab_size, args.suffix), True)
             second, cached, _ = time_to_first_token(
-                engine, prefix + [int(t) for t in rng.integers(3, spec.vocab_size, args.suffix)], True)
+                engine, kv, prefix + prompt_of(rng, spec.vocab_size, args.suffix), True)
             assert cached_first == 0 and cached == args.shared_prefix // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
             if i:
                 firsts.append(first)
@@ -255,15 +267,15 @@ def main(argv: list[str] | None = None) -> int:
               f"({100 * s_ms / f_ms:.1f}%)", flush=True)
         if args.profile_dir:
             rows.append({"kind": "profile", "step_tokens": step_tokens,
-                         **profile(engine, rng, args, f"{args.profile_dir}/{step_tokens}")})
-        del engine
+                         **profile(engine, kv, rng, args, f"{args.profile_dir}/{step_tokens}")})
+        del engine, kv
         gc.collect()
     device = jax.devices()[0]
     result = {
         "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": f"{jax.device_count()}x {device.device_kind}",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _decode_benchmark()["source_commit"](),
+        "commit": sibling("decode")["source_commit"](),
         "jax": jax.__version__,
         "model": args.model,
         "xla_allocator": xla_allocator(),

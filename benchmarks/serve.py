@@ -6,10 +6,14 @@ of greedy decoding are run twice, interleaved over ``--repeats`` rounds:
 
 - ``in-process``: requests submitted straight to the scheduler; times are the scheduler's emit times;
 - ``grpc``: the same requests through ``switchyard.v1.Decode/Generate`` on a localhost port, the server
-  and the scheduler in this process (as a pipeline group's stage 0 runs them; ``switchyard serve``
-  gives one tensor-parallel group's engine a process of its own, which ``load.py --path grpc``
-  measures), the clients (grpc.aio, one stream per request) in a separate process so that they do
-  not share the server's interpreter; times are client arrival times.
+  and the scheduler in this process (``switchyard serve`` gives the engine and its scheduler a process
+  of their own, which ``load.py --path grpc`` measures), the clients (grpc.aio, one stream per
+  request) in a separate process so that they do not share the server's interpreter; times are
+  client arrival times.
+
+The engine is ``benchmarks/drive.py``'s serving engine: a checkpoint as ``switchyard serve`` loads
+it, or random weights of a preset, configured from the layout flags as serve configures it, every
+step program compiled first.
 
 Per row: ``ms_per_token`` is the mean wait between two tokens of one stream (after its first token),
 ``tokens_per_s`` is every output token over the wall time from the first request sent to the last
@@ -111,11 +115,20 @@ def make_recorder(tracing_on: bool, folder: Path) -> Any:
     return RequestRecorder(Telemetry(span_exporters=[spans], metric_readers=[InMemoryMetricReader()]))
 
 
-def run_in_process(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, recorder: Any) -> dict:
-    from switchyard.service.engine.sampling import SamplingParams
-    from switchyard.service.engine.scheduler import GenerationRequest, Scheduler
+def scheduler_for(engine: Any, tokenizer: Any, requests: int, recorder: Any) -> Any:
+    """A scheduler over ``engine`` for ``requests`` requests at once; the model's end-of-sequence ids
+    stop a request."""
+    from switchyard.service.engine.scheduler import Scheduler
 
-    scheduler = Scheduler(engine, tokenizer, max_queue=len(prompts) + 8, on_finish=recorder.on_finish)
+    return Scheduler(engine, eos_token_ids=tokenizer.eos_token_ids, max_queue=requests + 8,
+                     on_finish=recorder.on_finish)
+
+
+def run_in_process(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, recorder: Any) -> dict:
+    from switchyard.service.engine.request import GenerationRequest
+    from switchyard.service.engine.sampling import SamplingParams
+
+    scheduler = scheduler_for(engine, tokenizer, len(prompts), recorder)
     stop = threading.Event()
     thread = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
     thread.start()
@@ -147,9 +160,8 @@ def run_grpc(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: 
              clients: concurrent.futures.Executor) -> dict:
     from switchyard.service.api.server import DecodeApp, ServerThread
     from switchyard.service.api.wire import Limits
-    from switchyard.service.engine.scheduler import Scheduler
 
-    scheduler = Scheduler(engine, tokenizer, max_queue=len(prompts) + 8, on_finish=recorder.on_finish)
+    scheduler = scheduler_for(engine, tokenizer, len(prompts), recorder)
     app = DecodeApp(model_name="bench", limits=Limits(default_max_tokens=max_tokens), recorder=recorder)
     server = ServerThread(app, scheduler, tokenizer)
     try:
@@ -162,8 +174,8 @@ def run_grpc(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: 
 # ---- main ----------------------------------------------------------------------------------------
 
 
-# benchmarks/variants.py (engines that are not the product), loaded on first use.
-variants = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("variants.py")))))
+# benchmarks/drive.py (the serving engine built from the benchmark's flags), loaded on first use.
+drive = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("drive.py")))))
 
 
 def prompts_for(n: int, length: int, vocab: int, avoid: set[int], seed: int) -> list[list[int]]:
@@ -191,7 +203,7 @@ def overhead(value: float, base: float, *, higher_is_better: bool) -> float:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, max_seq_len: int) -> None:
-    """The flags of the engine a serving benchmark runs (``variants.serving_engine`` reads them)."""
+    """The flags of the engine a serving benchmark runs (``drive.serving_engine`` reads them)."""
     from switchyard.service.modelspec import DEFAULT_KV_MEMORY_FRACTION, DEFAULT_STEP_TOKENS
 
     source = parser.add_mutually_exclusive_group()
@@ -202,12 +214,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_seq_len: int) -> N
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--batch-slots", type=int, default=64)
     parser.add_argument("--max-seq-len", type=int, default=max_seq_len)
-    parser.add_argument("--engine", choices=["paged", "slots"], default="paged",
-                        help="the token-budget engine with its paged KV pool (what serve runs), or the slot engine")
     parser.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
-                        help="prompt tokens a step carries (paged engine)")
+                        help="prompt tokens a step carries beside the decoding sequences")
     parser.add_argument("--kv-tokens", type=int, default=0,
-                        help="KV pool size in tokens (paged engine; 0: from the memory left after the weights)")
+                        help="KV pool size in tokens (0: from the memory left after the weights)")
     parser.add_argument("--kv-memory-fraction", type=float, default=DEFAULT_KV_MEMORY_FRACTION)
 
 
@@ -230,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if max(levels) > args.batch_slots:
         parser.error(f"--batch-slots {args.batch_slots} is below the largest concurrency {max(levels)}")
 
-    engine, tokenizer, _ = variants().serving_engine(args)
+    _, tokenizer = drive().serving_tokenizer(args)
+    engine, _ = drive().serving_engine(args)
     label, slug = device_name()
     avoid = set(tokenizer.eos_token_ids) | {engine.spec.bos_token_id}
     samples: dict[tuple[int, str, bool], list[dict]] = {}

@@ -40,11 +40,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch._dynamo
-import torch._inductor.config
 import torch.nn.functional as F
 from switchyard.service.modelspec import ModelSpec, preset
 from torch import nn
+from torch._dynamo import mark_static_address
+from torch._inductor import config as inductor_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CACHE_ALIGN = 128  # cache length rounded up to this, as the engine rounds its own
@@ -377,7 +377,7 @@ def _release(device: torch.device, compiled: bool) -> None:
     """Drop compiled graphs (and their CUDA graph memory pool), then whatever referenced the model, and
     return cached memory to the device."""
     if compiled:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         if device.type == "cuda":
             from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
@@ -411,7 +411,7 @@ def time_peer(model: Transformer, context: int, steps: int, warmup: int, compile
         # copying them into graph-owned inputs (a second copy of the weights and caches).
         for tensor in (*model.parameters(), *model.kv_caches(), model.rope_cos, model.rope_sin,
                        model.cache_positions):
-            torch._dynamo.mark_static_address(tensor, guard=False)
+            mark_static_address(tensor, guard=False)
         step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
     generator = torch.Generator(device=dev).manual_seed(1)
     current = torch.randint(0, spec.vocab_size, (model.batch, 1), device=dev, generator=generator)
@@ -429,7 +429,7 @@ def time_peer(model: Transformer, context: int, steps: int, warmup: int, compile
     # gpt-fast's decode settings: coordinate-descent tuning of the generated kernels, and math SDPA (which
     # Inductor fuses) for the one query token. The compile caches stay off: their keys leave out the SDPA
     # settings, so a cached graph could carry another backend's attention.
-    tuning = (torch._inductor.config.patch(coordinate_descent_tuning=True, force_disable_caches=True) if compile
+    tuning = (inductor_config.patch(coordinate_descent_tuning=True, force_disable_caches=True) if compile
               else contextlib.nullcontext())
     with torch.no_grad(), tuning, sdpa_kernel(SDPA_BACKENDS[sdpa]), half_precision_math_sdpa():
         return time_serving_loop(launch, steps, warmup)

@@ -1,5 +1,6 @@
-"""benchmarks/decode.py on host devices: rows for every configuration, and the ``none`` variant
-(the step without communication, for the all-reduces' share) really has no all-reduce left."""
+"""benchmarks/decode.py on host devices: rows for every configuration with the roofline's accounting,
+the HLO of each configuration's own decode step (all-reduces over both devices at TP=2 only), and the
+PyTorch peer in the same run."""
 
 from __future__ import annotations
 
@@ -8,34 +9,47 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import scripts
 from switchyard.service.modelspec import preset
 
 SCRIPT = scripts.BENCHMARKS / "decode.py"
 
 
-def test_decode_benchmark_rows_and_the_variant_without_communication(tmp_path):
+def test_decode_benchmark_rows_and_each_configurations_step_hlo(tmp_path):
     out, hlo = tmp_path / "decode.json", tmp_path / "hlo"
     env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tp", "2", "--strategy", "xla", "none",
-                          "--batch", "1", "--context", "16", "--steps", "3", "--warmup", "1", "--copy-gib", "0.01",
-                          "--hlo-dir", str(hlo), "--out", str(out)],
+    run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tp", "1", "2", "--strategy", "xla",
+                          "--batch", "2", "--context", "16", "--steps", "3", "--warmup", "1", "--copy-gib", "0.01",
+                          "--hlo-dir", str(hlo), "--profile-dir", str(tmp_path / "profile"), "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["tp"], r["strategy"]) for r in rows] == [(2, "xla"), (2, "none")]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["tp"], r["strategy"], r["attention"], r["min_batch_bucket"]) for r in rows] == [
+        (1, "xla", "kernel", 1), (2, "xla", "kernel", 1)]
+    assert result["xla_flags"] == "--xla_force_host_platform_device_count=2"  # the run's, not the HLO dump's
     spec = preset("tiny")
     for row in rows:
-        assert row["ms_per_token"] > 0 and row["fraction_of_roofline"] > 0
+        assert row["ms_per_token"] > 0 and row["fraction_of_roofline"] > 0 and row["synchronous_ms_per_token"] > 0
         # every parameter byte (the embedding table whole) + KV, against the bytes a step must read
-        want = (spec.param_bytes + 16 * spec.kv_bytes_per_token) / spec.decode_bytes_per_step(1, 16)
+        want = (spec.param_bytes + 2 * 16 * spec.kv_bytes_per_token) / spec.decode_bytes_per_step(2, 16)
         assert want > 1 and abs(row["roofline_all_weights_ms"] / row["roofline_ms"] - want) < 0.02  # 4-decimal rounding
         fraction = row["roofline_all_weights_ms"] / row["ms_per_token"]
         assert abs(row["fraction_of_roofline_all_weights"] - fraction) < 1e-3
-    with_comm = (hlo / "step-tp2-b1-xla-kernel.hlo.txt").read_text()
-    without = (hlo / "step-tp2-b1-none-kernel.hlo.txt").read_text()
-    assert "all-reduce" in with_comm
-    assert "all-reduce" not in without
+        assert row["profile"]["steps"] == 8  # after the timing (no GPU events on host devices)
+    # each configuration's own decode step: its sums over the devices span both at TP=2, one at TP=1
+    one, two = ((hlo / f"step-tp{tp}-b2-xla-kernel.hlo.txt").read_text() for tp in (1, 2))
+    assert "all-reduce" in two and "replica_groups={{0,1}}" in two
+    assert "replica_groups={{0,1}}" not in one
+    assert "hlo:" in run.stdout
+
+
+def test_a_step_without_communication_is_no_strategy_any_more(capsys):
+    decode = scripts.load("decode")
+    with pytest.raises(SystemExit) as stop:
+        decode.parse_args(["--strategy", "xla", "none"])
+    assert stop.value.code == 2 and "invalid choice: 'none'" in capsys.readouterr().err
 
 
 def test_decode_benchmark_times_the_torch_peer_in_the_same_run(tmp_path):

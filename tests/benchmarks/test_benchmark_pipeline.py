@@ -1,4 +1,5 @@
-"""benchmarks/pipeline.py end to end on host devices: the group's check passes and every row is written."""
+"""benchmarks/pipeline.py end to end on host devices: the group's check passes and every row is written,
+each step giving every stream a token."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def test_pipeline_benchmark_runs_its_check_and_both_layouts(tmp_path):
     rows = {(r["layout"], r["streams"]): r for r in result["rows"]}
     assert set(rows) == {("PP2", 1), ("PP2", 4), ("TP2", 1), ("TP2", 4)}
     assert rows["PP2", 4]["batch_slots"] == 4 and rows["PP2", 1]["batch_slots"] == 2
-    for row in rows.values():
+    for (_, streams), row in rows.items():
         assert row["tokens_per_s"] > 0 and row["steps"] == 4
-    # PP emits one micro-batch per tick: with 4 streams over 2 stages, a stream's token spans two ticks.
-    assert rows["PP2", 4]["ms_per_token"] > rows["PP2", 4]["step_ms"] * 1.2
+        # a step, pipelined or not, gives every stream a token
+        assert row["tokens"] == 4 * streams
     assert "throughput_vs_tp" in rows["PP2", 1]

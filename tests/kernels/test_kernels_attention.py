@@ -142,23 +142,3 @@ def test_kernel_matches_float64_and_writes_only_its_positions(case, dtype, rng):
         np.testing.assert_array_equal(got[written], want[written])
         np.testing.assert_array_equal(np.isnan(got), np.isnan(before) & ~written)
         np.testing.assert_array_equal(got[~written & ~np.isnan(before)], before[~written & ~np.isnan(before)])
-
-
-@pytest.mark.gpu
-def test_engine_with_the_kernel_decodes_as_with_xla_ops():
-    """Inside the jitted decode step (command buffers as XLA sets them): logits of a model with a
-    supported head size agree with the XLA-ops attention, step after step."""
-    from helpers import scripts
-    from helpers.engine_fixtures import assert_decode_alike, kernel_sized_spec
-    from switchyard.kernels.attention import decode_attention_packed
-    from switchyard.service.modelspec import ServingLayout
-
-    variants = scripts.load("variants")
-    spec = kernel_sized_spec()
-    layout = ServingLayout(tp=1, batch_slots=4, max_seq_len=300)
-    engines = [variants.VariantEngine.from_random(spec, layout, devices=jax.devices()[:1],
-                                                  variant=variants.Variant(attention=a, cache="zeros"))
-               for a in ("kernel", "xla")]
-    assert engines[0]._cfg.decode_attention is decode_attention_packed
-    assert engines[1]._cfg.decode_attention.keywords == {"use_kernel": False}
-    assert_decode_alike(engines, [[1, 5, 9, 200], [1, *range(3, 140)], [1, 77]], steps=12)
