@@ -56,7 +56,7 @@ def test_text_that_could_begin_a_stop_string_is_held_back_until_it_cannot(tokens
 
 
 def test_a_stop_tokens_own_text_is_left_out(tokens_and_text):
-    tok, ids, text = tokens_and_text
+    tok, ids, _ = tokens_and_text
     out = run(TextStream(tok), events(ids[:5], last="stop"))
     assert "".join(o.text for o in out) == tok.decode(ids[:4]) and out[-1].finish_reason == "stop"
 
