@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
-from switchyard.service.engine.model import ShardShape, param_shapes, param_specs
+from switchyard.kernels.weights import DenseWeight
+from switchyard.service.engine.model import ShardShape, is_shape, param_shapes, param_specs, stage_stacked
 from switchyard.service.modelspec import ModelSpec
 from tqdm import tqdm
 
@@ -142,25 +143,27 @@ def load_params(
 
     q_l, kv_l = shape.q_heads * hd, shape.kv_heads * hd
 
-    def layer_fetchers(i: int) -> dict[str, Callable[[tuple[slice, ...]], np.ndarray]]:
+    def layer_fetchers(i: int) -> dict[str, Any]:
+        """Layer i's tree of fetchers, shaped as its parameters (a weight holds its matrix's)."""
         n = _hf_names(i)
-        return {
+        fetchers: dict[str, Any] = {
             "attn_norm": whole(n["attn_norm"], (s.hidden_size,)),
             "mlp_norm": whole(n["mlp_norm"], (s.hidden_size,)),
-            "wqkv": column_block(
-                [(n["q"], s.q_size, q_l), (n["k"], s.kv_size, kv_l), (n["v"], s.kv_size, kv_l)], shape.qkv_cols),
-            "wo": row_block(n["o"], (s.hidden_size, s.q_size)),
-            "wgu": column_block(
+            "wqkv": DenseWeight(column_block(
+                [(n["q"], s.q_size, q_l), (n["k"], s.kv_size, kv_l), (n["v"], s.kv_size, kv_l)], shape.qkv_cols)),
+            "wo": DenseWeight(row_block(n["o"], (s.hidden_size, s.q_size))),
+            "wgu": DenseWeight(column_block(
                 [(n["gate"], s.intermediate_size, shape.inter), (n["up"], s.intermediate_size, shape.inter)],
-                2 * shape.inter),
-            "wdown": row_block(n["down"], (s.hidden_size, s.intermediate_size)),
+                2 * shape.inter)),
+            "wdown": DenseWeight(row_block(n["down"], (s.hidden_size, s.intermediate_size))),
         }
+        return fetchers
 
-    def stage_fetch(j: int, name: str) -> Callable[[tuple[slice, ...]], np.ndarray]:
-        """Entry j of a stage-stacked array: stage s's block is layer s * per_stage + j."""
+    def stage_fetch(j: int, leaf: int) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        """Leaf ``leaf`` of entry j of the stage-stacked layers: stage s's block is layer s * per_stage + j."""
         def fetch(idx: tuple[slice, ...]) -> np.ndarray:
             stage = idx[0].start or 0
-            return layer_fetchers(stage * per_stage + j)[name](idx[1:])[None]
+            return jax.tree.leaves(layer_fetchers(stage * per_stage + j))[leaf](idx[1:])[None]
         return fetch
 
     rep = P()
@@ -173,10 +176,13 @@ def load_params(
         lshape, lspec = shapes["layers"][j], specs["layers"][j]
         if stages == 1:
             fetchers = layer_fetchers(j)
-            layer = {name: put(lshape[name], lspec[name], fetchers[name]) for name in lshape}
-        else:
-            layer = {name: put((stages, *lshape[name]), P("pp", *lspec[name]), stage_fetch(j, name))
+            layer = {name: jax.tree.map(put, lshape[name], lspec[name], fetchers[name], is_leaf=is_shape)
                      for name in lshape}
+        else:
+            lshape, lspec = stage_stacked(lshape, lspec, stages, "pp")
+            leaves, treedef = jax.tree.flatten(lshape, is_leaf=is_shape)
+            layer = jax.tree.unflatten(treedef, [put(shp, ps, stage_fetch(j, k)) for k, (shp, ps) in enumerate(
+                zip(leaves, jax.tree.leaves(lspec), strict=True))])
         params["layers"].append(layer)
         bar.update()
     params["final_norm"] = put(shapes["final_norm"], rep, whole("model.norm.weight", (s.hidden_size,)))

@@ -6,15 +6,17 @@ by one all-reduce each, which the collective layer fuses with the residual add a
 Weights are stored one array per layer and per matrix ([in, out] layout): a step reads each once,
 with no dynamic slicing of stacked weights (which would make XLA copy them).
 
-Parameter tree (global shapes; ``tp`` shards, ``c = (q_local + 2 kv_local) * head_dim``)::
+Parameter tree (global shapes; ``tp`` shards, ``c = (q_local + 2 kv_local) * head_dim``). The four
+matrices of a layer are weights (``switchyard.kernels.weights``: dense today, a quantized weight with
+its scales in the same place later); the rest are arrays::
 
     embed [vocab, hidden]                      replicated (rows are gathered)
     layers[i].attn_norm [hidden]               replicated
-    layers[i].wqkv [hidden, tp * c]            columns: shard r holds [q_r | k_r | v_r]
-    layers[i].wo [heads * head_dim, hidden]    rows by head
+    layers[i].wqkv [hidden, tp * c]            weight; columns: shard r holds [q_r | k_r | v_r]
+    layers[i].wo [heads * head_dim, hidden]    weight; rows by head
     layers[i].mlp_norm [hidden]                replicated
-    layers[i].wgu [hidden, tp * 2 * inter/tp]  columns: shard r holds [gate_r | up_r]
-    layers[i].wdown [inter, hidden]            rows
+    layers[i].wgu [hidden, tp * 2 * inter/tp]  weight; columns: shard r holds [gate_r | up_r]
+    layers[i].wdown [inter, hidden]            weight; rows
     final_norm [hidden]                        replicated
     lm_head [hidden, padded_vocab]             columns (vocabulary-parallel logits)
 """
@@ -31,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import attention, rmsnorm, row_parallel_residual, row_parallel_residual_rmsnorm
+from switchyard.kernels.weights import DenseWeight
 from switchyard.service.engine.chunk_attention import chunk_attention, cudnn_chunk_attention
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
 Params = dict[str, Any]
-# (a, w, residual, norm weight, eps, axis, strategy) -> (residual + all_reduce(a @ w), its RMSNorm)
+# (a, w (a weight), residual, norm weight, eps, axis, strategy) -> (residual + all_reduce(a @ w), its RMSNorm)
 RowParallelNorm = Callable[..., tuple[jax.Array, jax.Array]]
 # (a, w, residual, axis, strategy) -> residual + all_reduce(a @ w)
 RowParallel = Callable[..., jax.Array]
@@ -90,19 +93,34 @@ class ShardShape:
 
 
 def param_specs(spec: ModelSpec) -> Params:
-    layer = {"attn_norm": P(), "wqkv": P(None, AXIS), "wo": P(AXIS, None), "mlp_norm": P(),
-             "wgu": P(None, AXIS), "wdown": P(AXIS, None)}
+    """The parameter tree's partition specs (a weight's spec is that weight holding its matrix's)."""
+    layer: Params = {"attn_norm": P(), "wqkv": DenseWeight(P(None, AXIS)), "wo": DenseWeight(P(AXIS, None)),
+                     "mlp_norm": P(), "wgu": DenseWeight(P(None, AXIS)), "wdown": DenseWeight(P(AXIS, None))}
     return {"embed": P(), "layers": [dict(layer) for _ in range(spec.num_layers)], "final_norm": P(),
             "lm_head": P(None, AXIS)}
 
 
 def param_shapes(shape: ShardShape) -> Params:
+    """The parameter tree's global shapes, as tuples (a weight's: that weight holding its matrix's)."""
     s, tp = shape.spec, shape.tp
-    layer = {"attn_norm": (s.hidden_size,), "wqkv": (s.hidden_size, tp * shape.qkv_cols),
-             "wo": (s.q_size, s.hidden_size), "mlp_norm": (s.hidden_size,),
-             "wgu": (s.hidden_size, 2 * s.intermediate_size), "wdown": (s.intermediate_size, s.hidden_size)}
+    layer: Params = {"attn_norm": (s.hidden_size,), "wqkv": DenseWeight((s.hidden_size, tp * shape.qkv_cols)),
+                     "wo": DenseWeight((s.q_size, s.hidden_size)), "mlp_norm": (s.hidden_size,),
+                     "wgu": DenseWeight((s.hidden_size, 2 * s.intermediate_size)),
+                     "wdown": DenseWeight((s.intermediate_size, s.hidden_size))}
     return {"embed": (s.vocab_size, s.hidden_size), "layers": [dict(layer) for _ in range(s.num_layers)],
             "final_norm": (s.hidden_size,), "lm_head": (s.hidden_size, shape.padded_vocab)}
+
+
+def is_shape(x: Any) -> bool:
+    """A leaf of ``param_shapes``' tree (a shape tuple)."""
+    return isinstance(x, tuple)
+
+
+def stage_stacked(shapes: Params, specs: Params, stages: int, axis: str) -> tuple[Params, Params]:
+    """One layer's shapes and specs with a leading stage dimension sharded over ``axis`` (pipeline
+    stages: entry j of ``layers`` holds, on stage s, layer ``s * layers_per_stage + j``)."""
+    return (jax.tree.map(lambda shp: (stages, *shp), shapes, is_leaf=is_shape),
+            jax.tree.map(lambda ps: P(axis, *ps), specs))
 
 
 # ---- rotary embeddings ---------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from switchyard.service.engine.model import (
     param_specs,
     prefill_layers,
     run_layers,
+    stage_stacked,
 )
 from switchyard.service.engine.sampling import SamplingParams, sample_sharded
 from switchyard.service.engine.tensor_parallel import (
@@ -381,7 +382,8 @@ def random_stage_weights(spec: ModelSpec, layout: ServingLayout, dtype: str, see
     shapes = param_shapes(ShardShape(spec, layout.tp, vocab_shards=pp * layout.tp))
     specs = param_specs(spec)
     per_stage = spec.num_layers // pp
-    shapes["layers"] = [{k: (pp, *v) for k, v in layer.items()} for layer in shapes["layers"][:per_stage]]
-    specs["layers"] = [{k: P(PP, *v) for k, v in layer.items()} for layer in specs["layers"][:per_stage]]
+    stacked = [stage_stacked(shp, ps, pp, PP) for shp, ps in zip(shapes["layers"], specs["layers"], strict=True)]
+    shapes["layers"] = [shp for shp, _ in stacked[:per_stage]]
+    specs["layers"] = [ps for _, ps in stacked[:per_stage]]
     specs["lm_head"] = P(None, VOCAB_AXES)
     return random_params(shapes, specs, mesh, dtype, seed), mesh
