@@ -1,4 +1,5 @@
-"""Llama forward passes, written for one tensor-parallel shard (they run inside ``jax.shard_map``).
+"""The decoder's forward passes, written for one tensor-parallel shard (they run inside
+``jax.shard_map``), built from the model layer's shared layers (``service/model/layers.py``).
 
 Megatron layout: QKV and gate/up are column-parallel (each shard owns whole heads / a slice of the
 intermediate dimension), the attention output and down projections are row-parallel and followed
@@ -30,11 +31,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import attention, rmsnorm, row_parallel_residual, row_parallel_residual_rmsnorm
 from switchyard.kernels.weights import DenseWeight
 from switchyard.service.engine.chunk_attention import chunk_attention, cudnn_chunk_attention
+from switchyard.service.model.layers import embed, qkv_projection, rope_inv_freq, swiglu
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
@@ -123,38 +124,6 @@ def stage_stacked(shapes: Params, specs: Params, stages: int, axis: str) -> tupl
             jax.tree.map(lambda ps: P(axis, *ps), specs))
 
 
-# ---- rotary embeddings ---------------------------------------------------------------------------
-def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
-    """Inverse frequencies with the model's rope scaling (as Hugging Face computes them)."""
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    rs = spec.rope_scaling
-    if rs.rope_type == "linear":
-        inv_freq = inv_freq / rs.factor
-    elif rs.rope_type == "llama3":
-        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-            rs.high_freq_factor - rs.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled)
-    return inv_freq.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x [..., tokens, heads, head_dim] with positions [..., tokens] (rotate-half convention)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., tokens, dim/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[..., None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[..., None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
-
-
 # ---- forward passes (per shard) ------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
@@ -191,22 +160,12 @@ class ForwardConfig:
                    chunk_attention=cudnn_chunk_attention if platform in ("gpu", "cuda") else chunk_attention)
 
 
-def _split_qkv(qkv: jax.Array, shape: ShardShape) -> tuple[jax.Array, jax.Array, jax.Array]:
-    hd = shape.spec.head_dim
-    q_end = shape.q_heads * hd
-    k_end = q_end + shape.kv_heads * hd
-    lead = qkv.shape[:-1]
-    q = qkv[..., :q_end].reshape(*lead, shape.q_heads, hd)
-    k = qkv[..., q_end:k_end].reshape(*lead, shape.kv_heads, hd)
-    v = qkv[..., k_end:].reshape(*lead, shape.kv_heads, hd)
-    return q, k, v
-
-
-def _mlp_activation(h: jax.Array, layer: Params, shape: ShardShape) -> jax.Array:
-    """SwiGLU's input to the down projection."""
-    gu = h @ layer["wgu"]
-    gate, up = gu[..., : shape.inter], gu[..., shape.inter :]
-    return (jax.nn.silu(gate.astype(jnp.float32)).astype(h.dtype)) * up
+def _qkv(h: jax.Array, layer: Params, positions: jax.Array, cfg: ForwardConfig) -> jax.Array:
+    """The shard's packed, roped [n, q + 2 kv, head_dim] (``layers.qkv_projection``): the one place
+    every forward path (decode, whole prompt, token budget) builds its attention input."""
+    shape = cfg.shape
+    return qkv_projection(h, layer, positions, jnp.asarray(cfg.inv_freq, jnp.float32), shape.spec,
+                          shape.q_heads, shape.kv_heads)
 
 
 def run_layers(
@@ -233,7 +192,7 @@ def run_layers(
         if last_rows is not None and i == len(layers) - 1:
             out, residual = out[last_rows], residual[last_rows]
         residual, h = cfg.row_parallel_norm(out, layer["wo"], residual, layer["mlp_norm"], eps, AXIS, cfg.strategy)
-        act = _mlp_activation(h, layer, cfg.shape)
+        act = swiglu(h, layer, cfg.shape.inter)
         next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else final_norm
         if next_norm is None:
             return cfg.row_parallel(act, layer["wdown"], residual, AXIS, cfg.strategy), None
@@ -257,14 +216,7 @@ def decode_attention(
     """
     shape = cfg.shape
     n = h.shape[0]
-    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
-    hd = shape.spec.head_dim
-    # [n, q heads | k heads | v heads, hd], rope applied to q and k in one elementwise pass; the
-    # attention reads q, k and v from it in place (no per-layer slice copies).
-    qkv = (h @ layer["wqkv"]).reshape(n, shape.q_heads + 2 * shape.kv_heads, hd)
-    roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
-    is_qk = jnp.arange(qkv.shape[1]) < shape.q_heads + shape.kv_heads
-    qkv = jnp.where(is_qk[None, :, None], roped, qkv)
+    qkv = _qkv(h, layer, positions, cfg)
     # Rows that must not write aim past the cache's end: the write is dropped.
     at = positions if write is None else jnp.where(write, positions, k_cache.shape[2])
     out, k_cache, v_cache = cfg.decode_attention(qkv, k_cache, v_cache, positions, at)
@@ -290,7 +242,7 @@ def decode_forward(
         out, new_k[i], new_v[i] = decode_attention(params["layers"][i], h, k_cache[i], v_cache[i], positions, cfg)
         return out
 
-    x = params["embed"][tokens]
+    x = embed(params["embed"], tokens)
     h = _layer_loop(x, params, cfg, layer_attention)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, new_k, new_v
@@ -304,7 +256,6 @@ def prefill_layers(
     [layers, kv_heads_local, T, head_dim] (positions >= length hold padding)."""
     shape = cfg.shape
     T = x.shape[0]
-    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
     positions = jnp.arange(T)
     scale = 1.0 / math.sqrt(shape.spec.head_dim)
     group = shape.q_heads // shape.kv_heads
@@ -322,9 +273,8 @@ def prefill_layers(
         return jnp.einsum("kgqs,skd->qkgd", probs, v)
 
     def attention(i: int, h: jax.Array) -> jax.Array:
-        q, k, v = _split_qkv(h @ layers[i]["wqkv"], shape)  # [T, heads, hd]
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        qkv = _qkv(h, layers[i], positions, cfg)  # [T, q + 2 kv, hd]
+        q, k, v = jnp.split(qkv, [shape.q_heads, shape.q_heads + shape.kv_heads], axis=1)
         ks.append(jnp.swapaxes(k, 0, 1))
         vs.append(jnp.swapaxes(v, 0, 1))
         qg = q.reshape(T // chunk, chunk, shape.kv_heads, group, shape.spec.head_dim)
@@ -344,7 +294,8 @@ def prefill_forward(
     Returns the local logits at position ``length - 1`` [padded_vocab / tp] and the prompt's K and V
     stacked over layers [layers, kv_heads_local, T, head_dim] (positions >= length hold padding).
     """
-    _, h, ks, vs = prefill_layers(params["embed"][tokens], params["layers"], length, cfg, params["final_norm"])
+    _, h, ks, vs = prefill_layers(embed(params["embed"], tokens), params["layers"], length, cfg,
+                                  params["final_norm"])
     last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
     logits = jnp.dot(last, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, ks, vs
@@ -363,14 +314,6 @@ class Chunk:
     table: jax.Array
     kv_len: int
     block_aligned: bool = False  # (static) start is a multiple of the block size
-
-
-def _pack_rope(qkv: jax.Array, positions: jax.Array, shape: ShardShape, cfg: ForwardConfig) -> jax.Array:
-    """[n, q + 2 kv, hd] with rope applied to the query and key heads at ``positions`` [n]."""
-    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
-    roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
-    is_qk = jnp.arange(qkv.shape[1]) < shape.q_heads + shape.kv_heads
-    return jnp.where(is_qk[None, :, None], roped, qkv)
 
 
 def _chunk_layer_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, chunk: Chunk,
@@ -436,7 +379,6 @@ def budget_forward(
     shape = cfg.shape
     n = tokens.shape[0]
     hd = shape.spec.head_dim
-    heads = shape.q_heads + 2 * shape.kv_heads
     new_k, new_v = list(k_pool), list(v_pool)
     write_at = jnp.where(write, positions, tables.shape[1] * k_pool[0].shape[2])
     all_tokens, all_pos = tokens, positions
@@ -449,7 +391,7 @@ def budget_forward(
     attend_to = jnp.where(write, positions, 0)
 
     def layer_attention(i: int, h: jax.Array) -> jax.Array:
-        qkv = _pack_rope((h @ params["layers"][i]["wqkv"]).reshape(h.shape[0], heads, hd), all_pos, shape, cfg)
+        qkv = _qkv(h, params["layers"][i], all_pos, cfg)
         out, new_k[i], new_v[i] = cfg.paged_decode_attention(qkv[:n], new_k[i], new_v[i], tables, attend_to,
                                                              write_at)
         if chunk is not None:
@@ -461,6 +403,6 @@ def budget_forward(
     last_rows = None
     if chunk is not None:
         last_rows = jnp.concatenate([jnp.arange(n), (n + jnp.maximum(chunk.length, 1) - 1)[None]])
-    h = _layer_loop(params["embed"][all_tokens], params, cfg, layer_attention, last_rows)
+    h = _layer_loop(embed(params["embed"], all_tokens), params, cfg, layer_attention, last_rows)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, new_k, new_v
