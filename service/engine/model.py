@@ -1,5 +1,6 @@
 """The decoder's forward passes, written for one tensor-parallel shard (they run inside
-``jax.shard_map``), built from the model layer's shared layers (``service/model/layers.py``).
+``jax.shard_map``), built from the model layer's shared layers (``service/model/layers.py``): every
+family (``service/model``) runs through them, its extra tensors applied by ``layers.qkv_projection``.
 
 Megatron layout: QKV and gate/up are column-parallel (each shard owns whole heads / a slice of the
 intermediate dimension), the attention output and down projections are row-parallel and followed
@@ -14,6 +15,8 @@ its scales in the same place later); the rest are arrays::
     embed [vocab, hidden]                      replicated (rows are gathered)
     layers[i].attn_norm [hidden]               replicated
     layers[i].wqkv [hidden, tp * c]            weight; columns: shard r holds [q_r | k_r | v_r]
+    layers[i].bqkv [tp * c]                    (QKV bias: Qwen2) shard r holds [q_r | k_r | v_r]
+    layers[i].q_norm, k_norm [head_dim]        (per-head q/k norm: Qwen3) replicated
     layers[i].wo [heads * head_dim, hidden]    weight; rows by head
     layers[i].mlp_norm [hidden]                replicated
     layers[i].wgu [hidden, tp * 2 * inter/tp]  weight; columns: shard r holds [gate_r | up_r]
@@ -97,6 +100,10 @@ def param_specs(spec: ModelSpec) -> Params:
     """The parameter tree's partition specs (a weight's spec is that weight holding its matrix's)."""
     layer: Params = {"attn_norm": P(), "wqkv": DenseWeight(P(None, AXIS)), "wo": DenseWeight(P(AXIS, None)),
                      "mlp_norm": P(), "wgu": DenseWeight(P(None, AXIS)), "wdown": DenseWeight(P(AXIS, None))}
+    if spec.attention_bias:
+        layer["bqkv"] = P(AXIS)
+    if spec.qk_norm:
+        layer["q_norm"] = layer["k_norm"] = P()
     return {"embed": P(), "layers": [dict(layer) for _ in range(spec.num_layers)], "final_norm": P(),
             "lm_head": P(None, AXIS)}
 
@@ -108,6 +115,10 @@ def param_shapes(shape: ShardShape) -> Params:
                      "wo": DenseWeight((s.q_size, s.hidden_size)), "mlp_norm": (s.hidden_size,),
                      "wgu": DenseWeight((s.hidden_size, 2 * s.intermediate_size)),
                      "wdown": DenseWeight((s.intermediate_size, s.hidden_size))}
+    if s.attention_bias:
+        layer["bqkv"] = (tp * shape.qkv_cols,)
+    if s.qk_norm:
+        layer["q_norm"] = layer["k_norm"] = (s.head_dim,)
     return {"embed": (s.vocab_size, s.hidden_size), "layers": [dict(layer) for _ in range(s.num_layers)],
             "final_norm": (s.hidden_size,), "lm_head": (s.hidden_size, shape.padded_vocab)}
 

@@ -1,6 +1,6 @@
 """The layers every family's forward is built from, for one tensor-parallel shard (JAX): rotary
-embeddings with their scalings, RMSNorm, the embedding lookup, the QKV projection and the SwiGLU
-MLP's activation.
+embeddings with their scalings, RMSNorm, the embedding lookup, the QKV projection (with a family's
+bias and per-head q/k norm) and the SwiGLU MLP's activation.
 
 A layer's parameters are the engine's tree (``service/engine/model.py``): matrices are weights
 (``switchyard.kernels.weights``; ``x @ w`` is their product), vectors are arrays.
@@ -66,12 +66,20 @@ def qkv_projection(h: jax.Array, layer: Layer, positions: jax.Array, inv_freq: j
     """The shard's queries, keys and values of the rows ``h`` [n, hidden] at ``positions`` [n], packed
     as [n, q_heads + 2 kv_heads, head_dim] with RoPE applied to the query and key heads.
 
-    Every forward path reads q, k and v from this one array (attention kernels read it in place: no
-    per-layer slice copies).
+    Per the spec: the family's bias added (``bqkv``, the shard's [q | k | v] biases), each query and key
+    head RMS-normed over head_dim (``q_norm`` / ``k_norm``) before RoPE. Every forward path reads q, k
+    and v from this one array (attention kernels read it in place: no per-layer slice copies).
     """
     n, hd = h.shape[0], spec.head_dim
-    qkv = (h @ layer["wqkv"]).reshape(n, q_heads + 2 * kv_heads, hd)
+    qkv = h @ layer["wqkv"]
+    if spec.attention_bias:
+        qkv = qkv + layer["bqkv"]
+    qkv = qkv.reshape(n, q_heads + 2 * kv_heads, hd)
     qk = q_heads + kv_heads
+    if spec.qk_norm:
+        eps = spec.rms_norm_eps
+        qkv = jnp.concatenate([rmsnorm(qkv[:, :q_heads], layer["q_norm"], eps),
+                               rmsnorm(qkv[:, q_heads:qk], layer["k_norm"], eps), qkv[:, qk:]], axis=1)
     # RoPE over every head in one elementwise pass, kept for the query and key heads only.
     roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
     is_qk = jnp.arange(qkv.shape[1]) < qk

@@ -1,5 +1,5 @@
 """The engine's parameter tree: matrices are weights (the traced step is the one bare arrays give),
-and pipeline stages stack all of them."""
+each family's extra tensors have their place and sharding, and pipeline stages stack all of them."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from switchyard.service.engine.model import (
     param_specs,
 )
 from switchyard.service.engine.pipeline import make_pipeline_mesh
-from switchyard.service.engine.tensor_parallel import make_mesh
+from switchyard.service.engine.tensor_parallel import make_mesh, random_weights
 from switchyard.service.modelspec import preset
 
 POOL = P(None, AXIS, None, None)
@@ -66,7 +66,7 @@ def lowered_step(spec, tp: int, unwrap: bool) -> str:
                     c_table).lower(lowering_platforms=("cpu",)).as_text()
 
 
-@pytest.mark.parametrize("name", ["tiny"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3"])
 def test_a_step_over_dense_weights_is_the_program_of_bare_arrays(name):
     spec = dataclasses.replace(preset(name), num_layers=2, dtype="bfloat16")
     ours = lowered_step(spec, 2, unwrap=False)
@@ -74,10 +74,26 @@ def test_a_step_over_dense_weights_is_the_program_of_bare_arrays(name):
     assert ours.count("stablehlo.dot_general") >= 4 * spec.num_layers
 
 
-@pytest.mark.parametrize("name", ["tiny"])
-def test_pipeline_stages_stack_every_tensor(tmp_path, name):
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-qwen3"])
+def test_each_family_has_its_extra_tensors_sharded(name):
+    spec = preset(name)
+    params, _ = random_weights(spec, 2, "float32", seed=0)
+    layer = params["layers"][1]
+    extras = {"tiny": set(), "tiny-qwen2": {"bqkv"}, "tiny-qwen3": {"q_norm", "k_norm"}}[name]
+    assert set(layer) == {"attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown"} | extras
+    qkv_cols = layer["wqkv"].shape[1]
+    if "bqkv" in layer:  # sharded like wqkv's columns: shard r holds [q_r | k_r | v_r]
+        assert layer["bqkv"].shape == (qkv_cols,) and layer["bqkv"].sharding.spec == P(AXIS)
+        assert float(jnp.abs(layer["bqkv"]).mean()) < 0.1
+    for norm in extras - {"bqkv"}:
+        assert layer[norm].shape == (spec.head_dim,) and layer[norm].sharding.spec == P()
+        assert abs(float(layer[norm].mean()) - 1.0) < 0.2  # norms start near one
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])
+def test_pipeline_stages_stack_every_tensor_of_the_family(tmp_path, name):
     """Loaded for two stages of TP=2, entry j of the layers holds on stage s exactly what a TP=2 load
-    holds for layer 2s + j."""
+    holds for layer 2s + j, the family's biases and norms included."""
     spec = preset(name)
     folder = write_checkpoint(spec, tmp_path / name, seed=2, progress=False)
     flat = load_params(folder, spec, make_mesh(2), "float32", progress=False)
