@@ -227,7 +227,7 @@ def check_model(layout: Any, model_path: str, args: argparse.Namespace, model_na
     (the devices are the engine process's to count). Returns (ModelSpec, Tokenizer); raises UsageError."""
     from switchyard.service.engine.model import ShardShape
     from switchyard.service.engine.tokenizer import Tokenizer
-    from switchyard.service.modelspec import ModelSpec, ModelSpecError
+    from switchyard.service.modelspec import ModelSpec, ModelSpecError, check_context
 
     folder = existing_folder(model_path, "model folder")
     for required in ("config.json", "tokenizer.json"):
@@ -242,6 +242,10 @@ def check_model(layout: Any, model_path: str, args: argparse.Namespace, model_na
     if not 2 <= layout.max_seq_len <= spec.max_position_embeddings:
         raise UsageError(f"--max-seq-len {layout.max_seq_len} is outside [2, {spec.max_position_embeddings}], "
                          f"the context of {model_name or spec.name}")
+    try:
+        check_context(spec, layout.max_seq_len)
+    except ModelSpecError as err:
+        raise UsageError(f"--max-seq-len {layout.max_seq_len}: {err}") from None
     try:
         ShardShape(spec, layout.tp)
     except ValueError as err:

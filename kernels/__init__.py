@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         split_product,
     )
     from switchyard.kernels.native import KernelError, check_errors, device_memory, init, reset, set_timeout, status
+    from switchyard.kernels.weights import DenseWeight, Weight, as_weight
 
 # Public name -> the module that defines it (a module's own name: the module itself).
 _LAZY = {
@@ -43,6 +44,10 @@ _LAZY = {
     "K_SPLITS": "collectives",
     "row_parallel_residual": "collectives",
     "row_parallel_residual_rmsnorm": "collectives",
+    # The weight type the model's products and the row-parallel calls take.
+    "DenseWeight": "weights",
+    "Weight": "weights",
+    "as_weight": "weights",
     "KernelError": "native",
     "check_errors": "native",
     "device_memory": "native",
@@ -55,9 +60,12 @@ _LAZY = {
 __all__ = [
     "K_SPLITS",
     "STRATEGIES",
+    "DenseWeight",
     "KernelError",
+    "Weight",
     "all_reduce",
     "all_reduce_residual_rmsnorm",
+    "as_weight",
     "attention",
     "check_errors",
     "device_memory",

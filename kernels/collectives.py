@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from switchyard.kernels import native
 from switchyard.kernels.selection import STRATEGIES, check_strategy, choose, choose_fused
+from switchyard.kernels.weights import Weight, as_weight
 
 __all__ = ["MAX_PARTIALS", "STRATEGIES", "all_reduce", "all_reduce_residual_rmsnorm", "plan", "rmsnorm",
            "split_product"]
@@ -23,19 +24,15 @@ __all__ = ["MAX_PARTIALS", "STRATEGIES", "all_reduce", "all_reduce_residual_rmsn
 MAX_PARTIALS = 4  # kMaxPartials in csrc/fused_rmsnorm.cuh
 
 
-def split_product(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+def split_product(x: jax.Array, w: Weight | jax.Array, splits: int) -> jax.Array:
     """``x @ w`` as ``splits`` float32 partial products over equal slices of K: [splits, ..., N].
 
     Their sum (rounded to x's dtype) is the product. The fused all-reduce takes them as they are: at
     decode sizes XLA runs its own split-K GEMM for ``x @ w`` and sums the partials in a kernel of
     their own in front of a custom call (benchmarks/NOTES.md); written this way, one batched GEMM.
+    ``w``: a weight (``weights.py``) or a bare matrix.
     """
-    *lead, k = x.shape
-    if splits < 1 or k % splits:
-        raise ValueError(f"cannot split K = {k} into {splits} equal slices")
-    xs = x.reshape(*lead, splits, k // splits)
-    ws = w.reshape(splits, k // splits, w.shape[-1])
-    return jnp.einsum("...sk,skn->s...n", xs, ws, preferred_element_type=jnp.float32)
+    return as_weight(w).split_product(x, splits)
 
 
 def rmsnorm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -151,12 +148,13 @@ K_SPLITS = 4
 
 
 def row_parallel_residual_rmsnorm(
-    a: jax.Array, w: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, axis: str, strategy: str = "xla",
-    *, k_splits: int | None = None,
+    a: jax.Array, w: Weight | jax.Array, residual: jax.Array, weight: jax.Array, eps: float, axis: str,
+    strategy: str = "xla", *, k_splits: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``residual + all_reduce(a @ w)`` and its RMSNorm: returns ``(new_residual, normed)``.
 
-    ``a @ w`` is this device's share of a row-parallel product (``w`` holds rows of the weight). Where
+    ``a @ w`` is this device's share of a row-parallel product (``w``, a weight or a bare matrix,
+    holds rows of the weight). Where
     the fused kernel runs, the product is written as ``k_splits`` float32 partial products over
     slices of K (``split_product``, default ``K_SPLITS``), which the kernel sums as it loads them; with
     ``k_splits=1``, a K that does not divide, or no fused kernel, it is a plain dot.
@@ -170,7 +168,7 @@ def row_parallel_residual_rmsnorm(
 
 
 def row_parallel_residual(
-    a: jax.Array, w: jax.Array, residual: jax.Array, axis: str, strategy: str = "xla"
+    a: jax.Array, w: Weight | jax.Array, residual: jax.Array, axis: str, strategy: str = "xla"
 ) -> jax.Array:
     """``residual + all_reduce(a @ w)``, with no norm after it (a pipeline stage's last layer)."""
     return residual + all_reduce(a @ w, axis, strategy).astype(residual.dtype)

@@ -1,4 +1,5 @@
-"""Model shape of a Llama-family decoder, read from a Hugging Face ``config.json``.
+"""Model shape of a decoder of one of the supported families (``service.model``), read from a Hugging
+Face ``config.json``.
 
 Pure Python (no JAX, no NumPy): the operator's planner imports this module too.
 Also holds :class:`ServingLayout`, the layout file the operator hands to each pod and
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from switchyard.kernels.selection import STRATEGIES  # JAX-free, as this module
+from switchyard.service.model import FAMILIES, SUPPORTED_MODEL_TYPES, Family, FamilyConfigError, family_for_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Positions per block of the paged KV cache: pools are sized, and sequences take room, in whole blocks.
@@ -29,7 +31,6 @@ STEP_TOKENS_MULTIPLE = 16
 # The share of the memory left after the weights a pool sized at start-up takes, by default and at most.
 DEFAULT_KV_MEMORY_FRACTION = 0.9
 MAX_KV_MEMORY_FRACTION = 0.95
-SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Bounds of a model's shape, by config.json name: the largest models served, with room to spare
@@ -45,6 +46,7 @@ INTEGER_BOUNDS: dict[str, tuple[int, int]] = {
     "head_dim": (2, 4096),
     "max_position_embeddings": (2, 1 << 24),
     "rope_scaling.original_max_position_embeddings": (1, 1 << 24),
+    "sliding_window": (1, 1 << 24),
 }
 # (exclusive lower bound, inclusive upper bound)
 NUMBER_BOUNDS: dict[str, tuple[float, float]] = {
@@ -96,12 +98,17 @@ def check_shape(spec: ModelSpec) -> None:
     """Every bound of a model's shape and every rule between its numbers, in one place: every way of
     making a ModelSpec (a config.json, a preset, the operator's spec) passes here, so the CLI, serve,
     the planner and the operator all refuse the same shapes with the same messages."""
+    if spec.model_type not in FAMILIES:
+        raise ModelSpecError(f"model_type {spec.model_type!r:.40} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     for field, name in _CONFIG_NAMES.items():
         value = getattr(spec, field)
         if name in INTEGER_BOUNDS:
             check_integer(name, value)
         else:
             check_number(name, value)
+    if spec.sliding_window is not None:
+        check_integer("sliding_window", spec.sliding_window)
     if spec.num_heads % spec.num_kv_heads:
         raise ModelSpecError(
             f"num_attention_heads ({spec.num_heads}) must be a multiple of num_key_value_heads ({spec.num_kv_heads})")
@@ -125,6 +132,15 @@ def check_shape(spec: ModelSpec) -> None:
     bad = [t for t in special if not is_integer(t) or not 0 <= t < vocab]
     if bad:
         raise ModelSpecError(f"bos_token_id / eos_token_id must be token ids in [0, {vocab}), got {bad[:4]!r:.60}")
+
+
+def check_context(spec: ModelSpec, max_seq_len: int) -> None:
+    """The rules between a model's shape and the context it is served with (known at serve time)."""
+    window = spec.sliding_window
+    if window is not None and window < max_seq_len:
+        raise ModelSpecError(
+            f"{spec.name} attends over a sliding window of {window} tokens, which the engine does not "
+            f"implement: serve it with a context (max_seq_len) of at most {window}, not {max_seq_len}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +183,27 @@ class ModelSpec:
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"  # the family (service.model.FAMILIES)
+    # Tokens a query attends back over (Mistral; Qwen's windowed layers); None: the whole sequence.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         check_shape(self)
+
+    # ---- family --------------------------------------------------------------------------------
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def attention_bias(self) -> bool:
+        """The q, k and v projections carry biases."""
+        return self.family.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Query and key heads are RMS-normed over head_dim before RoPE."""
+        return self.family.qk_norm
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -186,10 +220,8 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = 2 * self.hidden_size
-        return attn + mlp + norms
+        """Every tensor of one layer, the family's extra ones (biases, q/k norms) included."""
+        return self.family.layer_params(self)
 
     @property
     def embedding_params(self) -> int:
@@ -244,14 +276,16 @@ class ModelSpec:
     def from_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
         if not isinstance(config, Mapping):
             raise ModelSpecError("config must be a JSON object")
-        model_type = config.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelSpecError(
-                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        try:
+            family = family_for_config(config)
+            fields = family.read_config(config)
+        except FamilyConfigError as err:
+            raise ModelSpecError(str(err)) from None
         if config.get("hidden_act", "silu") != "silu":
-            raise ModelSpecError(f"hidden_act {config['hidden_act']!r} is not supported (Llama uses silu)")
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise ModelSpecError("attention_bias / mlp_bias are not supported")
+            raise ModelSpecError(f"hidden_act {config['hidden_act']!r:.40} is not supported (every family "
+                                 "served uses silu)")
+        if config.get("mlp_bias"):
+            raise ModelSpecError("mlp_bias is not supported: the MLP projections have no biases here")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in config]
         if missing:
@@ -259,6 +293,8 @@ class ModelSpec:
         heads = check_integer("num_attention_heads", config["num_attention_heads"])
         hidden = check_integer("hidden_size", config["hidden_size"])
         head_dim = config.get("head_dim")
+        if head_dim is None:
+            head_dim = fields.get("head_dim")  # a family's own default (Qwen3: 128)
         if head_dim is None:
             if hidden < heads:
                 raise ModelSpecError(f"hidden_size ({hidden}) is smaller than num_attention_heads ({heads}): "
@@ -280,7 +316,7 @@ class ModelSpec:
         if not isinstance(tie, bool):
             raise ModelSpecError(f"tie_word_embeddings must be true or false, got {tie!r:.40}")
         return cls(
-            name=name or config.get("_name_or_path") or config.get("name") or "llama",
+            name=name or config.get("_name_or_path") or config.get("name") or family.name,
             vocab_size=config["vocab_size"],
             hidden_size=hidden,
             intermediate_size=config["intermediate_size"],
@@ -296,6 +332,8 @@ class ModelSpec:
             dtype=str(dtype),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            model_type=family.name,
+            sliding_window=fields.get("sliding_window"),
         )
 
     @classmethod
@@ -312,12 +350,12 @@ class ModelSpec:
         return cls.from_config(config, name=path.parent.name if path.name == "config.json" else None)
 
     def to_config(self) -> dict[str, Any]:
-        """A Hugging Face ``LlamaConfig``-compatible dict."""
+        """The config.json of this shape, as the family's Hugging Face config class reads it."""
         eos: int | list[int] | None
         eos = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self.family.architectures[0]],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -331,11 +369,10 @@ class ModelSpec:
             "rope_scaling": self.rope_scaling.to_hf(),
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
             "torch_dtype": self.dtype,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos if self.eos_token_ids else None,
+            **self.family.write_config(self),
         }
 
 
@@ -384,6 +421,34 @@ PRESETS: dict[str, ModelSpec] = {
                                head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
                                rope_scaling=_LLAMA3_ROPE, bos_token_id=128000,
                                eos_token_ids=(128001, 128008, 128009)),
+    # Tiny shapes of the other families (random-weight checkpoints, tests): Mistral with a window as
+    # long as its context; Qwen2 with QKV biases, GQA 4:1 and tied embeddings; Qwen3 with q/k norms and
+    # a head_dim that is not hidden_size / heads.
+    "tiny-mistral": ModelSpec(name="tiny-mistral", vocab_size=512, hidden_size=128, intermediate_size=352,
+                              num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16,
+                              max_position_embeddings=2048, rope_theta=1000000.0, dtype="float32",
+                              bos_token_id=1, eos_token_ids=(2,), model_type="mistral", sliding_window=2048),
+    "tiny-qwen2": ModelSpec(name="tiny-qwen2", vocab_size=512, hidden_size=128, intermediate_size=352,
+                            num_layers=4, num_heads=8, num_kv_heads=2, head_dim=16,
+                            max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                            tie_word_embeddings=True, dtype="float32", bos_token_id=1, eos_token_ids=(2,),
+                            model_type="qwen2"),
+    "tiny-qwen3": ModelSpec(name="tiny-qwen3", vocab_size=512, hidden_size=128, intermediate_size=352,
+                            num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                            max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                            dtype="float32", bos_token_id=1, eos_token_ids=(2,), model_type="qwen3"),
+    "mistral-7b": ModelSpec(name="mistral-7b", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                            max_position_embeddings=32768, rope_theta=1000000.0, bos_token_id=1,
+                            eos_token_ids=(2,), model_type="mistral"),
+    "qwen2.5-7b": ModelSpec(name="qwen2.5-7b", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                            num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                            max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                            bos_token_id=151643, eos_token_ids=(151645, 151643), model_type="qwen2"),
+    "qwen3-8b": ModelSpec(name="qwen3-8b", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                          num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          bos_token_id=151643, eos_token_ids=(151645, 151643), model_type="qwen3"),
 }
 
 

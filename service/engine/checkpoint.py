@@ -18,7 +18,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
-from switchyard.service.engine.model import ShardShape, param_shapes, param_specs
+from switchyard.kernels.weights import DenseWeight
+from switchyard.service.engine.model import ShardShape, is_shape, param_shapes, param_specs, stage_stacked
+from switchyard.service.model.family import EMBED, FINAL_NORM, LM_HEAD, tensor_shape
 from switchyard.service.modelspec import ModelSpec
 from tqdm import tqdm
 
@@ -84,16 +86,6 @@ class TensorSource:
         return tensor[index]
 
 
-def _hf_names(i: int) -> dict[str, str]:
-    p = f"model.layers.{i}."
-    return {
-        "attn_norm": p + "input_layernorm.weight", "mlp_norm": p + "post_attention_layernorm.weight",
-        "q": p + "self_attn.q_proj.weight", "k": p + "self_attn.k_proj.weight",
-        "v": p + "self_attn.v_proj.weight", "o": p + "self_attn.o_proj.weight",
-        "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight", "down": p + "mlp.down_proj.weight",
-    }
-
-
 def _shard_index(index: tuple[slice, ...], dim: int, width: int) -> int:
     start = index[dim].start or 0
     return start // width
@@ -102,7 +94,8 @@ def _shard_index(index: tuple[slice, ...], dim: int, width: int) -> int:
 def load_params(
     folder: str | Path, spec: ModelSpec, mesh: Mesh, dtype: str, progress: bool = True, stages: int = 1
 ) -> dict:
-    """Read a Hugging Face Llama checkpoint into the engine's sharded parameter tree on ``mesh``.
+    """Read a Hugging Face checkpoint of the spec's family (its tensor names: ``service/model``) into
+    the engine's sharded parameter tree on ``mesh``.
 
     With ``stages`` > 1 (a pipeline; the mesh has axes ``pp`` and ``tp``) each layer array gets a
     leading stage dimension sharded over ``pp``: entry j of ``layers`` holds, on stage s, layer
@@ -134,6 +127,13 @@ def load_params(
             return np.concatenate(blocks, axis=1)[idx[0]]
         return fetch
 
+    def vector_block(parts: list[tuple[str, int, int]], width: int) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        """Shard r's entries = concat of entries [r*n, (r+1)*n) of each HF [out] vector (biases)."""
+        def fetch(idx: tuple[slice, ...]) -> np.ndarray:
+            r = _shard_index(idx, 0, width)
+            return np.concatenate([src.slice(name, (out,), slice(r * n, (r + 1) * n)) for name, out, n in parts])
+        return fetch
+
     def row_block(name: str, expected: tuple[int, ...]) -> Callable[[tuple[slice, ...]], np.ndarray]:
         """HF [out, in] tensor used as [in, out], sharded by its input rows (= the tensor's columns)."""
         def fetch(idx: tuple[slice, ...]) -> np.ndarray:
@@ -142,46 +142,58 @@ def load_params(
 
     q_l, kv_l = shape.q_heads * hd, shape.kv_heads * hd
 
-    def layer_fetchers(i: int) -> dict[str, Callable[[tuple[slice, ...]], np.ndarray]]:
-        n = _hf_names(i)
-        return {
+    def layer_fetchers(i: int) -> dict[str, Any]:
+        """Layer i's tree of fetchers, shaped as its parameters (a weight holds its matrix's)."""
+        n = s.family.layer_names(i)
+        fetchers: dict[str, Any] = {
             "attn_norm": whole(n["attn_norm"], (s.hidden_size,)),
             "mlp_norm": whole(n["mlp_norm"], (s.hidden_size,)),
-            "wqkv": column_block(
-                [(n["q"], s.q_size, q_l), (n["k"], s.kv_size, kv_l), (n["v"], s.kv_size, kv_l)], shape.qkv_cols),
-            "wo": row_block(n["o"], (s.hidden_size, s.q_size)),
-            "wgu": column_block(
+            "wqkv": DenseWeight(column_block(
+                [(n["q"], s.q_size, q_l), (n["k"], s.kv_size, kv_l), (n["v"], s.kv_size, kv_l)], shape.qkv_cols)),
+            "wo": DenseWeight(row_block(n["o"], (s.hidden_size, s.q_size))),
+            "wgu": DenseWeight(column_block(
                 [(n["gate"], s.intermediate_size, shape.inter), (n["up"], s.intermediate_size, shape.inter)],
-                2 * shape.inter),
-            "wdown": row_block(n["down"], (s.hidden_size, s.intermediate_size)),
+                2 * shape.inter)),
+            "wdown": DenseWeight(row_block(n["down"], (s.hidden_size, s.intermediate_size))),
         }
+        if s.attention_bias:
+            fetchers["bqkv"] = vector_block(
+                [(n["q_bias"], s.q_size, q_l), (n["k_bias"], s.kv_size, kv_l), (n["v_bias"], s.kv_size, kv_l)],
+                shape.qkv_cols)
+        if s.qk_norm:
+            fetchers["q_norm"] = whole(n["q_norm"], tensor_shape("q_norm", s))
+            fetchers["k_norm"] = whole(n["k_norm"], tensor_shape("k_norm", s))
+        return fetchers
 
-    def stage_fetch(j: int, name: str) -> Callable[[tuple[slice, ...]], np.ndarray]:
-        """Entry j of a stage-stacked array: stage s's block is layer s * per_stage + j."""
+    def stage_fetch(j: int, leaf: int) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        """Leaf ``leaf`` of entry j of the stage-stacked layers: stage s's block is layer s * per_stage + j."""
         def fetch(idx: tuple[slice, ...]) -> np.ndarray:
             stage = idx[0].start or 0
-            return layer_fetchers(stage * per_stage + j)[name](idx[1:])[None]
+            return jax.tree.leaves(layer_fetchers(stage * per_stage + j))[leaf](idx[1:])[None]
         return fetch
 
     rep = P()
     total = 3 + per_stage
     bar = progress_bar(progress, total=total, desc=f"loading {folder.name}", unit="tensor-group")
     params: dict[str, Any] = {"layers": []}
-    params["embed"] = put(shapes["embed"], rep, whole("model.embed_tokens.weight", (s.vocab_size, s.hidden_size)))
+    params["embed"] = put(shapes["embed"], rep, whole(EMBED, (s.vocab_size, s.hidden_size)))
     bar.update()
     for j in range(per_stage):
         lshape, lspec = shapes["layers"][j], specs["layers"][j]
         if stages == 1:
             fetchers = layer_fetchers(j)
-            layer = {name: put(lshape[name], lspec[name], fetchers[name]) for name in lshape}
-        else:
-            layer = {name: put((stages, *lshape[name]), P("pp", *lspec[name]), stage_fetch(j, name))
+            layer = {name: jax.tree.map(put, lshape[name], lspec[name], fetchers[name], is_leaf=is_shape)
                      for name in lshape}
+        else:
+            lshape, lspec = stage_stacked(lshape, lspec, stages, "pp")
+            leaves, treedef = jax.tree.flatten(lshape, is_leaf=is_shape)
+            layer = jax.tree.unflatten(treedef, [put(shp, ps, stage_fetch(j, k)) for k, (shp, ps) in enumerate(
+                zip(leaves, jax.tree.leaves(lspec), strict=True))])
         params["layers"].append(layer)
         bar.update()
-    params["final_norm"] = put(shapes["final_norm"], rep, whole("model.norm.weight", (s.hidden_size,)))
+    params["final_norm"] = put(shapes["final_norm"], rep, whole(FINAL_NORM, (s.hidden_size,)))
     bar.update()
-    head_name = "model.embed_tokens.weight" if s.tie_word_embeddings else "lm_head.weight"
+    head_name = EMBED if s.tie_word_embeddings else LM_HEAD
     if not s.tie_word_embeddings and head_name not in src:
         raise CheckpointError("checkpoint has no lm_head.weight and the config does not tie word embeddings")
     local_vocab = shape.padded_vocab // (tp * stages)
@@ -211,21 +223,17 @@ def random_hf_tensors(spec: ModelSpec, seed: int) -> Iterator[tuple[str, np.ndar
     def normal(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
 
-    yield "model.embed_tokens.weight", normal(s.vocab_size, s.hidden_size)
+    def norm(*shape: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+    yield EMBED, normal(s.vocab_size, s.hidden_size)
     for i in range(s.num_layers):
-        n = _hf_names(i)
-        yield n["attn_norm"], (1.0 + 0.1 * rng.standard_normal(s.hidden_size, dtype=np.float32)).astype(dtype)
-        yield n["q"], normal(s.q_size, s.hidden_size)
-        yield n["k"], normal(s.kv_size, s.hidden_size)
-        yield n["v"], normal(s.kv_size, s.hidden_size)
-        yield n["o"], normal(s.hidden_size, s.q_size)
-        yield n["mlp_norm"], (1.0 + 0.1 * rng.standard_normal(s.hidden_size, dtype=np.float32)).astype(dtype)
-        yield n["gate"], normal(s.intermediate_size, s.hidden_size)
-        yield n["up"], normal(s.intermediate_size, s.hidden_size)
-        yield n["down"], normal(s.hidden_size, s.intermediate_size)
-    yield "model.norm.weight", (1.0 + 0.1 * rng.standard_normal(s.hidden_size, dtype=np.float32)).astype(dtype)
+        names, shapes = s.family.layer_names(i), s.family.layer_shapes(s)
+        for role, name in names.items():  # the family's tensors: biases and q/k norms too
+            yield name, (norm if role.endswith("norm") else normal)(*shapes[role])
+    yield FINAL_NORM, norm(s.hidden_size)
     if not s.tie_word_embeddings:
-        yield "lm_head.weight", normal(s.vocab_size, s.hidden_size)
+        yield LM_HEAD, normal(s.vocab_size, s.hidden_size)
 
 
 def write_checkpoint(

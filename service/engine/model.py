@@ -1,5 +1,7 @@
 """The forward pass of a token-budget step, written for one tensor-parallel shard (it runs inside
-``jax.shard_map``): one pass over a flat batch of decode rows and a prompt chunk, over a paged KV pool.
+``jax.shard_map``): one pass over a flat batch of decode rows and a prompt chunk, over a paged KV pool,
+built from the model layer's shared layers (``service/model/layers.py``); every family
+(``service/model``) runs through it, its extra tensors applied by ``layers.qkv_projection``.
 
 Megatron layout: QKV and gate/up are column-parallel (each shard owns whole heads / a slice of the
 intermediate dimension), the attention output and down projections are row-parallel and followed
@@ -7,15 +9,19 @@ by one all-reduce each, which the collective layer fuses with the residual add a
 Weights are stored one array per layer and per matrix ([in, out] layout): a step reads each once,
 with no dynamic slicing of stacked weights (which would make XLA copy them).
 
-Parameter tree (global shapes; ``tp`` shards, ``c = (q_local + 2 kv_local) * head_dim``)::
+Parameter tree (global shapes; ``tp`` shards, ``c = (q_local + 2 kv_local) * head_dim``). The four
+matrices of a layer are weights (``switchyard.kernels.weights``: dense today, a quantized weight with
+its scales in the same place later); the rest are arrays::
 
     embed [vocab, hidden]                      replicated (rows are gathered)
     layers[i].attn_norm [hidden]               replicated
-    layers[i].wqkv [hidden, tp * c]            columns: shard r holds [q_r | k_r | v_r]
-    layers[i].wo [heads * head_dim, hidden]    rows by head
+    layers[i].wqkv [hidden, tp * c]            weight; columns: shard r holds [q_r | k_r | v_r]
+    layers[i].bqkv [tp * c]                    (QKV bias: Qwen2) shard r holds [q_r | k_r | v_r]
+    layers[i].q_norm, k_norm [head_dim]        (per-head q/k norm: Qwen3) replicated
+    layers[i].wo [heads * head_dim, hidden]    weight; rows by head
     layers[i].mlp_norm [hidden]                replicated
-    layers[i].wgu [hidden, tp * 2 * inter/tp]  columns: shard r holds [gate_r | up_r]
-    layers[i].wdown [inter, hidden]            rows
+    layers[i].wgu [hidden, tp * 2 * inter/tp]  weight; columns: shard r holds [gate_r | up_r]
+    layers[i].wdown [inter, hidden]            weight; rows
     final_norm [hidden]                        replicated
     lm_head [hidden, padded_vocab]             columns (vocabulary-parallel logits)
 """
@@ -29,15 +35,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 from switchyard.kernels import attention, rmsnorm, row_parallel_residual, row_parallel_residual_rmsnorm
+from switchyard.kernels.weights import DenseWeight
 from switchyard.service.engine.chunk_attention import chunk_attention, cudnn_chunk_attention
+from switchyard.service.model.layers import embed, qkv_projection, rope_inv_freq, swiglu
 from switchyard.service.modelspec import ModelSpec
 
 AXIS = "tp"
 Params = dict[str, Any]
-# (a, w, residual, norm weight, eps, axis, strategy) -> (residual + all_reduce(a @ w), its RMSNorm)
+# (a, w (a weight), residual, norm weight, eps, axis, strategy) -> (residual + all_reduce(a @ w), its RMSNorm)
 RowParallelNorm = Callable[..., tuple[jax.Array, jax.Array]]
 # (a, w, residual, axis, strategy) -> residual + all_reduce(a @ w)
 RowParallel = Callable[..., jax.Array]
@@ -89,51 +96,42 @@ class ShardShape:
 
 
 def param_specs(spec: ModelSpec) -> Params:
-    layer = {"attn_norm": P(), "wqkv": P(None, AXIS), "wo": P(AXIS, None), "mlp_norm": P(),
-             "wgu": P(None, AXIS), "wdown": P(AXIS, None)}
+    """The parameter tree's partition specs (a weight's spec is that weight holding its matrix's)."""
+    layer: Params = {"attn_norm": P(), "wqkv": DenseWeight(P(None, AXIS)), "wo": DenseWeight(P(AXIS, None)),
+                     "mlp_norm": P(), "wgu": DenseWeight(P(None, AXIS)), "wdown": DenseWeight(P(AXIS, None))}
+    if spec.attention_bias:
+        layer["bqkv"] = P(AXIS)
+    if spec.qk_norm:
+        layer["q_norm"] = layer["k_norm"] = P()
     return {"embed": P(), "layers": [dict(layer) for _ in range(spec.num_layers)], "final_norm": P(),
             "lm_head": P(None, AXIS)}
 
 
 def param_shapes(shape: ShardShape) -> Params:
+    """The parameter tree's global shapes, as tuples (a weight's: that weight holding its matrix's)."""
     s, tp = shape.spec, shape.tp
-    layer = {"attn_norm": (s.hidden_size,), "wqkv": (s.hidden_size, tp * shape.qkv_cols),
-             "wo": (s.q_size, s.hidden_size), "mlp_norm": (s.hidden_size,),
-             "wgu": (s.hidden_size, 2 * s.intermediate_size), "wdown": (s.intermediate_size, s.hidden_size)}
+    layer: Params = {"attn_norm": (s.hidden_size,), "wqkv": DenseWeight((s.hidden_size, tp * shape.qkv_cols)),
+                     "wo": DenseWeight((s.q_size, s.hidden_size)), "mlp_norm": (s.hidden_size,),
+                     "wgu": DenseWeight((s.hidden_size, 2 * s.intermediate_size)),
+                     "wdown": DenseWeight((s.intermediate_size, s.hidden_size))}
+    if s.attention_bias:
+        layer["bqkv"] = (tp * shape.qkv_cols,)
+    if s.qk_norm:
+        layer["q_norm"] = layer["k_norm"] = (s.head_dim,)
     return {"embed": (s.vocab_size, s.hidden_size), "layers": [dict(layer) for _ in range(s.num_layers)],
             "final_norm": (s.hidden_size,), "lm_head": (s.hidden_size, shape.padded_vocab)}
 
 
-# ---- rotary embeddings ---------------------------------------------------------------------------
-def rope_inv_freq(spec: ModelSpec) -> np.ndarray:
-    """Inverse frequencies with the model's rope scaling (as Hugging Face computes them)."""
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    rs = spec.rope_scaling
-    if rs.rope_type == "linear":
-        inv_freq = inv_freq / rs.factor
-    elif rs.rope_type == "llama3":
-        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-            rs.high_freq_factor - rs.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled)
-    return inv_freq.astype(np.float32)
+def is_shape(x: Any) -> bool:
+    """A leaf of ``param_shapes``' tree (a shape tuple)."""
+    return isinstance(x, tuple)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x [..., tokens, heads, head_dim] with positions [..., tokens] (rotate-half convention)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., tokens, dim/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[..., None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[..., None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
+def stage_stacked(shapes: Params, specs: Params, stages: int, axis: str) -> tuple[Params, Params]:
+    """One layer's shapes and specs with a leading stage dimension sharded over ``axis`` (pipeline
+    stages: entry j of ``layers`` holds, on stage s, layer ``s * layers_per_stage + j``)."""
+    return (jax.tree.map(lambda shp: (stages, *shp), shapes, is_leaf=is_shape),
+            jax.tree.map(lambda ps: P(axis, *ps), specs))
 
 
 # ---- forward passes (per shard) ------------------------------------------------------------------
@@ -164,11 +162,11 @@ class ForwardConfig:
                    chunk_attention=cudnn_chunk_attention if platform in ("gpu", "cuda") else chunk_attention)
 
 
-def _mlp_activation(h: jax.Array, layer: Params, shape: ShardShape) -> jax.Array:
-    """SwiGLU's input to the down projection."""
-    gu = h @ layer["wgu"]
-    gate, up = gu[..., : shape.inter], gu[..., shape.inter :]
-    return (jax.nn.silu(gate.astype(jnp.float32)).astype(h.dtype)) * up
+def _qkv(h: jax.Array, layer: Params, positions: jax.Array, cfg: ForwardConfig) -> jax.Array:
+    """The shard's packed, roped [n, q + 2 kv, head_dim] (``layers.qkv_projection``)."""
+    shape = cfg.shape
+    return qkv_projection(h, layer, positions, jnp.asarray(cfg.inv_freq, jnp.float32), shape.spec,
+                          shape.q_heads, shape.kv_heads)
 
 
 def run_layers(
@@ -195,7 +193,7 @@ def run_layers(
         if last_rows is not None and i == len(layers) - 1:
             out, residual = out[last_rows], residual[last_rows]
         residual, h = cfg.row_parallel_norm(out, layer["wo"], residual, layer["mlp_norm"], eps, AXIS, cfg.strategy)
-        act = _mlp_activation(h, layer, cfg.shape)
+        act = swiglu(h, layer, cfg.shape.inter)
         next_norm = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else final_norm
         if next_norm is None:
             return cfg.row_parallel(act, layer["wdown"], residual, AXIS, cfg.strategy), None
@@ -216,14 +214,6 @@ class Chunk:
     table: jax.Array
     kv_len: int
     block_aligned: bool = False  # (static) start is a multiple of the block size
-
-
-def _pack_rope(qkv: jax.Array, positions: jax.Array, shape: ShardShape, cfg: ForwardConfig) -> jax.Array:
-    """[n, q + 2 kv, hd] with rope applied to the query and key heads at ``positions`` [n]."""
-    inv_freq = jnp.asarray(cfg.inv_freq, jnp.float32)
-    roped = apply_rope(qkv[:, None], positions[:, None], inv_freq)[:, 0]
-    is_qk = jnp.arange(qkv.shape[1]) < shape.q_heads + shape.kv_heads
-    return jnp.where(is_qk[None, :, None], roped, qkv)
 
 
 def _chunk_layer_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, chunk: Chunk,
@@ -288,7 +278,6 @@ def budget_layers(
     shape = cfg.shape
     n = positions.shape[0]
     hd = shape.spec.head_dim
-    heads = shape.q_heads + 2 * shape.kv_heads
     new_k, new_v = list(k_pool), list(v_pool)
     write_at = jnp.where(write, positions, tables.shape[1] * k_pool[0].shape[2])
     all_pos = positions
@@ -300,7 +289,7 @@ def budget_layers(
     attend_to = jnp.where(write, positions, 0)
 
     def layer_attention(i: int, h: jax.Array) -> jax.Array:
-        qkv = _pack_rope((h @ layers[i]["wqkv"]).reshape(h.shape[0], heads, hd), all_pos, shape, cfg)
+        qkv = _qkv(h, layers[i], all_pos, cfg)
         out, new_k[i], new_v[i] = cfg.paged_decode_attention(qkv[:n], new_k[i], new_v[i], tables, attend_to,
                                                              write_at)
         if chunk is not None:
@@ -334,7 +323,7 @@ def budget_forward(
     last_rows = None
     if chunk is not None:
         last_rows = jnp.concatenate([jnp.arange(n), (n + jnp.maximum(chunk.length, 1) - 1)[None]])
-    _, h, new_k, new_v = budget_layers(params["embed"][all_tokens], params["layers"], k_pool, v_pool, positions,
-                                       tables, write, chunk, cfg, params["final_norm"], last_rows)
+    _, h, new_k, new_v = budget_layers(embed(params["embed"], all_tokens), params["layers"], k_pool, v_pool,
+                                       positions, tables, write, chunk, cfg, params["final_norm"], last_rows)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, new_k, new_v

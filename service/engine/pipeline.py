@@ -30,8 +30,10 @@ from switchyard.service.engine.model import (
     ForwardConfig,
     ShardShape,
     budget_layers,
+    embed,
     param_shapes,
     param_specs,
+    stage_stacked,
 )
 from switchyard.service.modelspec import ModelSpec
 
@@ -50,16 +52,17 @@ def make_pipeline_mesh(pp: int, tp: int, devices: Sequence[jax.Device] | None = 
 
 def stage_param_shapes(spec: ModelSpec, tp: int, pp: int) -> dict[str, Any]:
     """Global shapes of a pipeline's parameters: each stage's layers stacked on a leading stage axis."""
-    shapes = param_shapes(ShardShape(spec, tp, vocab_shards=pp * tp))
+    shapes, specs = param_shapes(ShardShape(spec, tp, vocab_shards=pp * tp)), param_specs(spec)
     per_stage = spec.num_layers // pp
-    shapes["layers"] = [{k: (pp, *v) for k, v in layer.items()} for layer in shapes["layers"][:per_stage]]
+    shapes["layers"] = [stage_stacked(shp, ps, pp, PP)[0]
+                        for shp, ps in zip(shapes["layers"][:per_stage], specs["layers"][:per_stage], strict=True)]
     return shapes
 
 
 def stage_param_specs(spec: ModelSpec, pp: int) -> dict[str, Any]:
     specs = param_specs(spec)
     per_stage = spec.num_layers // pp
-    specs["layers"] = [{k: P(PP, *v) for k, v in layer.items()} for layer in specs["layers"][:per_stage]]
+    specs["layers"] = [jax.tree.map(lambda ps: P(PP, *ps), layer) for layer in specs["layers"][:per_stage]]
     specs["lm_head"] = P(None, VOCAB_AXES)
     return specs
 
@@ -74,7 +77,7 @@ def pipeline_forward(params: dict, k_pool: list[jax.Array], v_pool: list[jax.Arr
     layers = [jax.tree.map(lambda a: a[0], layer) for layer in params["layers"]]
     ks, vs = [a[0] for a in k_pool], [a[0] for a in v_pool]
     all_tokens = tokens if chunk is None else jnp.concatenate([tokens, chunk.tokens])
-    x = params["embed"][all_tokens]
+    x = embed(params["embed"], all_tokens)
     for i in range(pp):
         def run(x: jax.Array, ks: list[jax.Array], vs: list[jax.Array]) -> tuple[jax.Array, list, list]:
             residual, _, ks, vs = budget_layers(x, layers, ks, vs, positions, tables, write, chunk, cfg,

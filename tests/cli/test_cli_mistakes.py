@@ -241,3 +241,21 @@ def test_plan_answers_any_config_json_within_a_second(tmp_path: Path, capsys) ->
             if elapsed > 1.0:
                 slow.append((field, value, round(elapsed, 2)))
     assert not slow, slow
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Sliding-window attention is not implemented: a Mistral whose window is shorter than the
+    context it would be served with is refused before the port opens; at the window's length it serves."""
+    import argparse
+    import dataclasses
+
+    from switchyard.cli.serve import check_model
+    from switchyard.service.engine.checkpoint import write_checkpoint
+    from switchyard.service.modelspec import ServingLayout, preset
+
+    folder = write_checkpoint(dataclasses.replace(preset("tiny-mistral"), sliding_window=1024), tmp_path / "mistral",
+                              progress=False)
+    assert_one_line(switchyard("serve", "--model-path", str(folder), "--max-seq-len", "2048"),
+                    "--max-seq-len 2048", "sliding window of 1024 tokens", "at most 1024")
+    spec, _ = check_model(ServingLayout(max_seq_len=1024), str(folder), argparse.Namespace(trace_file=None))
+    assert (spec.model_type, spec.sliding_window) == ("mistral", 1024)

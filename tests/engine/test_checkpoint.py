@@ -47,7 +47,7 @@ def test_sharded_checkpoint_with_index_loads_identically(tmp_path):
 
 def test_each_device_holds_only_its_shard(tiny_checkpoint_dir):
     engine = tiny_engine(tiny_checkpoint_dir, tp=4, slots=1, max_seq_len=32)
-    wqkv = engine.params["layers"][0]["wqkv"]
+    wqkv = engine.params["layers"][0]["wqkv"].w
     shards = wqkv.addressable_shards
     assert len(shards) == 4 and all(s.data.shape == (128, wqkv.shape[1] // 4) for s in shards)
     assert len({s.device for s in shards}) == 4

@@ -58,7 +58,7 @@ def test_head_dim_defaults_to_hidden_over_heads():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+        ({"model_type": "gpt2"}, r"model_type 'gpt2' is not supported \(supported: llama, mistral, qwen2, qwen3\)"),
         ({"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),

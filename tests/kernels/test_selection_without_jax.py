@@ -1,5 +1,6 @@
 """The strategy chooser is the engine's and the operator's: it imports where JAX is absent (the
-operator's image), and the strategies are defined once, in it."""
+operator's image), as the model families the planner prices do, and the strategies are defined once,
+in it."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ WITHOUT_JAX = textwrap.dedent("""
         raise SystemExit("the blocker let jax in")
     from switchyard.kernels import selection
     from switchyard.operator import calibration, planner  # noqa: F401
-    from switchyard.service import modelspec
+    from switchyard.service import model, modelspec
 
     assert modelspec.STRATEGIES is selection.STRATEGIES
+    # The families price their tensors for the planner without JAX.
+    assert set(model.FAMILIES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert modelspec.preset("qwen2.5-7b").param_count == 7_615_616_512
     cap = selection.Capability.node_group(2)
     assert selection.choose_fused("oneshot", 8192, 2, "bfloat16", cap) == "fused"
     assert calibration.load().engine_allreduce(8192, 2, nvswitch=True)[0] == "fused"
@@ -41,7 +45,7 @@ WITHOUT_JAX = textwrap.dedent("""
 """)
 
 
-def test_chooser_planner_and_modelspec_import_without_jax() -> None:
+def test_chooser_planner_modelspec_and_families_import_without_jax() -> None:
     proc = subprocess.run([sys.executable, "-P", "-c", WITHOUT_JAX], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 

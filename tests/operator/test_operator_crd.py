@@ -118,6 +118,17 @@ GOOD_VARIANTS = {
                             otlpEndpoint="https://otel.example.com:4318", image="registry/x:1"),
     "kv and step": with_spec(kvMemoryFraction=0.95, stepTokens=8192),
     "smallest step": with_spec(kvMemoryFraction=0.01, stepTokens=16),
+    "qwen2": with_spec(model={"name": "m", "source": {"hostPath": {"path": "/m"}}, "config": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "use_sliding_window": False,
+        "sliding_window": 131072}}),
+    # Qwen3's head_dim is 128 when absent, whatever hidden_size / num_attention_heads (here 45) is.
+    "qwen3 without head_dim": with_spec(model={"name": "m", "source": {"hostPath": {"path": "/m"}}, "config": {
+        "model_type": "qwen3", "vocab_size": 1000, "hidden_size": 1800, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 40, "num_key_value_heads": 8}}),
+    "mistral without a window": with_spec(model={"name": "m", "source": {"hostPath": {"path": "/m"}}, "config": {
+        "model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "sliding_window": None}}),
 }
 
 
@@ -137,6 +148,17 @@ BAD = {
     "two sources": (with_spec(model__source={"pvc": {"claimName": "a"}, "hostPath": {"path": "/a"}}),
                     "spec.model.source:"),
     "unknown preset": (with_spec(model__preset="gpt-5"), "spec.model.preset: 'gpt-5' is not one of"),
+    "unknown model type": (with_spec(model={"name": "m", "source": {"pvc": {"claimName": "c"}}, "config": {
+        "model_type": "gpt2", "vocab_size": 2, "hidden_size": 2, "intermediate_size": 1, "num_hidden_layers": 1,
+        "num_attention_heads": 1}}), "spec.model.config.model_type: 'gpt2' is not one of ['llama', 'mistral', "
+                                     "'qwen2', 'qwen3']"),
+    "odd llama head": (with_spec(model={"name": "m", "source": {"pvc": {"claimName": "c"}}, "config": {
+        "model_type": "llama", "vocab_size": 1000, "hidden_size": 1800, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 40}}), "must be even for rotary embeddings"),
+    "window of 0": (with_spec(model={"name": "m", "source": {"pvc": {"claimName": "c"}}, "config": {
+        "model_type": "mistral", "vocab_size": 2, "hidden_size": 2, "intermediate_size": 1, "num_hidden_layers": 1,
+        "num_attention_heads": 1, "sliding_window": 0}}),
+        "spec.model.config.sliding_window: 0 is less than the minimum of 1"),
     "bad objective": (with_spec(objective="fastest"), "spec.objective: 'fastest' is not one of"),
     "tp 3": (with_spec(parallelism={"tp": 3}), "spec.parallelism.tp: 3 is not one of [1, 2, 4, 8]"),
     "pp 0": (with_spec(parallelism={"pp": 0}), "spec.parallelism.pp: 0 is less than the minimum of 1"),

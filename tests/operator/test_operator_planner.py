@@ -13,6 +13,7 @@ import pytest
 from helpers.kube.harness import H100_MIB, H200_MIB, gpu_node
 from switchyard.kernels import selection
 from switchyard.operator import calibration, inventory, planner
+from switchyard.operator import spec as specmod
 from switchyard.operator.rejections import LayoutRejection
 from switchyard.service.modelspec import DEFAULT_STEP_TOKENS, KV_BLOCK_TOKENS, preset
 
@@ -76,6 +77,41 @@ def test_llama31_405b_on_eight_h200_nodes():
     assert throughput.layout.tokens_per_s >= latency.layout.tokens_per_s
     piped = [a for a in throughput.alternatives if "xPP1x" not in a.layout and a.tokens_per_s]
     assert piped and all(a.tokens_per_s < throughput.layout.tokens_per_s for a in piped)
+
+
+# The shape fields of each family's published config.json, and its published parameter count.
+FAMILY_CONFIGS = {
+    "qwen2.5-7b": ({"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                    "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 131072},
+                   7_615_616_512),
+    "qwen3-8b": ({"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                  "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                  "tie_word_embeddings": False}, 8_190_735_360),
+    "mistral-7b": ({"model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336,
+                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": None},
+                   7_248_023_552),
+}
+
+
+@pytest.mark.parametrize("name", FAMILY_CONFIGS)
+def test_other_families_are_priced_with_every_tensor_they_hold(name):
+    """A DecodeService's inline config of Qwen2 (QKV biases), Qwen3 (q/k norms) or Mistral: the planner
+    prices the published parameter count and the family's KV heads."""
+    config, published = FAMILY_CONFIGS[name]
+    spec = {"model": {"name": name, "source": {"pvc": {"claimName": "models"}}, "config": config}}
+    model = specmod.model_spec(spec)
+    assert model.model_type == config["model_type"] and model.param_count == published
+    assert model.kv_bytes_per_token == 2 * model.num_layers * model.num_kv_heads * 128 * 2
+    p = planner.plan(model, inventory.build(h100(1)), specmod.request(spec))
+    lay = p.layout
+    assert lay is not None and model.valid_tp(lay.tp)
+    assert lay.weight_bytes_per_gpu == math.ceil(published * 2 / (lay.tp * lay.pp))
+    assert lay.kv_bytes_per_gpu == lay.kv_tokens * model.kv_bytes_per_token_per_gpu(lay.tp, lay.pp)
+    assert f"{published * 2 / 2**30:.1f} GiB weights" in p.message + " ".join(p.reasons)
 
 
 def test_model_larger_than_the_cluster_gets_a_clear_answer_and_no_layout():
