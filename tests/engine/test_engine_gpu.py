@@ -41,6 +41,6 @@ def test_bf16_logits_follow_transformers(folder, step_tokens):
 
 def test_the_decode_kernel_follows_xlas_ops(folder):
     _, path = folder
-    engines = [tiny_engine(path, slots=2, max_seq_len=512, step_tokens=64, block_size=64, dtype="bfloat16",
-                           decode_attention=attention) for attention in ("auto", "xla")]
+    engines = [tiny_engine(path, slots=2, max_seq_len=512, kv_tokens=2 * 512, step_tokens=64, block_size=64,
+                           dtype="bfloat16", decode_attention=attention) for attention in ("auto", "xla")]
     assert_decode_alike(engines, PROMPTS[1], 8)
