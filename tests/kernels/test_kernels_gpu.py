@@ -169,7 +169,7 @@ def test_engine_with_partial_products_decodes_like_psum(mesh: Mesh) -> None:
     spec = kernel_sized_spec()
     layout = ServingLayout(tp=2, batch_slots=4, max_seq_len=256)
     engines = [Engine.from_random(spec, layout, EngineConfig(batch_slots=4, max_seq_len=256, strategy=s,
-                                                             dtype="bfloat16", step_tokens=64),
+                                                             dtype="bfloat16", step_tokens=64, kv_tokens=4 * 256),
                                   devices=list(mesh.devices.flat)) for s in ("auto", "xla")]
     step = engines[0]._program("step", StepShape(4))
     compiled = step.lower(engines[0].params, engines[0]._state, engines[0]._io).compile().as_text()
