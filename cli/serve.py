@@ -14,7 +14,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from switchyard.cli.usage import UsageError, existing_file, existing_folder, positive, writable_file
+from switchyard.cli.usage import (
+    UsageError,
+    existing_file,
+    existing_folder,
+    positive,
+    writable_file,
+    writable_folder,
+)
 
 LAYOUT_FLAGS = {  # ServingLayout field -> flag dest
     "tp": "tp",
@@ -142,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-warmup", action="store_true", help="compile steps on first use instead of at start"
     )
     parser.add_argument(
+        "--compile-cache",
+        default=_env("COMPILE_CACHE", None),
+        help="folder that keeps compiled step programs between starts (created if missing; pods of one "
+        "node may share it); default: none, every start compiles [SWITCHYARD_COMPILE_CACHE]",
+    )
+    parser.add_argument(
         "--switch-interval",
         type=float,
         default=_env("SWITCH_INTERVAL", None, float),
@@ -252,6 +265,8 @@ def check_model(layout: Any, model_path: str, args: argparse.Namespace, model_na
         raise UsageError(f"--tp {layout.tp}: {err}") from None
     if args.trace_file:
         writable_file(args.trace_file, "--trace-file")
+    if args.compile_cache:
+        writable_folder(args.compile_cache, "--compile-cache")
     try:
         return spec, Tokenizer.from_dir(folder, spec)
     except Exception as err:  # a tokenizer.json the tokenizers library cannot read
@@ -266,35 +281,80 @@ class EngineOptions:
     layout: Any  # ServingLayout
     dtype: str | None
     warmup: bool
+    compile_cache: str | None = None
 
 
-def warm_up(engine: Any, options: EngineOptions, compiled: str) -> float:
-    """In the engine process: compile every program of ``engine`` (unless the options say not to) and
-    freeze the warm heap; logs what was ``compiled``. Returns the warm-up's seconds (0 without one)."""
+# How often the engine process logs its compiling's progress (and once at the end).
+PROGRESS_EVERY_S = 5.0
+
+
+class CompileProgress:
+    """``on_program(done, total)`` for a warm-up: tells the server, and logs a line every
+    :data:`PROGRESS_EVERY_S` seconds."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._log = log
+        self._start = self._last = self._clock()
+
+    def __call__(self, done: int, total: int) -> None:
+        from switchyard.service.api.engine_process import report_startup
+
+        report_startup(COMPILING, done, total)
+        now = self._clock()
+        if now - self._last >= PROGRESS_EVERY_S and done < total:
+            self._last = now
+            self._log.info("%s: %d of %d ready after %.0f s", COMPILING, done, total, now - self._start)
+
+
+COMPILING = "compiling step programs"
+LOADING = "loading weights"
+
+
+def warm_up(engine: Any, options: EngineOptions, store: Any = None) -> Any:
+    """In the engine process: make every step program of ``engine`` ready (unless the options say
+    not to), from ``store`` where it holds them, and freeze the warm heap. Returns the WarmUp."""
+    from switchyard.service.engine.compile_cache import WarmUp
     from switchyard.service.engine.heap import freeze_warm_heap
 
     if not options.warmup:
-        return 0.0
+        return WarmUp(0.0, 0)
     log = logging.getLogger("switchyard.serve")
-    warmup_s = engine.warmup()
-    log.info("warm-up: compiled %s in %.1f s", compiled, warmup_s)
+    warmup = engine.warmup(store, CompileProgress(log))
+    log.info("warm-up: %s", warmup.describe())
     log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
-    return warmup_s
+    return warmup
+
+
+def open_compile_cache(options: EngineOptions) -> Any:
+    """In an engine's process, before anything compiles: the compile cache the options name (XLA's
+    layer on from here), or None."""
+    if not options.compile_cache:
+        return None
+    from switchyard.kernels.native import library_path
+    from switchyard.service.engine.compile_cache import open_cache
+
+    return open_cache(options.compile_cache, library_path())
 
 
 def load_engine(options: EngineOptions) -> Any:
     """The engine of the checkpoint, as the layout says (a pipeline stage's share with ``pp`` > 1)."""
+    from switchyard.service.api.engine_process import report_startup
     from switchyard.service.engine.engine import Engine, EngineConfig
 
+    report_startup(LOADING)
     config = EngineConfig.from_layout(options.layout, dtype=options.dtype)
     return Engine.from_checkpoint(options.model_path, options.layout, config, progress=False)
 
 
-def build_engine(options: EngineOptions) -> tuple[Any, float]:
-    """The engine process's builder: the engine from the checkpoint, every step compiled and the warm
-    heap frozen. Returns (engine, warm-up seconds)."""
+def build_engine(options: EngineOptions) -> tuple[Any, Any]:
+    """The engine process's builder: the engine from the checkpoint, every step program ready (from
+    the compile cache where it has them) and the warm heap frozen. Returns (engine, WarmUp)."""
+    cache = open_compile_cache(options)
     engine = load_engine(options)
-    return engine, warm_up(engine, options, "every step")
+    return engine, warm_up(engine, options, None if cache is None else cache.programs)
 
 
 def choose_xla_runtime(options: EngineOptions) -> None:
@@ -316,13 +376,15 @@ def join_pipeline_group(options: EngineOptions) -> None:
     join(layout)
 
 
-def build_pipeline_leader(options: EngineOptions) -> tuple[Any, float]:
+def build_pipeline_leader(options: EngineOptions) -> tuple[Any, Any]:
     """Stage 0's engine process's builder: its stage of the pipeline, sending every plan to the other
-    stages, every program compiled on every stage and the warm heap frozen."""
+    stages, every program compiled on every stage (XLA's layer of the compile cache serving each) and
+    the warm heap frozen."""
     from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine
 
+    open_compile_cache(options)
     engine = LeaderEngine(load_engine(options), CommandChannel.open(options.layout))
-    return engine, warm_up(engine, options, "every program on every stage")
+    return engine, warm_up(engine, options)
 
 
 def release_pipeline_group(engine: Any) -> None:
@@ -337,7 +399,7 @@ def start_engine_process(layout: Any, model_path: str, model_name: str, args: ar
     not form."""
     from switchyard.service.api.engine_process import EngineProcess, EngineProcessLost, EngineStartError
 
-    options = EngineOptions(model_path, layout, args.dtype, not args.no_warmup)
+    options = EngineOptions(model_path, layout, args.dtype, not args.no_warmup, args.compile_cache)
     group = ({"prepare": join_pipeline_group, "release": release_pipeline_group} if layout.pp > 1
              else {"prepare": choose_xla_runtime})
     process = EngineProcess(build_pipeline_leader if layout.pp > 1 else build_engine, options, **group,
@@ -413,6 +475,8 @@ def run(args: argparse.Namespace) -> int:
         },
     )
 
+    app.startup = lambda: engine_process.startup
+
     def load() -> tuple[Any, Any]:
         from switchyard.service.engine.heap import freeze_warm_heap
 
@@ -425,7 +489,8 @@ def run(args: argparse.Namespace) -> int:
             layout.batch_slots,
             layout.max_seq_len,
         )
-        engine_process.wait_ready()  # the engine loads in its own process
+        facts = engine_process.wait_ready()  # the engine loads in its own process
+        app.info["compile_cache"] = facts.compile_cache
         # This process delivers every token: a full collection scanning its libraries' objects
         # (transformers, gRPC) would hold every stream for as long as it takes.
         log.info("heap: %d objects of the server's process frozen (a full collection took %.0f ms)",
@@ -468,7 +533,9 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         log.info("joining pipeline group of %d stages at %s as stage %d", layout.pp, layout.coordinator,
                  layout.pipeline_stage)
         join(layout)
-        engine = load_engine(EngineOptions(model_path, layout, args.dtype, warmup=True))
+        options = EngineOptions(model_path, layout, args.dtype, warmup=True, compile_cache=args.compile_cache)
+        open_compile_cache(options)
+        engine = load_engine(options)
         channel = CommandChannel.open(layout)
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("stage %d ready: following stage 0", layout.pipeline_stage)

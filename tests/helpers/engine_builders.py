@@ -7,28 +7,29 @@ import os
 import time
 from typing import Any
 
+from switchyard.service.engine.compile_cache import WarmUp
 from switchyard.service.modelspec import ModelSpecError
 
 
-def tiny_from_checkpoint(options: Any) -> tuple[Any, float]:
+def tiny_from_checkpoint(options: Any) -> tuple[Any, WarmUp]:
     """serve's own builder, without the warm-up (steps compile on first use)."""
     from switchyard.cli.serve import build_engine
 
     return build_engine(options)
 
 
-def refuses_the_layout(options: Any) -> tuple[Any, float]:
+def refuses_the_layout(options: Any) -> tuple[Any, WarmUp]:
     raise ModelSpecError("layout.kv_tokens 99 needs 1.00 GiB of KV cache per GPU, but only 0.50 GiB is free")
 
 
-def breaks(options: Any) -> tuple[Any, float]:
+def breaks(options: Any) -> tuple[Any, WarmUp]:
     raise RuntimeError("the checkpoint's shards disagree")
 
 
-def exits_while_loading(options: Any) -> tuple[Any, float]:
+def exits_while_loading(options: Any) -> tuple[Any, WarmUp]:
     os._exit(3)
 
 
-def loads_forever(options: Any) -> tuple[Any, float]:
+def loads_forever(options: Any) -> tuple[Any, WarmUp]:
     while True:
         time.sleep(1)
