@@ -3,8 +3,8 @@
 CHECKS says. A README command that no row of CHECKS matches fails the first test, so a new command
 cannot go unchecked.
 
-What the README leaves to the reader (their model folder, their nodes file, the address of their
-server, a request id) is swapped for a test value only where a command is run."""
+What the README leaves to the reader (their model folder, the address of their server, a request id)
+is swapped for a test value only where a command is run."""
 
 from __future__ import annotations
 
@@ -290,13 +290,19 @@ def rendered_objects(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def switchyard_plan(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run, on the example nodes of the README's `kubectl get` (its nodes.yaml is the reader's)."""
+    """Run as written, from the repository's top folder (a reader's checkout): the inventory it names is
+    shipped, and each of its Nodes is a valid Kubernetes Node."""
+    import kubernetes_validate
     from switchyard.cli.main import main
 
-    argv = [str(EXAMPLE_NODES) if w == "nodes.yaml" else w for w in command.argv[1:]]
+    monkeypatch.chdir(ROOT)
+    nodes = repo_path(command.argv[command.argv.index("--nodes") + 1], "--nodes file")
+    for doc in yaml_docs(nodes):
+        for node in doc["items"]:
+            kubernetes_validate.validate(node, K8S_VERSION, strict=True)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(argv) == 0
+        assert main(command.argv[1:]) == 0
     out = out.getvalue()
     assert "Planned" in out and "TP" in out, out
 
@@ -318,7 +324,7 @@ CHECKS: list[tuple[str, str, Callable[..., None] | None]] = [
     (r"kubectl apply -f \S+", "each object validated against its schema", kubectl_apply),
     (r"kubectl (-n \S+ )?(rollout status|get|describe|delete|port-forward) .+",
      "needs a cluster: the names it uses exist", kubectl_names),
-    (r"switchyard plan .+", "run on the example nodes", switchyard_plan),
+    (r"switchyard plan .+", "run as written, on the shipped example nodes", switchyard_plan),
 ]
 
 
