@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # A module only an optional part needs -> the extra that installs it.
-EXTRAS = {"kopf": "operator", "kubernetes": "operator", "torch": "dev", "transformers": "dev"}
+EXTRAS = {
+    **dict.fromkeys(("jax", "jaxlib", "ml_dtypes", "numpy", "safetensors", "tokenizers", "tqdm", "grpc", "grpc_health",
+                     "grpc_reflection", "google", "opentelemetry", "matplotlib"), "serve"),
+    "kopf": "operator", "kubernetes": "operator", "torch": "dev", "transformers": "dev",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
