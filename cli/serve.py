@@ -283,11 +283,12 @@ def warm_up(engine: Any, options: EngineOptions, compiled: str) -> float:
 
 
 def load_engine(options: EngineOptions) -> Any:
-    """The engine of the checkpoint, as the layout says (a pipeline stage's share with ``pp`` > 1)."""
+    """The engine of the checkpoint, as the layout says (a pipeline stage's share with ``pp`` > 1); the
+    loading's progress goes to the log (``service.progress``)."""
     from switchyard.service.engine.engine import Engine, EngineConfig
 
     config = EngineConfig.from_layout(options.layout, dtype=options.dtype)
-    return Engine.from_checkpoint(options.model_path, options.layout, config, progress=False)
+    return Engine.from_checkpoint(options.model_path, options.layout, config, progress=True)
 
 
 def build_engine(options: EngineOptions) -> tuple[Any, float]:
