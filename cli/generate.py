@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def latency_report(result: StreamResult, rows: int = 0) -> str:
-    """Per-token table (client-side arrival gaps, the server's step and batch size) and percentiles."""
+    """Per-token table (client-side arrival gaps, the server's step and batch size) and percentiles, all
+    as this client saw them (tokenizing, the engine's queue, gRPC and the network included)."""
     import numpy as np
 
     gaps = result.gaps_ms
@@ -50,7 +51,7 @@ def latency_report(result: StreamResult, rows: int = 0) -> str:
             continue
         step = "prefill" if result.steps[i] < 0 else str(result.steps[i])
         lines.append(f"{i:>6} {gaps[i]:>9.3f} {step:>7} {result.batch_sizes[i]:>5}")
-    lines.append(f"time to first token {gaps[0]:.3f} ms")
+    lines.append(f"time to first token {gaps[0]:.3f} ms, as this client saw it (request sent -> first token received)")
     if len(gaps) > 1:
         rest = np.asarray(gaps[1:])
         p50, p90, p99 = np.percentile(rest, [50, 90, 99])

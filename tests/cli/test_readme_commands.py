@@ -415,7 +415,7 @@ def test_readme_client_commands_run_against_a_served_model(tmp_path: Path, monke
     commands = [c for c in COMMANDS if row(c)[1] == SERVED]
     programs = {" ".join(c.argv[:2]) for c in commands}
     assert {"switchyard generate", "switchyard trace"} <= programs, programs
-    monkeypatch.chdir(tmp_path)  # `switchyard trace` writes its default PNG into the working folder
+    monkeypatch.chdir(tmp_path)  # where a stray file would land
     trace_file = tmp_path / "traces.jsonl"
     telemetry = Telemetry.from_env(str(trace_file))
     request_ids: list[str] = []
@@ -440,5 +440,7 @@ def test_readme_client_commands_run_against_a_served_model(tmp_path: Path, monke
                 assert request_ids[-1] in out, out[-2000:]
                 if "--png" in argv:
                     assert Path(argv[argv.index("--png") + 1]).stat().st_size > 0
+                else:  # nothing written that was not asked for
+                    assert not list(tmp_path.glob("*.png")), list(tmp_path.glob("*.png"))
     if telemetry is not None:
         telemetry.shutdown()
