@@ -79,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
         no_prefix_cache=args.no_prefix_cache,
     )
 
+    shown = False
+
     def show(text: str) -> None:
+        nonlocal shown
+        shown = shown or bool(text)
         sys.stdout.write(text)
         sys.stdout.flush()
 
@@ -87,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = client.generate(request, timeout=args.timeout, on_text=show)
         except grpc.RpcError as err:
-            sys.stdout.write("\n")
+            if shown:  # end the text streamed so far; with none, there is no line to end
+                sys.stdout.write("\n")
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     sys.stdout.write("\n\n")

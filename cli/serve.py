@@ -148,7 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPython GIL switch interval in seconds (default: CPython's, 0.005); benchmarks/serve.py "
         "measures the effect [SWITCHYARD_SWITCH_INTERVAL]",
     )
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR [SWITCHYARD_LOG_LEVEL]")
 
 
 def resolve_layout(args: argparse.Namespace) -> Any:
@@ -215,6 +216,8 @@ def check_port_free(host: str, port: int) -> None:
     bind_host = host.strip("[]")
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As the gRPC server binds: a port whose last connections linger in TIME_WAIT is free to it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((bind_host, port))
         except OSError as err:
@@ -351,8 +354,10 @@ def start_engine_process(layout: Any, model_path: str, model_name: str, args: ar
         raise UsageError(f"the engine process could not start: {err}") from None
     if layout.tp > devices.count:
         process.close()
+        cpu = (f"; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={layout.tp} in the environment "
+               f"splits it into {layout.tp} devices") if devices.platform == "cpu" else ""
         raise UsageError(f"--tp {layout.tp} needs {layout.tp} devices; the engine process sees {devices.count} "
-                         f"({devices.platform})")
+                         f"({devices.platform}){cpu}")
     return process
 
 
@@ -360,9 +365,12 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import tempfile
 
+    from switchyard.service.logs import quiet_known_noise
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_known_noise()
     log = logging.getLogger("switchyard.serve")
     layout = resolve_layout(args)
     model_path = layout.model_path
@@ -380,10 +388,10 @@ def run(args: argparse.Namespace) -> int:
     if args.tiny and not layout.model_name:
         model_name = "tiny"
     _, tokenizer = check_model(layout, model_path, args, model_name)
-    if layout.pp > 1:
-        # Before joining the group: a stage that joined and then failed would hold the others in the
-        # distributed runtime until its timeouts ran out.
-        check_port_free(args.host, args.port)
+    # Before the engine starts (and, in a pipeline group, before joining it: a stage that joined and
+    # then failed would hold the others in the distributed runtime until its timeouts ran out); the
+    # gRPC server binding a taken port would say so in three lines, one of them its core's own.
+    check_port_free(args.host, args.port)
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
     # The engine and its scheduler in a process of their own, so that the server's work never holds

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from switchyard.service import errors
 from switchyard.service.api.wire import Unavailable
+from switchyard.service.logs import quiet_known_noise
 from switchyard.service.modelspec import ModelSpecError
 
 log = logging.getLogger(__name__)
@@ -334,6 +335,7 @@ def _ignore_terminal_signals() -> None:
 
 def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, lifeline: Any, log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_known_noise()
     _ignore_terminal_signals()
     threading.Thread(target=_exit_with_parent, args=(lifeline,), name="switchyard-lifeline", daemon=True).start()
     outbox = _Outbox(conn)

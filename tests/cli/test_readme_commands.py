@@ -15,6 +15,8 @@ import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -119,7 +121,6 @@ def parsed_cli(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     checks the subcommand makes before its slow part pass."""
     from switchyard.cli import serve as serve_cli
     from switchyard.cli.main import build_parser
-    from switchyard.service.modelspec import preset_name
 
     monkeypatch.chdir(tmp_path)
     for writer in earlier_in_block(command, ECHO):
@@ -132,18 +133,75 @@ def parsed_cli(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         args = build_parser().parse_args(command.argv[1:])  # reads SWITCHYARD_* defaults now
     except SystemExit as err:
         pytest.fail(f"`{command.text}` does not parse (exit {err.code})")
-    if args.command == "serve":
-        layout = serve_cli.resolve_layout(args)
-        if "SWITCHYARD_PIPELINE_STAGE" in command.env:
-            assert layout.pp > 1 and layout.pipeline_stage == int(command.env["SWITCHYARD_PIPELINE_STAGE"])
-            assert layout.coordinator, "a pipeline layout needs its coordinator"
-    elif args.command == "make-checkpoint":
-        assert preset_name(args.preset) is not None, args.preset
-    else:
-        raise AssertionError(f"no parse check for `switchyard {args.command}`")
+    assert args.command == "serve", f"no parse check for `switchyard {args.command}`"
+    layout = serve_cli.resolve_layout(args)
+    if "SWITCHYARD_PIPELINE_STAGE" in command.env:
+        assert layout.pp > 1 and layout.pipeline_stage == int(command.env["SWITCHYARD_PIPELINE_STAGE"])
+        assert layout.coordinator, "a pipeline layout needs its coordinator"
 
 
 ECHO = r"echo .+ > \S+"
+
+
+def command_environment(command: Command) -> dict[str, str]:
+    """This machine's environment as a reader's shell has it (no test settings of JAX or ours), with the
+    command's own NAME=value words."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SWITCHYARD_") and k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return {**env, "PYTHONSAFEPATH": "1", **command.env}
+
+
+def switchyard_process(argv: list[str], command: Command, **kwargs: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "switchyard.cli.main", *argv], text=True,
+                            env=command_environment(command), **kwargs)
+
+
+def checkpoint_size_first(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run as written into a scratch folder (the reader's /models) and stopped at its first line, which
+    says how many bytes it is about to write and where, before any weight file exists."""
+    from switchyard.service.modelspec import preset
+    from switchyard.service.progress import format_bytes
+
+    argv = command.argv[1:]
+    out = tmp_path / Path(argv[argv.index("--out") + 1]).name
+    argv[argv.index("--out") + 1] = str(out)
+    proc = switchyard_process(argv, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = proc.stdout.readline()
+        weights = list(out.glob("*.safetensors"))
+    finally:
+        proc.kill()
+        error = proc.communicate(timeout=60)[1]
+    size = format_bytes(preset(argv[argv.index("--preset") + 1]).param_bytes)
+    if not first:  # a disk too small for it: refused in one line, with the same figures
+        assert proc.returncode == 2 and size in error and "free" in error, error[-3000:]
+        return
+    assert first.startswith("writing ") and size in first and str(out) in first, first
+    assert not weights, weights
+
+
+def serve_until_listening(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run as written in the reader's environment, on a free port (the README's is 8001): it gets past
+    its start-up checks (the devices it asks for included) to listening, then Ctrl-C stops it. Its log
+    up to then holds no warning and none of JAX's notices that a TPU is missing."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = switchyard_process([*command.argv[1:], "--host", "127.0.0.1", "--port", str(port)], command,
+                              stderr=subprocess.PIPE)
+    log = []
+    try:
+        for line in proc.stderr:
+            log.append(line)
+            if "listening on" in line:
+                break
+        started = "".join(log)
+        proc.send_signal(signal.SIGINT)
+        log.append(proc.communicate(timeout=120)[1])
+    finally:
+        proc.kill()
+    assert proc.returncode in (0, 130) and "listening on" in started, "".join(log)[-3000:]
+    assert " WARNING " not in started and "Unable to initialize backend" not in started, started[-3000:]
 
 
 def run_shell(command: Command, tmp_path: Path) -> None:
@@ -314,7 +372,9 @@ SERVED = "run against a served tiny model (one server for all)"
 CHECKS: list[tuple[str, str, Callable[..., None] | None]] = [
     (r"make (demo|test)", "make -n; its switchyard commands parsed", make_dry_run),
     (r"python -m switchyard\.kernels\.build", "needs nvcc: the module's parser (--help)", module_help),
-    (r"switchyard (make-checkpoint|serve) .+", "GPU/size/ports: parsed, start-up checks run", parsed_cli),
+    (r"switchyard make-checkpoint .+", "run, stopped after it says the size and where", checkpoint_size_first),
+    (r"switchyard serve --tiny .+", "run on a free port until it listens, then Ctrl-C", serve_until_listening),
+    (r"switchyard serve (?!--tiny).+", "GPU/size/ports: parsed, start-up checks run", parsed_cli),
     (r"switchyard (generate|trace)( .+)?", SERVED, None),
     (r"grpcurl .+", SERVED, None),
     (ECHO, "run in a scratch folder; the layout it writes is valid", written_layout),
