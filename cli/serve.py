@@ -389,8 +389,8 @@ def run(args: argparse.Namespace) -> int:
         model_name = "tiny"
     _, tokenizer = check_model(layout, model_path, args, model_name)
     # Before the engine starts (and, in a pipeline group, before joining it: a stage that joined and
-    # then failed would hold the others in the distributed runtime until its timeouts ran out); the
-    # gRPC server binding a taken port would say so in three lines, one of them its core's own.
+    # then failed would hold the others in the distributed runtime until its timeouts ran out), and in
+    # one line: the gRPC server failing to bind a taken port adds its core's own error to ours.
     check_port_free(args.host, args.port)
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
