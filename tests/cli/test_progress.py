@@ -91,7 +91,7 @@ def test_make_checkpoint_on_a_terminal_draws_a_bar(tmp_path: Path) -> None:
 
 def test_loading_a_checkpoint_logs_its_bytes(tiny_checkpoint_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     from switchyard.service.engine.checkpoint import load_params
-    from switchyard.service.engine.tensor_parallel import make_mesh
+    from switchyard.service.engine.engine import make_mesh
     from switchyard.service.modelspec import ModelSpec
 
     spec = ModelSpec.from_file(tiny_checkpoint_dir)
