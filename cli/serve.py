@@ -161,7 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPython GIL switch interval in seconds (default: CPython's, 0.005); benchmarks/serve.py "
         "measures the effect [SWITCHYARD_SWITCH_INTERVAL]",
     )
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR [SWITCHYARD_LOG_LEVEL]")
 
 
 def resolve_layout(args: argparse.Namespace) -> Any:
@@ -228,6 +229,8 @@ def check_port_free(host: str, port: int) -> None:
     bind_host = host.strip("[]")
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As the gRPC server binds: a port whose last connections linger in TIME_WAIT is free to it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((bind_host, port))
         except OSError as err:
@@ -340,13 +343,14 @@ def open_compile_cache(options: EngineOptions) -> Any:
 
 
 def load_engine(options: EngineOptions) -> Any:
-    """The engine of the checkpoint, as the layout says (a pipeline stage's share with ``pp`` > 1)."""
+    """The engine of the checkpoint, as the layout says (a pipeline stage's share with ``pp`` > 1); the
+    loading's progress goes to the log (``service.progress``)."""
     from switchyard.service.api.engine_process import report_startup
     from switchyard.service.engine.engine import Engine, EngineConfig
 
     report_startup(LOADING)
     config = EngineConfig.from_layout(options.layout, dtype=options.dtype)
-    return Engine.from_checkpoint(options.model_path, options.layout, config, progress=False)
+    return Engine.from_checkpoint(options.model_path, options.layout, config, progress=True)
 
 
 def build_engine(options: EngineOptions) -> tuple[Any, Any]:
@@ -412,8 +416,10 @@ def start_engine_process(layout: Any, model_path: str, model_name: str, args: ar
         raise UsageError(f"the engine process could not start: {err}") from None
     if layout.tp > devices.count:
         process.close()
+        cpu = (f"; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={layout.tp} in the environment "
+               f"splits it into {layout.tp} devices") if devices.platform == "cpu" else ""
         raise UsageError(f"--tp {layout.tp} needs {layout.tp} devices; the engine process sees {devices.count} "
-                         f"({devices.platform})")
+                         f"({devices.platform}){cpu}")
     return process
 
 
@@ -421,9 +427,12 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import tempfile
 
+    from switchyard.service.logs import quiet_known_noise
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_known_noise()
     log = logging.getLogger("switchyard.serve")
     layout = resolve_layout(args)
     model_path = layout.model_path
@@ -441,10 +450,10 @@ def run(args: argparse.Namespace) -> int:
     if args.tiny and not layout.model_name:
         model_name = "tiny"
     _, tokenizer = check_model(layout, model_path, args, model_name)
-    if layout.pp > 1:
-        # Before joining the group: a stage that joined and then failed would hold the others in the
-        # distributed runtime until its timeouts ran out.
-        check_port_free(args.host, args.port)
+    # Before the engine starts (and, in a pipeline group, before joining it: a stage that joined and
+    # then failed would hold the others in the distributed runtime until its timeouts ran out), and in
+    # one line: the gRPC server failing to bind a taken port adds its core's own error to ours.
+    check_port_free(args.host, args.port)
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
     # The engine and its scheduler in a process of their own, so that the server's work never holds

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple, NoReturn
 from switchyard.service import errors
 from switchyard.service.api.wire import Unavailable
 from switchyard.service.engine.compile_cache import WarmUp
+from switchyard.service.logs import quiet_known_noise
 from switchyard.service.modelspec import ModelSpecError
 
 log = logging.getLogger(__name__)
@@ -370,6 +371,7 @@ def report_startup(phase: str, done: int = 0, total: int = 0) -> None:
 def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, lifeline: Any, log_level: str) -> None:
     global _startup_outbox
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_known_noise()
     _ignore_terminal_signals()
     threading.Thread(target=_exit_with_parent, args=(lifeline,), name="switchyard-lifeline", daemon=True).start()
     outbox = _Outbox(conn)
