@@ -83,16 +83,20 @@ def describe_arguments(tree: Any) -> list[Any]:
     ]
 
 
-def stable_repr(value: Any) -> str:
-    """``value`` as text without memory addresses: functions by their qualified names, dataclasses
-    field by field."""
+def stable_repr(value: Any, omit: frozenset[str] = frozenset()) -> str:
+    """``value`` as text without memory addresses: functions by their qualified names, dataclasses,
+    dicts and sequences item by item; dataclass fields named in ``omit`` left out, at any depth (a
+    model's name is not its shape)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = ", ".join(f"{f.name}={stable_repr(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        fields = ", ".join(f"{f.name}={stable_repr(getattr(value, f.name), omit)}" for f in dataclasses.fields(value)
+                           if f.name not in omit)
         return f"{type(value).__qualname__}({fields})"
     if callable(value):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{stable_repr(k, omit)}: {stable_repr(v, omit)}" for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(stable_repr(v) for v in value) + "]"
+        return "[" + ", ".join(stable_repr(v, omit) for v in value) + "]"
     return repr(value)
 
 

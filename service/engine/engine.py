@@ -82,6 +82,8 @@ from switchyard.service.modelspec import (
     kv_tokens_for_memory,
 )
 
+# What a compile-cache key leaves out of the model and configuration: names, which shape no program.
+UNNAMED = frozenset({"name"})
 POOL_SPEC = P(None, AXIS, None, None)  # [blocks, kv_heads, block_size, head_dim], sharded by KV head
 ATTENTIONS = ("auto", "xla")
 # Compiles at warm-up hold host memory each, so the pool stays small even on a large host.
@@ -390,6 +392,11 @@ class Engine:
         """Compiled executables so far (flat after warm-up while serving)."""
         return sum(1 if isinstance(fn, jax.stages.Compiled) else fn._cache_size() for fn in self._programs.values())
 
+    def program_keys(self) -> dict[StepShape, str]:
+        """Each step program's compile-cache key (``service.engine.compile_cache``)."""
+        facts = self._program_facts()
+        return {shape: program_key({**facts, "shape": dataclasses.asdict(shape)}) for shape in self.policy.shapes()}
+
     def _program_facts(self) -> dict[str, Any]:
         """What every step program of this engine is built from, beyond its shape (a compile-cache
         key's common part: ``service.engine.compile_cache``)."""
@@ -406,9 +413,9 @@ class Engine:
             "platform": [client.platform, client.platform_version],
             "devices": [[d.id, d.device_kind] for d in devices],
             "mesh": [list(self.mesh.axis_names), list(self.mesh.devices.shape)],
-            "spec": stable_repr(self.spec),
-            "config": stable_repr(self.config),
-            "forward": stable_repr(self._cfg),
+            "spec": stable_repr(self.spec, UNNAMED),
+            "config": stable_repr(self.config, UNNAMED),
+            "forward": stable_repr(self._cfg, UNNAMED),
             "policy": stable_repr(self.policy.__dict__),
             "arguments": describe_arguments((self.params, self._state, self._io)),
             "environment": environment_facts(os.environ, ("XLA_FLAGS", ALLOCATOR_ENV, *MEMORY_FRACTION_ENVS)),
@@ -546,8 +553,7 @@ class Engine:
             self._io = self._write_io_fn(self._io, updates)
         shapes = self.policy.shapes()
         report = on_program or (lambda done, total: None)
-        facts = self._program_facts() if store is not None else {}
-        keys = {shape: program_key({**facts, "shape": dataclasses.asdict(shape)}) for shape in shapes} if facts else {}
+        keys = self.program_keys() if store is not None else {}
         devices = list(self.mesh.devices.flat)
         ready, loaded = 0, 0
         compiling = {}

@@ -279,5 +279,6 @@ def test_a_sliding_window_shorter_than_the_context_is_refused_in_one_line(tmp_pa
                               progress=False)
     assert_one_line(switchyard("serve", "--model-path", str(folder), "--max-seq-len", "2048"),
                     "--max-seq-len 2048", "sliding window of 1024 tokens", "at most 1024")
-    spec, _ = check_model(ServingLayout(max_seq_len=1024), str(folder), argparse.Namespace(trace_file=None))
+    args = argparse.Namespace(trace_file=None, compile_cache=None)
+    spec, _ = check_model(ServingLayout(max_seq_len=1024), str(folder), args)
     assert (spec.model_type, spec.sliding_window) == ("mistral", 1024)

@@ -33,3 +33,13 @@ def exits_while_loading(options: Any) -> tuple[Any, WarmUp]:
 def loads_forever(options: Any) -> tuple[Any, WarmUp]:
     while True:
         time.sleep(1)
+
+
+def reports_progress(flag: str) -> tuple[Any, WarmUp]:
+    """Says it is compiling 1 of 3, waits for the file ``flag`` to appear, then refuses the layout."""
+    from switchyard.service.api.engine_process import report_startup
+
+    report_startup("compiling step programs", 1, 3)
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+    raise ModelSpecError("refused after reporting progress")
