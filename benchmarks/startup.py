@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CPP_LINE = re.compile(r"^([WEF])\d{4} \d\d:\d\d:\d\d")
 PY_LEVEL = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b")
 NUMBER = re.compile(r"[0-9]+(\.[0-9]+)?")
+WEIGHTS_LOADED = re.compile(r"loading \S+: done, .* in [0-9.]+ s")
 PROMPT = "The compile cache keeps every step program of"
 
 
@@ -125,6 +126,8 @@ def start(label: str, model: Path, cache: Path, args: argparse.Namespace, work: 
             proc.kill()
             proc.wait()
     log = log_path.read_text(errors="replace")
+    loaded = WEIGHTS_LOADED.search(log)
+    row["weights"] = loaded.group(0) if loaded else None
     row["log"] = classify(log)
     if serving_s is None:
         row["log_tail"] = log[-4000:]
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         row = start(label, model, cache, args, args.work)
         runs.append(row)
         print(f"{row['label']}: SERVING after {row['serving_s']} s; phases {row['phases_first_seen_s']}; "
-              f"{row.get('compile_cache', '')}; log {row['log']['by_level']}", flush=True)
+              f"{row['weights']}; {row.get('compile_cache', '')}; log {row['log']['by_level']}", flush=True)
         for message, count in row["log"]["messages"].items():
             print(f"   {count:4d}  {message}", flush=True)
     same = len(runs) == 2 and runs[0].get("tokens") is not None and runs[0].get("tokens") == runs[1].get("tokens")

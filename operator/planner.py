@@ -35,7 +35,9 @@ from switchyard.service.modelspec import (
     DEFAULT_STEP_TOKENS,
     KV_BLOCK_TOKENS,
     MAX_KV_MEMORY_FRACTION,
+    STEP_PARAMETER_MARGIN,
     STEP_TOKENS_MULTIPLE,
+    XLA_UNSTATED_LIMIT_FRACTION,
     ModelSpec,
     is_integer,
     is_number,
@@ -317,7 +319,7 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         f"cache of {chosen.usable_bytes / GiB:.1f} GiB usable "
         f"({1 - float(m['memory_headroom_fraction']):.0%} of {lay.memory_bytes / GiB:.0f} GiB less "
         f"{int(m['runtime_reserve_bytes']) / GiB:.0f} GiB reserve for the runtime's workspace and activations, "
-        f"stated model); the cache takes {lay.kv_memory_fraction:.0%} of the "
+        f"stated model); the cache takes at most {lay.kv_memory_fraction:.0%} of the "
         f"{(chosen.usable_bytes - lay.weight_bytes_per_gpu) / GiB:.1f} GiB after the weights",
         f"KV budget {lay.kv_tokens} tokens per replica ({lay.kv_blocks} blocks of {KV_BLOCK_TOKENS}): "
         f"{lay.kv_tokens // lay.max_seq_len} sequence(s) at the full {lay.max_seq_len} tokens, "
@@ -410,7 +412,14 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
                               f"weights {weights / GiB:.1f} GiB per GPU exceed the {usable / GiB:.1f} GiB usable "
                               f"on {pool.product}")
     fraction = float(request.kv_memory_fraction)
-    kv_tokens = kv_tokens_for_memory(model, tp, pp, int((usable - weights) * fraction))
+    kv_bytes = int((usable - weights) * fraction)
+    if tp == 1:
+        # A one-GPU engine keeps its pool inside what XLA's compiler assumes usable (it is not told the
+        # allocator's limit there: service/engine/xla_runtime.py).
+        room = (int(XLA_UNSTATED_LIMIT_FRACTION * pool.memory_bytes) - weights - int(m["runtime_reserve_bytes"])
+                - STEP_PARAMETER_MARGIN)
+        kv_bytes = min(kv_bytes, room)
+    kv_tokens = kv_tokens_for_memory(model, tp, pp, kv_bytes)
     if kv_tokens < max_seq:
         return None, Rejected(LayoutRejection.NO_KV_ROOM,
                               f"no room for the KV cache of one {max_seq}-token sequence after the weights: "

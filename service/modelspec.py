@@ -31,6 +31,14 @@ STEP_TOKENS_MULTIPLE = 16
 # The share of the memory left after the weights a pool sized at start-up takes, by default and at most.
 DEFAULT_KV_MEMORY_FRACTION = 0.9
 MAX_KV_MEMORY_FRACTION = 0.95
+# The share of a GPU's memory XLA's GPU compiler assumes its programs may use when the allocator states
+# no limit (the virtual-memory allocator, which one-GPU engines run, states none). A program whose
+# parameters exceed it is scheduled against a limit of zero, with an ERROR line ("exceeds the base
+# limit ... an error in the calculation") for every program compiled; the KV pool stays inside it.
+XLA_UNSTATED_LIMIT_FRACTION = 0.8
+# A step's parameters beside the weights and the KV pool (slot state, inputs and tokens) and a little
+# room for its temporaries, inside that share.
+STEP_PARAMETER_MARGIN = 256 << 20
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Bounds of a model's shape, by config.json name: the largest models served, with room to spare

@@ -1,17 +1,22 @@
 """Hugging Face checkpoints: load straight into the sharded layout, and write random-weight ones.
 
 Loading reads each device's slice of each tensor from the memory-mapped ``*.safetensors`` files and
-places it on that device, so no device (and no host buffer) ever holds the whole model.
+places it on that device, so no device (and no host buffer) ever holds the whole model. A matrix goes
+to the device as the checkpoint stores it ([out, in]) and is transposed there into the engine's
+[in, out]: on the host a 2-byte transpose runs at 0.15-0.5 GB/s, which made a Llama-3-8B load take
+56 s (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -77,6 +82,23 @@ class TensorSource:
         return tensor[index]
 
 
+class Transposed:
+    """A fetcher of a matrix's block in the checkpoint's orientation: called with the block's index in
+    the engine's layout, it returns that block with its last two axes swapped."""
+
+    def __init__(self, fetch: Callable[[tuple[slice, ...]], np.ndarray]) -> None:
+        self.fetch = fetch
+
+
+def _swap_last(items: tuple) -> tuple:
+    return (*items[:-2], items[-1], items[-2])
+
+
+@functools.cache
+def _swap_on_device(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(lambda x: jnp.swapaxes(x, -1, -2), out_shardings=sharding)
+
+
 def _shard_index(index: tuple[slice, ...], dim: int, width: int) -> int:
     start = index[dim].start or 0
     return start // width
@@ -103,20 +125,27 @@ def load_params(
         raise ValueError(f"{stages} pipeline stages must divide the {s.num_layers} layers of {s.name}")
     per_stage = s.num_layers // stages
 
-    def put(global_shape: tuple[int, ...], pspec, fetch: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+    def put(global_shape: tuple[int, ...], pspec, fetch: Callable | Transposed) -> jax.Array:
         sharding = NamedSharding(mesh, pspec)
-        return jax.make_array_from_callback(global_shape, sharding, lambda idx: fetch(idx).astype(np_dtype))
+        if not isinstance(fetch, Transposed):
+            return jax.make_array_from_callback(global_shape, sharding,
+                                                lambda idx: fetch(idx).astype(np_dtype, copy=False))
+        spec = (*pspec, *(None,) * (len(global_shape) - len(pspec)))
+        stored = jax.make_array_from_callback(
+            _swap_last(global_shape), NamedSharding(mesh, P(*_swap_last(spec))),
+            lambda idx: fetch.fetch(_swap_last(idx)).astype(np_dtype, copy=False))
+        return _swap_on_device(sharding)(stored)
 
     def whole(name: str, expected: tuple[int, ...]) -> Callable[[tuple[slice, ...]], np.ndarray]:
         return lambda idx: src.slice(name, expected)[idx]
 
-    def column_block(parts: list[tuple[str, int, int]], width: int) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    def column_block(parts: list[tuple[str, int, int]], width: int) -> Transposed:
         """Shard r's columns = concat of rows [r*n, (r+1)*n) of each HF [out, in] tensor, transposed."""
         def fetch(idx: tuple[slice, ...]) -> np.ndarray:
             r = _shard_index(idx, 1, width)
-            blocks = [src.slice(name, (out, s.hidden_size), slice(r * n, (r + 1) * n)).T for name, out, n in parts]
-            return np.concatenate(blocks, axis=1)[idx[0]]
-        return fetch
+            blocks = [src.slice(name, (out, s.hidden_size), slice(r * n, (r + 1) * n)) for name, out, n in parts]
+            return np.concatenate(blocks, axis=0)[:, idx[0]]
+        return Transposed(fetch)
 
     def vector_block(parts: list[tuple[str, int, int]], width: int) -> Callable[[tuple[slice, ...]], np.ndarray]:
         """Shard r's entries = concat of entries [r*n, (r+1)*n) of each HF [out] vector (biases)."""
@@ -125,11 +154,9 @@ def load_params(
             return np.concatenate([src.slice(name, (out,), slice(r * n, (r + 1) * n)) for name, out, n in parts])
         return fetch
 
-    def row_block(name: str, expected: tuple[int, ...]) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    def row_block(name: str, expected: tuple[int, ...]) -> Transposed:
         """HF [out, in] tensor used as [in, out], sharded by its input rows (= the tensor's columns)."""
-        def fetch(idx: tuple[slice, ...]) -> np.ndarray:
-            return np.ascontiguousarray(src.slice(name, expected, (slice(None), idx[0])).T)[:, idx[1]]
-        return fetch
+        return Transposed(lambda idx: src.slice(name, expected, (idx[1], idx[0])))
 
     q_l, kv_l = shape.q_heads * hd, shape.kv_heads * hd
 
@@ -160,8 +187,9 @@ def load_params(
         """Leaf ``leaf`` of entry j of the stage-stacked layers: stage s's block is layer s * per_stage + j."""
         def fetch(idx: tuple[slice, ...]) -> np.ndarray:
             stage = idx[0].start or 0
-            return jax.tree.leaves(layer_fetchers(stage * per_stage + j))[leaf](idx[1:])[None]
-        return fetch
+            inner = jax.tree.leaves(layer_fetchers(stage * per_stage + j))[leaf]
+            return (inner.fetch if isinstance(inner, Transposed) else inner)(idx[1:])[None]
+        return Transposed(fetch) if isinstance(jax.tree.leaves(layer_fetchers(j))[leaf], Transposed) else fetch
 
     rep = P()
     itemsize = np.dtype(np_dtype).itemsize
@@ -196,13 +224,13 @@ def load_params(
     def head(idx: tuple[slice, ...]) -> np.ndarray:
         r = _shard_index(idx, 1, local_vocab)
         lo, hi = r * local_vocab, min((r + 1) * local_vocab, s.vocab_size)
-        block = np.zeros((s.hidden_size, local_vocab), dtype=np.float32)
+        block = np.zeros((local_vocab, s.hidden_size), dtype=np_dtype)
         if hi > lo:
-            block[:, : hi - lo] = src.slice(head_name, (s.vocab_size, s.hidden_size), slice(lo, hi)).T
-        return block[idx[0]]
+            block[: hi - lo] = src.slice(head_name, (s.vocab_size, s.hidden_size), slice(lo, hi))
+        return block[:, idx[0]]
 
     head_spec = specs["lm_head"] if stages == 1 else P(None, ("pp", "tp"))
-    params["lm_head"] = put(shapes["lm_head"], head_spec, head)
+    params["lm_head"] = put(shapes["lm_head"], head_spec, Transposed(head))
     bar.update(params["lm_head"].nbytes)
     bar.close()
     return params

@@ -27,8 +27,8 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ from switchyard.service.engine.step_policy import MIN_BATCH_WIDTH, StepPolicy, S
 from switchyard.service.engine.xla_runtime import (
     ALLOCATOR_ENV,
     MEMORY_FRACTION_ENVS,
+    compiler_room,
     free_device_memory,
     memory_fraction,
     step_compiler_options,
@@ -221,9 +222,12 @@ def new_pool(shape: tuple[int, ...], sharding: NamedSharding, dtype: str,
     return [zeros() for _ in range(layers)], [zeros() for _ in range(layers)]
 
 
-def pool_tokens(spec: ModelSpec, config: EngineConfig, tp: int, pp: int, dtype: str, free: int | None) -> int:
+def pool_tokens(spec: ModelSpec, config: EngineConfig, tp: int, pp: int, dtype: str, free: int | None,
+                room: int | None = None) -> int:
     """The KV pool's size in tokens: the config's, checked against ``free`` bytes per GPU, or what fits
-    in its share of them; with ``free`` None (host devices), every slot's whole context at most."""
+    in its share of them and in ``room`` (``xla_runtime.compiler_room``: what XLA's compiler assumes
+    is left, where the allocator does not tell it); with ``free`` None (host devices), every slot's
+    whole context at most."""
     bs = config.block_size
     table_tokens = -(-config.max_seq_len // bs) * bs
     if config.kv_tokens:
@@ -239,7 +243,10 @@ def pool_tokens(spec: ModelSpec, config: EngineConfig, tp: int, pp: int, dtype: 
     elif free is None:
         tokens = config.batch_slots * table_tokens
     else:
-        tokens = kv_tokens_for_memory(spec, tp, pp, int(free * config.kv_memory_fraction), dtype) // bs * bs
+        budget = int(free * config.kv_memory_fraction)
+        if room is not None:
+            budget = min(budget, room)
+        tokens = kv_tokens_for_memory(spec, tp, pp, budget, dtype) // bs * bs
     if free is None:
         # Host devices: no device memory to fill, so no more than the sequences can use (a layout
         # planned for a GPU may ask for far more than the host has).
@@ -329,8 +336,10 @@ class Engine:
         return dataclasses.replace(cfg, **changes)
 
     def _pool_tokens(self) -> int:
-        free = free_device_memory(list(self.mesh.devices.flat), kernels.device_memory, memory_fraction())
-        return pool_tokens(self.spec, self.config, self.tp, self.pp, self.dtype, free)
+        devices = list(self.mesh.devices.flat)
+        free = free_device_memory(devices, kernels.device_memory, memory_fraction())
+        room = compiler_room(devices, kernels.device_memory)
+        return pool_tokens(self.spec, self.config, self.tp, self.pp, self.dtype, free, room)
 
     @property
     def _pool_spec(self) -> P:
@@ -556,7 +565,20 @@ class Engine:
         keys = self.program_keys() if store is not None else {}
         devices = list(self.mesh.devices.flat)
         ready, loaded = 0, 0
-        compiling = {}
+        compiling: dict[Future, StepShape] = {}
+
+        def collect(finished: Iterable[Future]) -> None:
+            """Programs whose compile ended: kept, stored, and counted as they finish (not in order), so
+            progress moves while later programs are still being traced."""
+            nonlocal ready
+            for done in list(finished):
+                shape = compiling.pop(done)
+                self._programs[("step", shape)] = program = done.result()
+                if store is not None:
+                    store.save(keys[shape], program)
+                ready += 1
+                report(ready, len(shapes))
+
         with ThreadPoolExecutor(compile_workers()) as pool:
             for shape in shapes:
                 program = store.load(keys[shape], devices) if store is not None else None
@@ -566,13 +588,9 @@ class Engine:
                     report(ready, len(shapes))
                     continue
                 lowered = self._program("step", shape).lower(self.params, self._state, self._io)
-                compiling[shape] = pool.submit(lowered.compile)
-            for shape, done in compiling.items():
-                self._programs[("step", shape)] = program = done.result()
-                if store is not None:
-                    store.save(keys[shape], program)
-                ready += 1
-                report(ready, len(shapes))
+                compiling[pool.submit(lowered.compile)] = shape
+                collect([f for f in compiling if f.done()])
+            collect(as_completed(list(compiling)))
         for shape in shapes:
             self._state, self._io = self._programs[("step", shape)](self.params, self._state, self._io)
         self._read_out_fn(self._io)

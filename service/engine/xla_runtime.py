@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from switchyard.service.modelspec import ModelSpecError
+from switchyard.service.modelspec import STEP_PARAMETER_MARGIN, XLA_UNSTATED_LIMIT_FRACTION, ModelSpecError
 
 ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
 # The share of a GPU's memory XLA may take, as JAX reads it (the second name is the older one).
@@ -91,6 +91,20 @@ def step_compiler_options(chunk_tokens: int, step_tokens: int, platform: str,
     if xla_allocator(environ) == VMM_ALLOCATOR and UPDATE_MODE_OPTION not in xla_flags:
         options[UPDATE_MODE_OPTION] = STABLE_TEMP_UPDATE_MODE
     return options or None
+
+
+def compiler_room(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None]) -> int | None:
+    """Bytes the KV pool may take so that XLA's compiler, where the allocator states no limit, sees a
+    step's parameters inside the share of memory it assumes usable (:data:`XLA_UNSTATED_LIMIT_FRACTION`,
+    less what is in use, the weights among it, and :data:`STEP_PARAMETER_MARGIN`); None where the
+    allocator states its limit (XLA then plans with it) or on host devices."""
+    if devices[0].platform != "gpu" or all((d.memory_stats() or {}).get("bytes_limit") for d in devices):
+        return None
+    counts = [driver_count(d) for d in devices]
+    if any(c is None for c in counts):
+        return None
+    return min(max(0, int(XLA_UNSTATED_LIMIT_FRACTION * total) - (total - free) - STEP_PARAMETER_MARGIN)
+               for free, total in counts)
 
 
 def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None],

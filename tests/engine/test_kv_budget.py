@@ -62,5 +62,8 @@ def test_an_unsized_pool_takes_its_share_of_the_free_memory_and_host_devices_eve
     per_token = spec.kv_bytes_per_token_per_gpu(2, 1)
     assert pool_tokens(spec, config, 2, 1, spec.dtype, 1000 * per_token) == 500 // bs * bs
     assert pool_tokens(spec, config, 2, 1, spec.dtype, None) == 2 * 128
+    # Where XLA's compiler is not told the allocator's limit, the pool also stays inside its room.
+    assert pool_tokens(spec, config, 2, 1, spec.dtype, 1000 * per_token, room=300 * per_token) == 300 // bs * bs
+    assert pool_tokens(spec, config, 2, 1, spec.dtype, 1000 * per_token, room=900 * per_token) == 500 // bs * bs
     with pytest.raises(ModelSpecError, match="fewer than one sequence of max_seq_len 128"):
         pool_tokens(spec, config, 2, 1, spec.dtype, 100 * per_token)

@@ -8,7 +8,9 @@ from switchyard.service.engine.xla_runtime import (
     ALLOCATOR_ENV,
     PROCESS_MEMORY_FRACTION,
     SHORT_CHUNK_COMMAND_BUFFER,
+    STEP_PARAMETER_MARGIN,
     apply_process_defaults,
+    compiler_room,
     free_device_memory,
     memory_fraction,
     step_compiler_options,
@@ -104,3 +106,14 @@ def test_free_memory_comes_from_the_allocator_where_it_counts_and_the_driver_whe
     assert free_device_memory(vmm, _driver, 0.2) == 0  # already past the share
     with pytest.raises(ModelSpecError, match=r"^cannot size the KV pool: .* set layout\.kv_tokens$"):
         free_device_memory([_Device("gpu", None, None)], _driver, 0.9)
+
+
+def test_the_compiler_room_is_what_xla_assumes_usable_only_where_the_allocator_states_no_limit():
+    gib = 2**30
+    assert compiler_room([_Device("cpu", None)], _driver) is None
+    arena = _Device("gpu", {"bytes_limit": 72 * gib, "bytes_in_use": 16 * gib}, (64 * gib, 80 * gib))
+    assert compiler_room([arena], _driver) is None  # XLA plans with the arena's limit
+    vmm = [_Device("gpu", None, (63 * gib, 80 * gib)), _Device("gpu", {}, (62 * gib, 80 * gib))]
+    assert compiler_room(vmm, _driver) == 64 * gib - 18 * gib - STEP_PARAMETER_MARGIN  # 80% less the most in use
+    assert compiler_room([_Device("gpu", None, (10 * gib, 80 * gib))], _driver) == 0
+    assert compiler_room([_Device("gpu", None, None)], _driver) is None
