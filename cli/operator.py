@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default image of tensorrt-llm serving pods")
     parser.add_argument("--otlp-endpoint", default=os.environ.get("SWITCHYARD_OTLP_ENDPOINT", ""),
                         help="OTLP endpoint of serving pods whose DecodeService sets no spec.otlpEndpoint")
+    parser.add_argument("--compile-cache-path", default=os.environ.get("SWITCHYARD_COMPILE_CACHE_PATH", ""),
+                        help="absolute folder on each node where serving pods keep compiled step programs "
+                             "between starts (a hostPath volume; empty, the default: none)")
     parser.add_argument("--log-level", default=os.environ.get("SWITCHYARD_LOG_LEVEL", "INFO"),
                         help="operator log level (kopf's handler and event messages are INFO)")
     parser.add_argument("--liveness", default=os.environ.get("SWITCHYARD_LIVENESS", "http://0.0.0.0:8080/healthz"),
@@ -45,12 +48,18 @@ def priority(value: str) -> int:
 def config_from_args(args: argparse.Namespace):  # -> OperatorConfig (import kept lazy)
     import dataclasses
 
+    from switchyard.cli.usage import UsageError
     from switchyard.operator.handlers import OperatorConfig
     from switchyard.operator.render import RenderConfig
 
+    folder = args.compile_cache_path
+    if folder and (not folder.startswith("/") or any(c in folder for c in "\n\r\0")):
+        raise UsageError(f"--compile-cache-path {folder!r} is not an absolute folder path (a folder on each node)")
+
     overrides = {k: v for k, v in {"switchyard_image": args.service_image,
                                    "trtllm_image": args.trtllm_image,
-                                   "otlp_endpoint": args.otlp_endpoint}.items() if v}
+                                   "otlp_endpoint": args.otlp_endpoint,
+                                   "compile_cache_path": args.compile_cache_path}.items() if v}
     return OperatorConfig(render=dataclasses.replace(RenderConfig(), **overrides),
                           replan_interval_s=args.replan_interval,
                           peering_name=None if args.standalone else args.peering)

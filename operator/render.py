@@ -39,6 +39,8 @@ LAYOUT_DIR = "/etc/switchyard"
 LAYOUT_FILE = f"{LAYOUT_DIR}/layout.json"
 TRTLLM_OPTIONS = "trtllm-options.yaml"
 STAGE_ENV = "SWITCHYARD_PIPELINE_STAGE"
+COMPILE_CACHE_ENV = "SWITCHYARD_COMPILE_CACHE"
+COMPILE_CACHE_MOUNT = "/var/cache/switchyard"
 # TensorRT-LLM's allreduce_strategy names for our strategy settings.
 # The CRD's maxItems of status.reasons and status.alternatives: a longer list would be refused.
 MAX_STATUS_ITEMS = 64
@@ -55,6 +57,9 @@ class RenderConfig:
     shm_size: str = "16Gi"
     # Collector for serving pods whose DecodeService sets no spec.otlpEndpoint (the chart's otel.endpoint).
     otlp_endpoint: str = ""
+    # The node's folder serving pods keep their compiled step programs in (the chart's
+    # serving.compileCache.hostPath; empty: none), so a restart on that node loads them.
+    compile_cache_path: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +203,8 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     else:
         env += [{"name": "OTEL_TRACES_EXPORTER", "value": "none"},
                 {"name": "OTEL_METRICS_EXPORTER", "value": "none"}]
+    if config.compile_cache_path and not trt:
+        env.append({"name": COMPILE_CACHE_ENV, "value": COMPILE_CACHE_MOUNT})
     if lay.pp > 1:
         env.append({"name": STAGE_ENV,
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}})
@@ -210,6 +217,8 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     mounts = [{"name": "layout", "mountPath": LAYOUT_DIR, "readOnly": True},
               {"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "tmp", "mountPath": "/tmp"}]
+    if config.compile_cache_path and not trt:
+        mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_MOUNT})
     if source.kind != "image":
         mount: dict[str, Any] = {"name": "model", "mountPath": source.path, "readOnly": True}
         if source.sub_path:
@@ -238,6 +247,24 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     return container
 
 
+def _compile_cache_owner(spec: Mapping[str, Any], config: RenderConfig) -> dict[str, Any]:
+    """An init container that gives the node's compile-cache folder to the serving user: the kubelet
+    creates a missing hostPath folder as root, and the server runs as ``run_as_user``. It may change
+    the folder's owner and nothing else."""
+    uid = config.run_as_user
+    return {
+        "name": "compile-cache-owner",
+        "image": spec.get("image") or config.switchyard_image,
+        "command": ["chown", f"{uid}:{uid}", COMPILE_CACHE_MOUNT],
+        "volumeMounts": [{"name": "compile-cache", "mountPath": COMPILE_CACHE_MOUNT}],
+        "securityContext": {
+            "runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        },
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+    }
+
+
 def _statefulset(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelSource, config: RenderConfig,
                  group: str, index: int, cm: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
     lay = plan.layout
@@ -253,6 +280,11 @@ def _statefulset(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mode
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True}})
     elif source.kind == "hostPath":
         volumes.append({"name": "model", "hostPath": {"path": source.host_path, "type": "Directory"}})
+    init_containers = []
+    if config.compile_cache_path and spec.get("engine") != "tensorrt-llm":
+        volumes.append({"name": "compile-cache",
+                        "hostPath": {"path": config.compile_cache_path, "type": "DirectoryOrCreate"}})
+        init_containers.append(_compile_cache_owner(spec, config))
     match_fields = [{"key": "metadata.name", "operator": "In", "values": list(nodes)}] if nodes else []
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the server never talks to the API
@@ -261,6 +293,7 @@ def _statefulset(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mode
             "runAsNonRoot": True, "runAsUser": config.run_as_user, "runAsGroup": config.run_as_user,
             "fsGroup": config.run_as_user, "seccompProfile": {"type": "RuntimeDefault"},
         },
+        **({"initContainers": init_containers} if init_containers else {}),
         "containers": [_container(owner, spec, plan, source, config)],
         "volumes": volumes,
         "tolerations": [*spec.get("tolerations", []), GPU_TOLERATION],

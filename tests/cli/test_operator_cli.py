@@ -58,6 +58,13 @@ def test_operator_command_configuration(monkeypatch):
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
+def test_the_compile_cache_folder_is_absolute_or_a_one_line_mistake(capsys):
+    assert main(["operator", "--compile-cache-path", "var/cache/switchyard", "--standalone"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("switchyard operator: error: --compile-cache-path 'var/cache/switchyard' is not an absolute "
+                           "folder path (a folder on each node)"), err
+
+
 def test_operator_replicas_draw_distinct_priorities():
     from switchyard.cli.operator import priority
 

@@ -115,6 +115,7 @@ def test_operator_command_is_what_the_cli_parses():
     assert config.render.switchyard_image == "ghcr.io/switchyard/switchyard-service:9.9.9"
     assert config.render.trtllm_image == "nvcr.io/nvidia/tensorrt-llm/release:1.0.0"
     assert config.render.otlp_endpoint == ""
+    assert config.render.compile_cache_path == "/var/cache/switchyard"  # the chart's default
     # Replicas share these arguments; each draws its own peering priority.
     assert args.priority > 0 and build_parser().parse_args(argv[1:]).priority != args.priority
 
@@ -147,6 +148,16 @@ def test_otel_endpoint_reaches_the_serving_pods_config():
     assert operator_main.config_from_args(args).render.otlp_endpoint == "http://otel-collector.observability.svc:4317"
 
 
+def test_the_serving_compile_cache_folder_is_the_charts_or_none():
+    def path(*sets: str) -> str:
+        container = operator_container(*sets)
+        args = build_parser().parse_args((container["command"] + container["args"])[1:])
+        return operator_main.config_from_args(args).render.compile_cache_path
+
+    assert path("serving.compileCache.hostPath=/mnt/nvme/switchyard") == "/mnt/nvme/switchyard"
+    assert path("serving.compileCache.hostPath=") == ""
+
+
 def test_replicas_and_existing_service_account():
     objs = template("operator.replicas=3", "serviceAccount.create=false", "serviceAccount.name=mine")
     assert one(objs, "Deployment")["spec"]["replicas"] == 3
@@ -162,6 +173,7 @@ def test_replicas_and_existing_service_account():
     ("otel.endpoint=collector:4317", "otel.endpoint: Does not match pattern"),
     ("operator.resources.limits.memory=lots", "operator.resources.limits.memory"),
     ("operator.peering.name=Not_A_Name", "operator.peering.name: Does not match pattern"),
+    ("serving.compileCache.hostPath=var/cache", "serving.compileCache.hostPath: Does not match pattern"),
 ])
 def test_bad_values_fail_with_a_message(value, message):
     proc = run_helm("template", "x", str(CHART), "--set", value, check=False)

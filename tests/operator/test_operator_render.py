@@ -220,3 +220,38 @@ def test_status_of_every_scenario_fits_the_crd_status_schema():
         errors = [e.message for e in OAS30Validator(schema).iter_errors(stored)]
         assert errors == [], errors
         assert {c["type"] for c in status["conditions"]} == {"Planned", "Scheduled", "Ready", "Degraded"}
+
+
+def test_a_node_compile_cache_is_mounted_owned_by_the_server_and_named_to_it():
+    body = decode_service()
+    spec = specmod.normalized(copy.deepcopy(body["spec"]))
+    p, _ = build(body, [gpu_node("h200-0")])
+    body["metadata"].update(uid="0f1e2d3c-uid", generation=3)
+    config = render.RenderConfig(compile_cache_path="/var/cache/switchyard-test")
+    objs = render.render(body, spec, p, specmod.model_source(spec), config)
+    validate_all(objs)
+    (sts,) = by_kind(objs, "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "compile-cache"]
+    assert volume["hostPath"] == {"path": "/var/cache/switchyard-test", "type": "DirectoryOrCreate"}
+    server = pod["containers"][0]
+    assert {"name": "compile-cache", "mountPath": render.COMPILE_CACHE_MOUNT} in server["volumeMounts"]
+    assert {"name": "SWITCHYARD_COMPILE_CACHE", "value": render.COMPILE_CACHE_MOUNT} in server["env"]
+    # The kubelet makes a missing folder as root; an init container hands it to the serving user and
+    # may do nothing else.
+    (owner,) = pod["initContainers"]
+    assert owner["command"] == ["chown", "1000:1000", render.COMPILE_CACHE_MOUNT]
+    assert owner["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert owner["securityContext"]["allowPrivilegeEscalation"] is False
+    # Without a path (or for TensorRT-LLM, which keeps no such cache) nothing of it is rendered.
+    (plain,) = by_kind(render.render(body, spec, p, specmod.model_source(spec)), "StatefulSet")
+    assert "initContainers" not in plain["spec"]["template"]["spec"]
+    assert "compile-cache" not in json.dumps(plain)
+    trt_body = decode_service(engine="tensorrt-llm", model={"name": "llama-3-8b", "preset": "llama3-8b",
+                                                             "source": {"image": {"path": "/opt/model"}}})
+    trt_body["metadata"].update(uid="0f1e2d3c-uid", generation=3)
+    trt_spec = specmod.normalized(trt_body["spec"])
+    trt_plan = planner.plan(specmod.model_spec(trt_spec), inventory.build([gpu_node("h200-0")], []),
+                            specmod.request(trt_spec))
+    trt = render.render(trt_body, trt_spec, trt_plan, specmod.model_source(trt_spec), config)
+    assert "compile-cache" not in json.dumps(trt)
