@@ -81,6 +81,8 @@ class TensorSource:
         dtype = str(tensor.get_dtype())
         if dtype in RAW_DTYPES:
             return self._raw(name, shape, RAW_DTYPES[dtype])[index]
+        if not shape:  # a scalar (AutoFP8's per-tensor scales): safetensors' slices need a dimension
+            return self._handles[self._weight_map[name]].get_tensor(name)[index if index != slice(None) else ()]
         return tensor[index]
 
     def _raw(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
