@@ -25,26 +25,29 @@ from switchyard.service.engine.pipeline import check_stage_formats
 from switchyard.service.engine.tensor_source import INDEX_FILE, CheckpointError, TensorSource
 from switchyard.service.model.family import EMBED, FINAL_NORM, LM_HEAD, tensor_shape
 from switchyard.service.modelspec import ModelSpec
-from tqdm import tqdm
+from switchyard.service.progress import NoProgress, Progress, progress_bytes
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-class _NoProgress:
-    """What a progress bar does when there is none to show."""
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def progress_bar(show: bool, total: int, desc: str) -> Progress:
+    """Progress over ``total`` bytes: a bar on a terminal, a line every few seconds in a log
+    (``service.progress``), or nothing. No disabled tqdm when nothing shows: it still makes a
+    multiprocessing lock, which an engine process that is killed (or exits at once) leaves behind, and
+    the resource tracker then warns of a leaked semaphore when serve exits."""
+    return progress_bytes(total, desc) if show else NoProgress()
 
 
-def progress_bar(show: bool, **kwargs: Any) -> Any:
-    """A tqdm bar, or nothing that shows. A disabled tqdm still makes a multiprocessing lock, which an
-    engine process that is killed (or exits at once) leaves behind, and the resource tracker then warns
-    of a leaked semaphore when serve exits."""
-    return tqdm(**kwargs) if show else _NoProgress()
+def _held_bytes(shapes: Any, itemsize: int) -> int:
+    """Bytes of a tree of shapes as held: ``itemsize`` an element, an FP8 weight's e4m3 values a byte
+    each and its scales float32."""
+    total = 0
+    for leaf in jax.tree.leaves(shapes, is_leaf=lambda x: is_shape(x) or isinstance(x, Fp8Weight)):
+        if isinstance(leaf, Fp8Weight):
+            total += int(np.prod(leaf.w)) + 4 * int(np.prod(leaf.scale))
+        else:
+            total += itemsize * int(np.prod(leaf))
+    return total
 
 
 def _shard_index(index: tuple[slice, ...], dim: int, width: int) -> int:
@@ -176,11 +179,13 @@ def load_params(
         return fetch
 
     rep = P()
-    total = 3 + per_stage
-    bar = progress_bar(progress, total=total, desc=f"loading {folder.name}", unit="tensor-group")
+    itemsize = np.dtype(np_dtype).itemsize
+    total = stages * sum(_held_bytes(layer, itemsize) for layer in shapes["layers"][:per_stage]) + itemsize * sum(
+        int(np.prod(shapes[name])) for name in ("embed", "final_norm", "lm_head"))
+    bar = progress_bar(progress, total=total, desc=f"loading {folder.name}")
     params: dict[str, Any] = {"layers": []}
     params["embed"] = put(shapes["embed"], rep, whole(EMBED, (s.vocab_size, s.hidden_size)))
-    bar.update()
+    bar.update(params["embed"].nbytes)
     for j in range(per_stage):
         lshape, lspec = shapes["layers"][j], specs["layers"][j]
         if stages == 1:
@@ -193,9 +198,9 @@ def load_params(
             layer = jax.tree.unflatten(treedef, [put(shp, ps, stage_fetch(j, k)) for k, (shp, ps) in enumerate(
                 zip(leaves, jax.tree.leaves(lspec), strict=True))])
         params["layers"].append(layer)
-        bar.update()
+        bar.update(sum(leaf.nbytes for leaf in jax.tree.leaves(layer)))
     params["final_norm"] = put(shapes["final_norm"], rep, whole(FINAL_NORM, (s.hidden_size,)))
-    bar.update()
+    bar.update(params["final_norm"].nbytes)
     head_name = EMBED if s.tie_word_embeddings else LM_HEAD
     if not s.tie_word_embeddings and head_name not in src:
         raise CheckpointError("checkpoint has no lm_head.weight and the config does not tie word embeddings")
@@ -211,7 +216,7 @@ def load_params(
 
     head_spec = specs["lm_head"] if stages == 1 else P(None, ("pp", "tp"))
     params["lm_head"] = put(shapes["lm_head"], head_spec, dense(head))
-    bar.update()
+    bar.update(params["lm_head"].nbytes)
     bar.close()
     return params
 
@@ -252,7 +257,7 @@ def write_checkpoint(
     build_tokenizer(spec).save(str(out / "tokenizer.json"))
     total = spec.param_bytes
     n_files = max(1, -(-total // shard_bytes))
-    bar = progress_bar(progress, total=total, desc=f"writing {out.name}", unit="B", unit_scale=True)
+    bar = progress_bar(progress, total=total, desc=f"writing {out.name}")
     shard: dict[str, np.ndarray] = {}
     shard_size = 0
     weight_map: dict[str, str] = {}
