@@ -52,6 +52,11 @@ class Fp8Pool:
 Pool = jax.Array | Fp8Pool
 
 
+def label(kv_dtype: str, dtype: str) -> str:
+    """A pool's format for people (the start-up log, ModelInfo): ``dtype``, or FP8 with its scales."""
+    return "fp8 e4m3 (float32 scale per position and KV head)" if kv_dtype == "fp8" else dtype
+
+
 def is_fp8(pool: Any) -> bool:
     return isinstance(pool, Fp8Pool)
 

@@ -402,9 +402,7 @@ class Engine:
     @property
     def kv_cache_label(self) -> str:
         """The KV pool's format for people: the model's dtype, or FP8 with its scales."""
-        if self.config.kv_cache_dtype == "fp8":
-            return "fp8 e4m3 (float32 scale per position and KV head)"
-        return self.dtype
+        return kv_cache.label(self.config.kv_cache_dtype, self.dtype)
 
     def _new_state(self) -> dict[str, Any]:
         s, pp = self.spec, self.pp

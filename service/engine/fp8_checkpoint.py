@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 from switchyard.kernels.fp8 import FP8_MAX, MIN_SCALE, NP_FP8, quantize_rows_np
 from switchyard.service.engine import param_formats
 from switchyard.service.engine.param_formats import COLUMN_PARALLEL, DENSE, FP8_PER_CHANNEL, MatrixFormat
+from switchyard.service.engine.pipeline import check_stage_formats
 from switchyard.service.engine.tensor_source import INDEX_FILE, CheckpointError, TensorSource
 from switchyard.service.model.family import tensor_shape
 from switchyard.service.model.quantization import CHOICES, MATRIX_ROLES, Quantization
@@ -207,12 +208,14 @@ def matrix_formats(matrices: Fp8Matrices, spec: ModelSpec, tp: int, choice: str)
     return out
 
 
-def check_checkpoint(folder: str | Path, spec: ModelSpec, tp: int = 1, choice: str = "auto") -> str:
+def check_checkpoint(folder: str | Path, spec: ModelSpec, tp: int = 1, choice: str = "auto", pp: int = 1) -> str:
     """Everything about a checkpoint's FP8 matrices that can be known before loading: the formats of
-    a load with ``choice`` at ``tp``, and every FP8 tensor's scales (and static input scales) read and
-    checked. Returns the formats' summary; raises CheckpointError with one line."""
+    a load with ``choice`` at ``tp`` over ``pp`` pipeline stages, and every FP8 tensor's scales (and
+    static input scales) read and checked. Returns the formats' summary; raises CheckpointError (or
+    ValueError: stages that would hold their layers unlike each other) with one line."""
     matrices = Fp8Matrices(TensorSource(Path(folder)), spec)
     formats = matrix_formats(matrices, spec, tp, choice)
+    check_stage_formats(formats, pp)
     for i in range(spec.num_layers):
         names = spec.family.layer_names(i)
         for role in MATRIX_ROLES:
