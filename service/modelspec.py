@@ -271,6 +271,19 @@ class ModelSpec:
         """The weights' format for people: ``bfloat16``, or the FP8 format's label."""
         return self.dtype if self.quantization is None else self.quantization.label
 
+    def served_as(self, quantization: str) -> ModelSpec:
+        """The model as a load with ``quantization`` holds it (``serve --quantization``, the operator's
+        spec.model.quantization): ``auto`` as its checkpoint states, ``fp8`` its layer matrices in FP8
+        (a 16-bit checkpoint quantized at load with a scale per output channel), ``none`` all in
+        ``dtype`` (an FP8 checkpoint dequantized)."""
+        if quantization not in quant.CHOICES:
+            raise ModelSpecError(f"quantization must be one of {', '.join(quant.CHOICES)}, got {quantization!r:.40}")
+        if quantization == "none":
+            return dataclasses.replace(self, quantization=None)
+        if quantization == "fp8" and self.quantization is None:
+            return dataclasses.replace(self, quantization=quant.QUANTIZED_AT_LOAD)
+        return self
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V cache one token occupies across all layers."""

@@ -75,6 +75,7 @@ from switchyard.service.engine.xla_runtime import (
     memory_fraction,
     step_compiler_options,
 )
+from switchyard.service.model.quantization import QUANTIZED_AT_LOAD
 from switchyard.service.modelspec import (
     DEFAULT_KV_MEMORY_FRACTION,
     DEFAULT_STEP_TOKENS,
@@ -392,7 +393,7 @@ class Engine:
         fp8 = param_formats.fp8_matrices(self.weight_formats)
         if not fp8:
             return self.dtype
-        source = self.spec.quantization.label if self.spec.quantization is not None else "fp8 e4m3 (quantized at load)"
+        source = (self.spec.quantization or QUANTIZED_AT_LOAD).label
         rows = self.config.w8a8_min_rows
         products = (f"FP8 x FP8 from {rows} rows, weight-only below" if rows else "weight-only products")
         total = 4 * len(self.weight_formats)

@@ -61,6 +61,7 @@ class Quantization:
     block: tuple[int, int] | None = None
     activations: str = "dynamic"
     ignore: tuple[str, ...] = ()
+    at_load: bool = False  # made at load from 16-bit tensors, not read from a checkpoint
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -118,6 +119,8 @@ class Quantization:
     @property
     def label(self) -> str:
         """E.g. ``fp8 e4m3 (compressed-tensors, per-channel weight scales, dynamic activation scales)``."""
+        if self.at_load:
+            return "fp8 e4m3 (quantized at load, per-channel weight scales, dynamic activation scales)"
         weights = {"tensor": "per-tensor", "channel": "per-channel",
                    "block": f"{self.block[0]}x{self.block[1]} block" if self.block else "block"}[self.weights]
         acts = {"dynamic": "dynamic activation scales", "static": "static activation scales",
@@ -153,6 +156,10 @@ class Quantization:
 # The format a checkpoint quantized here takes (serve --quantization fp8, make-checkpoint): a scale
 # per output channel, activations per token (compressed-tensors' FP8-dynamic layout).
 PER_CHANNEL = Quantization("compressed-tensors", "channel", activations="dynamic", ignore=("lm_head",))
+# A 16-bit checkpoint served with --quantization fp8: the layer matrices as the engine holds them
+# after quantizing at load (a scale per output channel; the LM head stays 16-bit).
+QUANTIZED_AT_LOAD = Quantization("compressed-tensors", "channel", activations="dynamic", ignore=("lm_head",),
+                                 at_load=True)
 # make-checkpoint's FP8 formats, each in a published layout.
 WRITTEN: dict[str, Quantization] = {
     "fp8": PER_CHANNEL,

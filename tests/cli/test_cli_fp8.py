@@ -105,7 +105,8 @@ def test_serve_quantizes_at_load_and_model_info_says_which_formats(tmp_path: Pat
         wait_for(lambda: client.model_info(timeout=2).ready and serving(target), 300,
                  f"SERVING ({log.read_text()[-2000:]})")
         info = client.model_info()
-        assert info.weights.startswith("fp8 e4m3 (quantized at load); FP8 x FP8 from 128 rows"), info.weights
+        assert info.weights.startswith("fp8 e4m3 (quantized at load, per-channel weight scales, dynamic activation "
+                                       "scales); FP8 x FP8 from 128 rows"), info.weights
         assert info.kv_cache == "fp8 e4m3 (float32 scale per position and KV head)"
         from switchyard.service.proto import decode_pb2
 

@@ -120,7 +120,8 @@ def test_a_16_bit_checkpoint_quantized_at_load_matches_transformers_on_its_round
                          quantization="fp8", w8a8_min_rows=0)
     assert all(isinstance(layer[m], Fp8Weight) for layer in engine.params["layers"]
                for m in ("wqkv", "wo", "wgu", "wdown"))
-    assert engine.weights_label.startswith("fp8 e4m3 (quantized at load); weight-only products")
+    assert engine.weights_label.startswith("fp8 e4m3 (quantized at load, per-channel weight scales, dynamic "
+                                           "activation scales); weight-only products")
     tokens, logits = greedy_and_logits(engine, PROMPT, N_TOKENS)
     expected = hf_logits(reference, PROMPT + tokens[:-1])[len(PROMPT) - 1:]
     assert _rel(logits, expected) < FP32_BAR
