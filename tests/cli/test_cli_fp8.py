@@ -112,6 +112,6 @@ def test_serve_quantizes_at_load_and_model_info_says_which_formats(tmp_path: Pat
 
         result = client.generate(decode_pb2.GenerateRequest(text="hello there", max_tokens=4), timeout=120)
         assert 1 <= len(result.token_ids) <= 4 and result.finish_reason in ("length", "stop")
-        assert "serving weights: fp8 e4m3 (quantized at load)" in log.read_text()
+        assert "serving weights: fp8 e4m3 (quantized at load, per-channel" in log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
