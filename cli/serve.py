@@ -492,6 +492,7 @@ def run(args: argparse.Namespace) -> int:
 
     from switchyard.service.api.server import STOPPED_WHILE_LOADING, DecodeApp, ServeOptions, serve, tune_interpreter
     from switchyard.service.api.wire import Limits
+    from switchyard.service.telemetry.traces import KV_CACHE, WEIGHTS
     from switchyard.service.telemetry.tracing import RequestRecorder, Telemetry
 
     recorder = RequestRecorder(Telemetry.from_env(args.trace_file), keep=args.keep_traces)
@@ -523,6 +524,7 @@ def run(args: argparse.Namespace) -> int:
         facts = engine_process.wait_ready()  # the engine loads in its own process
         app.info["compile_cache"] = facts.compile_cache
         app.info["weights"], app.info["kv_cache"] = facts.weights, facts.kv_cache
+        recorder.served = {WEIGHTS: facts.weights, KV_CACHE: facts.kv_cache}
         log.info("serving weights: %s; KV cache: %s, %d tokens", facts.weights, facts.kv_cache, facts.kv_tokens)
         # This process delivers every token: a full collection scanning its libraries' objects
         # (transformers, gRPC) would hold every stream for as long as it takes.

@@ -1,6 +1,7 @@
 """FP8 on the command line: make-checkpoint writes each FP8 layout; serve takes --quantization and
 --kv-cache-dtype (flags, environment, layout file), refuses a bad value or a damaged FP8 checkpoint in
-one line before the port opens, and serves FP8 with ModelInfo and its log saying which formats."""
+one line before the port opens, and serves FP8 with ModelInfo, its log and its traces saying which
+formats."""
 
 from __future__ import annotations
 
@@ -99,8 +100,8 @@ def test_the_format_flags_set_the_layout_and_the_layout_file_wins(monkeypatch, t
 
 def test_serve_quantizes_at_load_and_model_info_says_which_formats(tmp_path: Path) -> None:
     with serve_tiny(tmp_path, slots=2, max_seq_len=64,
-                    extra=("--quantization", "fp8", "--kv-cache-dtype", "fp8", "--kv-tokens", "256")) as (proc, target,
-                                                                                                          log):
+                    extra=("--quantization", "fp8", "--kv-cache-dtype", "fp8", "--kv-tokens", "256", "--trace-file",
+                           str(tmp_path / "traces.jsonl"))) as (proc, target, log):
         client = DecodeClient(target)
         wait_for(lambda: client.model_info(timeout=2).ready and serving(target), 300,
                  f"SERVING ({log.read_text()[-2000:]})")
@@ -115,3 +116,7 @@ def test_serve_quantizes_at_load_and_model_info_says_which_formats(tmp_path: Pat
         assert "serving weights: fp8 e4m3 (quantized at load, per-channel" in log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
+    # The request's span says which formats served it.
+    traces = (tmp_path / "traces.jsonl").read_text()
+    assert '"switchyard.engine.weights"' in traces and "fp8 e4m3 (quantized at load" in traces
+    assert '"switchyard.engine.kv_cache"' in traces
