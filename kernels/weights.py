@@ -84,9 +84,10 @@ class Fp8Weight:
     Two products, chosen per call by the rows of the activation (static when traced):
 
     * fewer than ``w8a8_min_rows`` rows (or ``w8a8_min_rows`` 0, or block scales): W8A16, the
-      weight converted to the activation's dtype inside the product (XLA fuses the conversion into
-      the GEMM's operand load on GPU), the per-channel scale applied to the float32 result, or the
-      block scales to the converted weight;
+      weight converted to the activation's dtype in the program (the weight is only ever held in
+      FP8; whether XLA fuses the conversion into the GEMM's operand load or writes the converted
+      weight first is what benchmarks/fp8.py measures), the per-channel scale applied to the float32
+      result, or the block scales to the converted weight;
     * from ``w8a8_min_rows`` rows on: W8A8, the activation quantized to e4m3 with a scale per token
       and an e4m3 x e4m3 dot with float32 results (cuBLASLt's FP8 GEMM on Hopper), both scales
       applied to the result. Block-scaled weights never take it: a scale per block of K would need

@@ -98,7 +98,7 @@ ATTENTIONS = ("auto", "xla")
 # the weights' bytes, which both halve; a prompt chunk's step is bound by arithmetic, which W8A8
 # doubles on Hopper. Provisional: the crossover is the H100's ridge point for a byte-per-weight
 # product (about 990 TFLOP/s over 3.35 TB/s, ~150 rows for 2 FLOP per weight and row), not yet a
-# measurement of the two products (benchmarks/decode.py --weights, benchmarks/prefill.py --weights).
+# measurement of the two products (benchmarks/fp8.py reports the measured crossover).
 DEFAULT_W8A8_MIN_ROWS = 128
 # Compiles at warm-up hold host memory each, so the pool stays small even on a large host.
 MAX_COMPILE_WORKERS = 8
