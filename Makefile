@@ -38,7 +38,7 @@ helm:
 
 test: $(DEV) helm
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Regenerate the chart's CRD and RBAC copies and manifests/install.yaml (tests fail when they drift).
 manifests: $(DEV) helm

@@ -12,7 +12,9 @@ the measured bandwidth). ``roofline_ms`` counts the bytes a step must read
 Every engine is the product's, built and driven by ``benchmarks/drive.py``; each option is a field
 of ``EngineConfig``: ``--attention kernel|xla`` its ``decode_attention`` (``auto``, our kernel where it
 runs, or XLA's ops), ``--k-splits`` its ``row_parallel_splits``, ``--min-batch-bucket`` its
-``min_batch_width``, ``--strategy`` its all-reduce strategy. ``--hlo-dir`` writes the optimised HLO
+``min_batch_width``, ``--strategy`` its all-reduce strategy, ``--weights`` its ``quantization`` and
+``w8a8_min_rows`` (bf16, or FP8 quantized at load: the roofline counts the FP8 bytes), ``--kv-cache``
+its ``kv_cache_dtype``. ``--hlo-dir`` writes the optimised HLO
 of each configuration's decode step (at the first batch and context) as XLA dumps it.
 ``--peer torch-compile`` also times ``benchmarks/torch_peer.py`` (a gpt-fast-style PyTorch decoder
 under ``torch.compile``) at the same batches and contexts in the same run, in a subprocess that ends
@@ -57,6 +59,12 @@ from switchyard.service.modelspec import preset
 drive = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("drive.py")))))
 # --attention: EngineConfig.decode_attention
 ATTENTIONS = {"kernel": "auto", "xla": "xla"}
+# --weights: EngineConfig.quantization and w8a8_min_rows (the layer matrices in bf16, or quantized to
+# FP8 at load with the product's policy: the engine's default, weight-only in every product, or FP8 x
+# FP8 in every product).
+WEIGHTS = {"bf16": {"quantization": "auto"}, "fp8": {"quantization": "fp8"},
+           "fp8-w8a16": {"quantization": "fp8", "w8a8_min_rows": 0},
+           "fp8-w8a8": {"quantization": "fp8", "w8a8_min_rows": 1}}
 
 
 def copy_bandwidth(gib: float = 4.0, repeats: int = 20) -> dict[str, float]:
@@ -269,6 +277,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="decode attention: the CUDA kernel where it runs, or XLA's ops (compare both)")
     parser.add_argument("--k-splits", type=int, nargs="+", default=[K_SPLITS],
                         help="row-parallel products as this many partial products for the fused kernel (1: plain dot)")
+    parser.add_argument("--weights", nargs="+", default=["bf16"], choices=sorted(WEIGHTS),
+                        help="layer matrices: bf16, or FP8 quantized at load (fp8: the engine's product policy; "
+                        "fp8-w8a16: weight-only products; fp8-w8a8: FP8 x FP8 products)")
+    parser.add_argument("--kv-cache", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                        help="KV cache: the model's dtype, or FP8 with a scale per position and head")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--out", help="result JSON path")
@@ -332,16 +345,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write; probes "
           + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in probes.items()) + ")", flush=True)
     rows = []
-    for tp in args.tp:
-        weights = None  # this tp's random weights, shared by every configuration
-        configs = itertools.product(args.strategy, args.min_batch_bucket, args.attention, args.k_splits)
-        for strategy, min_bucket, attn, k_splits in configs:
+    for tp, weights_kind in itertools.product(args.tp, args.weights):
+        weights = None  # this tp's random weights in this format, shared by every configuration
+        served = spec.served_as(WEIGHTS[weights_kind]["quantization"])
+        configs = itertools.product(args.strategy, args.min_batch_bucket, args.attention, args.k_splits, args.kv_cache)
+        for strategy, min_bucket, attn, k_splits, kv_cache in configs:
             for context in args.context:
                 for batch in args.batch:
                     slots = max(batch, min_bucket)
                     config = drive().whole_tables_config(
                         slots, context + decode_room(args), strategy=strategy, dtype="bfloat16",
-                        min_batch_width=min_bucket, decode_attention=ATTENTIONS[attn], row_parallel_splits=k_splits)
+                        min_batch_width=min_bucket, decode_attention=ATTENTIONS[attn], row_parallel_splits=k_splits,
+                        kv_cache_dtype=kv_cache, **WEIGHTS[weights_kind])
                     t0 = time.perf_counter()
                     if weights is None:
                         engine = drive().random_engine(spec, config, tp=tp, devices=jax.devices()[:tp])
@@ -349,18 +364,22 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         engine = drive().engine_on(weights, config)
                     name = (f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == K_SPLITS else f"-k{k_splits}")
-                            + ("" if min_bucket == 1 else f"-w{min_bucket}"))
+                            + ("" if min_bucket == 1 else f"-w{min_bucket}")
+                            + ("" if weights_kind == "bf16" else f"-{weights_kind}")
+                            + ("" if kv_cache == "auto" else "-kvfp8"))
                     first = batch == args.batch[0] and context == args.context[0]
                     got = measure(engine, args, batch, context, name, first, dump)
                     times, sync_ms = got["times"], got["sync_ms"]
                     setup = time.perf_counter() - t0
                     ms = 1000 * statistics.median(times)
-                    per_gpu = spec.decode_bytes_per_step(batch, context) / tp
+                    per_gpu = served.decode_bytes_per_step(batch, context, kv_cache) / tp
                     roofline_ms = 1000 * per_gpu / bandwidth
-                    all_weights = spec.param_bytes + batch * context * spec.kv_bytes_per_token
+                    kv_token = served.kv_bytes_per_token_per_gpu(1, 1, kv_cache)
+                    all_weights = served.param_bytes + batch * context * kv_token
                     all_weights_ms = 1000 * all_weights / tp / bandwidth
                     row = {"model": args.model, "tp": tp, "batch": batch, "context": context, "strategy": strategy,
                            "attention": attn, "k_splits": k_splits, "min_batch_bucket": min_bucket,
+                           "weights": weights_kind, "weights_label": engine.weights_label, "kv_cache": kv_cache,
                            "ms_per_token": round(ms, 4),
                            "tokens_per_s": round(batch * 1000 / ms, 1),
                            "roofline_ms": round(roofline_ms, 4), "fraction_of_roofline": round(roofline_ms / ms, 4),
@@ -372,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                         row["profile"] = got["profile"]
                     rows.append(row)
                     print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
-                          f"k-splits {k_splits} min-bucket {min_bucket} "
+                          f"k-splits {k_splits} min-bucket {min_bucket} weights {weights_kind} kv {kv_cache} "
                           f"{ms:8.3f} ms/token "
                           f"roofline {roofline_ms:7.3f} ms ({100 * roofline_ms / ms:5.1f}%) "
                           f"sync {sync_ms:7.3f} ms  [{setup:.0f}s]", flush=True)

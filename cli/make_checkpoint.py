@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from switchyard.cli.usage import UsageError, writable_folder
+from switchyard.service.model.quantization import WRITTEN
 from switchyard.service.modelspec import PRESETS, format_count, preset, preset_name
 from switchyard.service.progress import format_bytes
 
@@ -18,6 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the preset's dtype")
     parser.add_argument("--shard-gb", type=float, default=4.0, help="split weights into files of about this size")
+    parser.add_argument("--quantization", choices=list(WRITTEN),
+                        help="layer matrices in FP8, in a published layout: fp8 (compressed-tensors, a scale per "
+                        "output channel, dynamic activations), fp8-static (compressed-tensors, per-tensor scales, "
+                        "static input scales), fp8-block (128x128 block scales, weight_scale_inv), fbgemm-fp8 "
+                        "(FBGEMM, per-row scales); default: none")
 
 
 def free_bytes(folder: Path) -> int:
@@ -39,15 +45,17 @@ def run(args: argparse.Namespace) -> int:
     spec = preset(args.preset)
     if args.dtype:
         spec = dataclasses.replace(spec, dtype=args.dtype)
+    if args.quantization:
+        spec = dataclasses.replace(spec, quantization=WRITTEN[args.quantization])
     # Said before the first byte: a real shape is gigabytes, and writing it takes minutes.
     size, free = spec.param_bytes, free_bytes(out)
     if size > free:
         raise UsageError(f"--out {str(out)!r}: {spec.name} needs {format_bytes(size)}, the disk has "
                          f"{format_bytes(free)} free")
-    print(f"writing {spec.name} ({format_count(spec.param_count)} parameters, {spec.dtype}): "
+    print(f"writing {spec.name} ({format_count(spec.param_count)} parameters, {spec.weights_label}): "
           f"{format_bytes(size)} into {out}", flush=True)
     from switchyard.service.engine.checkpoint import write_checkpoint
 
     write_checkpoint(spec, out, seed=args.seed, shard_bytes=int(args.shard_gb * (1 << 30)))
-    print(f"wrote {spec.name} ({format_count(spec.param_count)} parameters, {spec.dtype}) to {out}")
+    print(f"wrote {spec.name} ({format_count(spec.param_count)} parameters, {spec.weights_label}) to {out}")
     return 0

@@ -33,6 +33,8 @@ LAYOUT_FLAGS = {  # ServingLayout field -> flag dest
     "kv_tokens": "kv_tokens",
     "kv_memory_fraction": "kv_memory_fraction",
     "step_tokens": "step_tokens",
+    "quantization": "quantization",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 
 
@@ -111,6 +113,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=_env("DTYPE", None), help="weights dtype (default: the checkpoint's)"
     )
     parser.add_argument(
+        "--quantization",
+        default=_env("QUANTIZATION", None),
+        help="layer matrices: auto (as the checkpoint holds them: an FP8 checkpoint in FP8), fp8 (a 16-bit "
+        "checkpoint quantized at load, a scale per output channel), none (an FP8 checkpoint dequantized) "
+        "(default auto) [SWITCHYARD_QUANTIZATION]",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=_env("KV_CACHE_DTYPE", None),
+        help="KV cache: auto (the model's dtype) or fp8 (e4m3 with a scale per position and KV head: about "
+        "twice the tokens in the same memory) (default auto) [SWITCHYARD_KV_CACHE_DTYPE]",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=_env("MAX_QUEUE", 64, int),
@@ -178,7 +193,8 @@ def resolve_layout(args: argparse.Namespace) -> Any:
     if args.strategy not in STRATEGIES:
         raise UsageError(f"--strategy {args.strategy!r} is not one of {', '.join(STRATEGIES)}")
     # The KV and step flags default to the layout's own defaults (one place: ServingLayout).
-    kv_and_step = {f: getattr(args, f) for f in ("kv_tokens", "kv_memory_fraction", "step_tokens")}
+    kv_and_step = {f: getattr(args, f) for f in ("kv_tokens", "kv_memory_fraction", "step_tokens", "quantization",
+                                                 "kv_cache_dtype")}
     try:
         layout = ServingLayout(
             tp=args.tp,
@@ -241,7 +257,9 @@ def check_model(layout: Any, model_path: str, args: argparse.Namespace, model_na
     """Everything about the model that can be known before the port opens and the compile starts:
     the folder and its files, the context and tensor-parallel size against the model, the trace file
     (the devices are the engine process's to count). Returns (ModelSpec, Tokenizer); raises UsageError."""
+    from switchyard.service.engine.fp8_checkpoint import check_checkpoint
     from switchyard.service.engine.model import ShardShape
+    from switchyard.service.engine.tensor_source import CheckpointError
     from switchyard.service.engine.tokenizer import Tokenizer
     from switchyard.service.modelspec import ModelSpec, ModelSpecError, check_context
 
@@ -266,6 +284,10 @@ def check_model(layout: Any, model_path: str, args: argparse.Namespace, model_na
         ShardShape(spec, layout.tp)
     except ValueError as err:
         raise UsageError(f"--tp {layout.tp}: {err}") from None
+    try:  # FP8 formats, scales and shards, read before anything loads
+        check_checkpoint(folder, spec, layout.tp, layout.quantization, layout.pp)
+    except (CheckpointError, ValueError) as err:
+        raise UsageError(f"model folder {str(folder)!r}: {err}") from None
     if args.trace_file:
         writable_file(args.trace_file, "--trace-file")
     if args.compile_cache:
@@ -470,6 +492,7 @@ def run(args: argparse.Namespace) -> int:
 
     from switchyard.service.api.server import STOPPED_WHILE_LOADING, DecodeApp, ServeOptions, serve, tune_interpreter
     from switchyard.service.api.wire import Limits
+    from switchyard.service.telemetry.traces import KV_CACHE, WEIGHTS
     from switchyard.service.telemetry.tracing import RequestRecorder, Telemetry
 
     recorder = RequestRecorder(Telemetry.from_env(args.trace_file), keep=args.keep_traces)
@@ -500,6 +523,9 @@ def run(args: argparse.Namespace) -> int:
         )
         facts = engine_process.wait_ready()  # the engine loads in its own process
         app.info["compile_cache"] = facts.compile_cache
+        app.info["weights"], app.info["kv_cache"] = facts.weights, facts.kv_cache
+        recorder.served = {WEIGHTS: facts.weights, KV_CACHE: facts.kv_cache}
+        log.info("serving weights: %s; KV cache: %s, %d tokens", facts.weights, facts.kv_cache, facts.kv_tokens)
         # This process delivers every token: a full collection scanning its libraries' objects
         # (transformers, gRPC) would hold every stream for as long as it takes.
         log.info("heap: %d objects of the server's process frozen (a full collection took %.0f ms)",

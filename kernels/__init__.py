@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from switchyard.kernels.selection import STRATEGIES
 
 if TYPE_CHECKING:
-    from switchyard.kernels import attention
+    from switchyard.kernels import attention, fp8, kv_cache
     from switchyard.kernels.collectives import (
         K_SPLITS,
         all_reduce,
@@ -30,11 +30,13 @@ if TYPE_CHECKING:
         split_product,
     )
     from switchyard.kernels.native import KernelError, check_errors, device_memory, init, reset, set_timeout, status
-    from switchyard.kernels.weights import DenseWeight, Weight, as_weight
+    from switchyard.kernels.weights import DenseWeight, Fp8Weight, Weight, as_weight
 
 # Public name -> the module that defines it (a module's own name: the module itself).
 _LAZY = {
     "attention": "attention",
+    "fp8": "fp8",
+    "kv_cache": "kv_cache",
     "all_reduce": "collectives",
     "all_reduce_residual_rmsnorm": "collectives",
     "plan": "collectives",
@@ -46,6 +48,7 @@ _LAZY = {
     "row_parallel_residual_rmsnorm": "collectives",
     # The weight type the model's products and the row-parallel calls take.
     "DenseWeight": "weights",
+    "Fp8Weight": "weights",
     "Weight": "weights",
     "as_weight": "weights",
     "KernelError": "native",
@@ -61,6 +64,7 @@ __all__ = [
     "K_SPLITS",
     "STRATEGIES",
     "DenseWeight",
+    "Fp8Weight",
     "KernelError",
     "Weight",
     "all_reduce",
@@ -69,7 +73,9 @@ __all__ = [
     "attention",
     "check_errors",
     "device_memory",
+    "fp8",
     "init",
+    "kv_cache",
     "plan",
     "reset",
     "rmsnorm",

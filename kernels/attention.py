@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from switchyard.kernels import native
+from switchyard.kernels import kv_cache, native
 
 KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = (64, 128)
@@ -167,10 +167,10 @@ def reference_paged_decode_attention_packed(
     """Decode attention over a paged KV cache, in pure JAX.
 
     qkv [n, H + 2 kv, D] (query heads, then K heads, then V heads; rope applied); pools
-    [num_blocks, kv, B, D]; block_tables int [n, M]: row b's logical position p lives in block
-    ``block_tables[b, p // B]`` at offset ``p % B``; positions [n]: row b attends over logical
-    positions ``[0, positions[b]]`` (at most M * B of them); write_at [n]: row b's new K/V go to
-    logical position ``write_at[b]``, not written where that is outside ``[0, M * B)`` or its table
+    [num_blocks, kv, B, D], dense or FP8 (``kv_cache``); block_tables int [n, M]: row b's logical
+    position p lives in block ``block_tables[b, p // B]`` at offset ``p % B``; positions [n]: row b
+    attends over logical positions ``[0, positions[b]]`` (at most M * B of them); write_at [n]: row
+    b's new K/V go to logical position ``write_at[b]``, not written where that is outside ``[0, M * B)`` or its table
     entry is outside ``[0, num_blocks)``. Table entries of the attended positions must be in
     ``[0, num_blocks)``; the others may hold anything and are never read. Returns
     (out [n, H, D], k_pool, v_pool).
@@ -189,14 +189,17 @@ def reference_paged_decode_attention_packed(
     writes = (write_at >= 0) & (write_at < m * bs) & (block >= 0) & (block < num_blocks)
     block = jnp.where(writes, block, num_blocks)
     offset = write_at % bs
-    k_pool = k_pool.at[block, :, offset, :].set(k_new.astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[block, :, offset, :].set(v_new.astype(v_pool.dtype), mode="drop")
-    # The rows' blocks, in logical order: [n, kv, M * B, D]. Positions past a row's own are zeroed
-    # as well as masked, so whatever unused blocks hold (stale or NaN) never reaches the output.
+    k_pool = kv_cache.write(k_pool, (block, slice(None), offset), k_new)
+    v_pool = kv_cache.write(v_pool, (block, slice(None), offset), v_new)
+    # The rows' blocks, in logical order: [n, kv, M * B, D] (an FP8 pool's dequantized to q's dtype).
+    # Positions past a row's own are zeroed as well as masked, so whatever unused blocks hold (stale
+    # or NaN) never reaches the output.
     visible = jnp.arange(m * bs)[None, :] <= positions[:, None]
+    as_dtype = q.dtype if kv_cache.is_fp8(k_pool) else None
 
-    def gather(pool: jax.Array) -> jax.Array:
-        seq = pool[jnp.clip(tables, 0, num_blocks - 1)].transpose(0, 2, 1, 3, 4).reshape(n, kv, m * bs, d)
+    def gather(pool: kv_cache.Pool) -> jax.Array:
+        seq = kv_cache.read(pool, (jnp.clip(tables, 0, num_blocks - 1),), as_dtype)
+        seq = seq.transpose(0, 2, 1, 3, 4).reshape(n, kv, m * bs, d)
         return jnp.where(visible[:, None, :, None], seq, jnp.zeros((), seq.dtype))
 
     return _attend(q, gather(k_pool), gather(v_pool), visible), k_pool, v_pool

@@ -224,7 +224,7 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
     max_seq = min(request.input_tokens + request.output_tokens, model.max_position_embeddings)
     ctx_avg = min(request.input_tokens + request.output_tokens // 2, max_seq)
     reasons = [
-        f"model {model.name}: {model.param_bytes / GiB:.1f} GiB weights, "
+        f"model {model.name}: {model.param_bytes / GiB:.1f} GiB weights ({model.weights_label}), "
         f"{model.kv_bytes_per_token / 1024:.0f} KiB KV per token; sequences up to {max_seq} tokens "
         f"({request.input_tokens} in + {request.output_tokens} out), {request.concurrency} concurrent"
     ]

@@ -128,6 +128,7 @@ def serving_layout(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mo
         max_seq_len=lay.max_seq_len, model_name=spec["model"]["name"], model_path=source.path,
         pipeline_stage=0, coordinator=coordinator, kv_tokens=lay.kv_tokens,
         kv_memory_fraction=lay.kv_memory_fraction, step_tokens=lay.step_tokens,
+        quantization=spec["model"]["quantization"],
         extra={
             "engine": spec["engine"],
             "objective": spec["objective"],

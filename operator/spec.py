@@ -9,7 +9,7 @@ from typing import Any
 
 from switchyard.service.modelspec import ModelSpec, ModelSpecError, preset
 
-from .crd import object_defaults, spec_defaults
+from .crd import object_defaults, spec_default, spec_defaults
 from .planner import Request
 from .rejections import ServiceRejection
 
@@ -58,7 +58,16 @@ def config_map_ref(spec: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def model_spec(spec: Mapping[str, Any], config_map_data: Mapping[str, str] | None = None) -> ModelSpec:
-    """The model's shape from a preset, the inline config or the referenced ConfigMap's data."""
+    """The model as served: its shape from a preset, the inline config or the referenced ConfigMap's
+    data, its weights in the format spec.model.quantization asks for (``ModelSpec.served_as``)."""
+    shape = _model_shape(spec, config_map_data)
+    try:
+        return shape.served_as(spec["model"].get("quantization", spec_default("model.quantization")))
+    except ModelSpecError as err:
+        raise SpecError(f"spec.model.quantization: {err}") from err
+
+
+def _model_shape(spec: Mapping[str, Any], config_map_data: Mapping[str, str] | None) -> ModelSpec:
     model = spec["model"]
     try:
         if "preset" in model:

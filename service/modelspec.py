@@ -9,6 +9,7 @@ Also holds :class:`ServingLayout`, the layout file the operator hands to each po
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -17,8 +18,15 @@ from typing import Any
 
 from switchyard.kernels.selection import STRATEGIES  # JAX-free, as this module
 from switchyard.service.model import FAMILIES, SUPPORTED_MODEL_TYPES, Family, FamilyConfigError, family_for_config
+from switchyard.service.model import quantization as quant
+from switchyard.service.model.family import tensor_shape
+from switchyard.service.model.quantization import Quantization, QuantizationConfigError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The KV cache's formats: the model's dtype, or e4m3 with a float32 scale per position and KV head
+# (switchyard.kernels.kv_cache, which the engine sizes its pool by through this module).
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_FP8_SCALE_BYTES = 4
 # Positions per block of the paged KV cache: pools are sized, and sequences take room, in whole blocks.
 KV_BLOCK_TOKENS = 64
 # Prompt tokens one step carries next to a token for each decoding sequence (chunked prefill).
@@ -194,6 +202,8 @@ class ModelSpec:
     model_type: str = "llama"  # the family (service.model.FAMILIES)
     # Tokens a query attends back over (Mistral; Qwen's windowed layers); None: the whole sequence.
     sliding_window: int | None = None
+    # The layer matrices' FP8 format (config.json's quantization_config); None: in ``dtype``.
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         check_shape(self)
@@ -240,9 +250,47 @@ class ModelSpec:
         head = 0 if self.tie_word_embeddings else self.embedding_params
         return self.embedding_params + head + self.num_layers * self.layer_params + self.hidden_size
 
+    @functools.cached_property
+    def _quantized_matrices(self) -> tuple[int, int]:
+        """(parameters, bytes) of the layer matrices held in FP8: those the format does not leave in
+        the model's dtype."""
+        q = self.quantization
+        if q is None:
+            return 0, 0
+        params = stored = 0
+        for i in range(self.num_layers):
+            names = self.family.layer_names(i)
+            for role in quant.MATRIX_ROLES:
+                if q.ignores(names[role].removesuffix(".weight")):
+                    continue
+                out, inp = tensor_shape(role, self)
+                params += out * inp
+                stored += q.matrix_bytes(out, inp)
+        return params, stored
+
     @property
     def param_bytes(self) -> int:
-        return self.param_count * self.dtype_bytes
+        """Bytes of every weight as served: in ``dtype``, the FP8 matrices at a byte each plus their scales."""
+        params, stored = self._quantized_matrices
+        return (self.param_count - params) * self.dtype_bytes + stored
+
+    @property
+    def weights_label(self) -> str:
+        """The weights' format for people: ``bfloat16``, or the FP8 format's label."""
+        return self.dtype if self.quantization is None else self.quantization.label
+
+    def served_as(self, quantization: str) -> ModelSpec:
+        """The model as a load with ``quantization`` holds it (``serve --quantization``, the operator's
+        spec.model.quantization): ``auto`` as its checkpoint states, ``fp8`` its layer matrices in FP8
+        (a 16-bit checkpoint quantized at load with a scale per output channel), ``none`` all in
+        ``dtype`` (an FP8 checkpoint dequantized)."""
+        if quantization not in quant.CHOICES:
+            raise ModelSpecError(f"quantization must be one of {', '.join(quant.CHOICES)}, got {quantization!r:.40}")
+        if quantization == "none":
+            return dataclasses.replace(self, quantization=None)
+        if quantization == "fp8" and self.quantization is None:
+            return dataclasses.replace(self, quantization=quant.QUANTIZED_AT_LOAD)
+        return self
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -252,25 +300,30 @@ class ModelSpec:
     def kv_bytes_per_token_per_gpu(self, tp: int, pp: int, dtype: str | None = None) -> int:
         """Bytes of K and V one token occupies on one GPU of a ``tp`` x ``pp`` layout: its share of the
         KV heads (``num_kv_heads / tp``) in its share of the layers (``num_layers / pp``), in ``dtype``
-        (default: the model's)."""
+        (default: the model's; ``fp8``: a byte per element and a float32 scale per position and head)."""
         if not is_integer(tp) or not self.valid_tp(tp):
             raise ModelSpecError(f"tp must be a positive integer dividing the {self.num_heads} heads and "
                                  f"{self.num_kv_heads} KV heads, got {tp!r}")
         if not is_integer(pp) or pp <= 0 or self.num_layers % pp:
             raise ModelSpecError(f"pp must be a positive integer dividing the {self.num_layers} layers, got {pp!r}")
-        dtype = self.dtype if dtype is None else dtype
-        if dtype not in DTYPE_BYTES:
-            raise ModelSpecError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-        return 2 * (self.num_layers // pp) * (self.num_kv_heads // tp) * self.head_dim * DTYPE_BYTES[dtype]
+        dtype = self.dtype if dtype in (None, "auto") else dtype
+        if dtype == "fp8":
+            per_head = self.head_dim + KV_FP8_SCALE_BYTES
+        elif dtype in DTYPE_BYTES:
+            per_head = self.head_dim * DTYPE_BYTES[dtype]
+        else:
+            raise ModelSpecError(f"dtype must be one of {sorted(DTYPE_BYTES)} or fp8, got {dtype!r}")
+        return 2 * (self.num_layers // pp) * (self.num_kv_heads // tp) * per_head
 
-    def decode_bytes_per_step(self, batch: int, context: int) -> int:
+    def decode_bytes_per_step(self, batch: int, context: int, kv_dtype: str | None = None) -> int:
         """Bytes one decode step must read from HBM at the least: every weight a step uses once
-        (the embedding table is gathered, so only ``batch`` rows of it) plus each sequence's KV."""
+        (the embedding table is gathered, so only ``batch`` rows of it) plus each sequence's KV (in
+        ``kv_dtype``, default the model's)."""
         weights = self.param_bytes - self.embedding_params * self.dtype_bytes
         if self.tie_word_embeddings:
             weights += self.embedding_params * self.dtype_bytes  # the table doubles as the LM head
         embed_rows = batch * self.hidden_size * self.dtype_bytes
-        return weights + embed_rows + batch * context * self.kv_bytes_per_token
+        return weights + embed_rows + batch * context * self.kv_bytes_per_token_per_gpu(1, 1, kv_dtype)
 
     def allreduce_bytes(self, batch: int) -> int:
         """Message size of one tensor-parallel all-reduce (the hidden state of the batch)."""
@@ -323,6 +376,10 @@ class ModelSpec:
         tie = config.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
             raise ModelSpecError(f"tie_word_embeddings must be true or false, got {tie!r:.40}")
+        try:
+            quantization = quant.from_config(config)
+        except QuantizationConfigError as err:
+            raise ModelSpecError(str(err)) from None
         return cls(
             name=name or config.get("_name_or_path") or config.get("name") or family.name,
             vocab_size=config["vocab_size"],
@@ -342,6 +399,7 @@ class ModelSpec:
             eos_token_ids=eos_ids,
             model_type=family.name,
             sliding_window=fields.get("sliding_window"),
+            quantization=quantization,
         )
 
     @classmethod
@@ -381,6 +439,7 @@ class ModelSpec:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos if self.eos_token_ids else None,
             **self.family.write_config(self),
+            **({"quantization_config": self.quantization.to_config()} if self.quantization else {}),
         }
 
 
@@ -530,6 +589,10 @@ class ServingLayout:
     kv_tokens: int = 0
     kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
     step_tokens: int = DEFAULT_STEP_TOKENS
+    # The layer matrices' format (auto: the checkpoint's; fp8: quantized at load; none: dequantized)
+    # and the KV cache's (auto: the model's dtype; fp8).
+    quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -556,6 +619,12 @@ class ServingLayout:
                                  f"got {fraction!r}")
         if self.strategy not in STRATEGIES:
             raise ModelSpecError(f"layout.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.quantization not in quant.CHOICES:
+            raise ModelSpecError(f"layout.quantization must be one of {', '.join(quant.CHOICES)}, "
+                                 f"got {self.quantization!r:.40}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ModelSpecError(f"layout.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                 f"got {self.kv_cache_dtype!r:.40}")
         if not 0 <= self.pipeline_stage < self.pp:
             raise ModelSpecError(f"layout.pipeline_stage must be in [0, {self.pp}), got {self.pipeline_stage}")
 

@@ -79,6 +79,8 @@ class EngineFacts:
     step_tokens: int
     warmup_s: float
     compile_cache: str  # what the warm-up compiled and what the compile cache gave
+    weights: str = ""  # the layer matrices' format, for people (Engine.weights_label)
+    kv_cache: str = ""  # the KV cache's format (Engine.kv_cache_label)
 
 
 class StartupProgress(NamedTuple):
@@ -403,7 +405,8 @@ def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, l
         outbox.send(("failed", "error", f"{type(err).__name__}: {err}"))
         return
     facts = EngineFacts(engine.max_slots, engine.max_seq_len, engine.kv_tokens, engine.kv_block_size,
-                        engine.step_tokens, warmup.seconds, warmup.describe())
+                        engine.step_tokens, warmup.seconds, warmup.describe(), engine.weights_label,
+                        engine.kv_cache_label)
     stop = threading.Event()
     threading.Thread(target=_take_commands, args=(conn, scheduler, outbox, stop), name="switchyard-commands",
                      daemon=True).start()

@@ -264,6 +264,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             allreduce_strategy=str(app.info.get("allreduce_strategy", "")),
             max_queue=int(app.info.get("max_queue", 0)),
             compile_cache=str(app.info.get("compile_cache", "")),
+            weights=str(app.info.get("weights", "")),
+            kv_cache=str(app.info.get("kv_cache", "")),
         )
         phase, done, total = ("ready", 0, 0) if app.ready else app.startup() if app.startup else ("starting", 0, 0)
         response.startup, response.startup_done, response.startup_total = phase, done, total

@@ -9,6 +9,7 @@ to the device as the checkpoint stores it ([out, in]) and is transposed there in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterator
@@ -21,16 +22,17 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors import safe_open
 from safetensors.numpy import save_file
-from switchyard.kernels.weights import DenseWeight
+from switchyard.kernels.weights import DenseWeight, Fp8Weight
+from switchyard.service.engine.fp8_checkpoint import Fp8Matrices, fp8_hf_tensors, matrix_formats
 from switchyard.service.engine.model import ShardShape, is_shape, param_shapes, param_specs, stage_stacked
+from switchyard.service.engine.pipeline import check_stage_formats
+from switchyard.service.engine.tensor_source import INDEX_FILE, CheckpointError, TensorSource
 from switchyard.service.model.family import EMBED, FINAL_NORM, LM_HEAD, tensor_shape
 from switchyard.service.modelspec import ModelSpec
 from switchyard.service.progress import NoProgress, Progress, progress_bytes
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def progress_bar(show: bool, total: int, desc: str) -> Progress:
@@ -41,45 +43,16 @@ def progress_bar(show: bool, total: int, desc: str) -> Progress:
     return progress_bytes(total, desc) if show else NoProgress()
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that is missing files or tensors, or holds tensors of the wrong shape."""
-
-
-class TensorSource:
-    """Name -> lazily sliced tensor, across the files of one checkpoint (with or without an index)."""
-
-    def __init__(self, folder: Path) -> None:
-        index = folder / INDEX_FILE
-        if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+def _held_bytes(shapes: Any, itemsize: int) -> int:
+    """Bytes of a tree of shapes as held: ``itemsize`` an element, an FP8 weight's e4m3 values a byte
+    each and its scales float32."""
+    total = 0
+    for leaf in jax.tree.leaves(shapes, is_leaf=lambda x: is_shape(x) or isinstance(x, Fp8Weight)):
+        if isinstance(leaf, Fp8Weight):
+            total += int(np.prod(leaf.w)) + 4 * int(np.prod(leaf.scale))
         else:
-            files = sorted(p.name for p in folder.glob("*.safetensors"))
-            weight_map = {}
-        if not files:
-            raise CheckpointError(f"no *.safetensors files in {folder}")
-        self._handles = {}
-        for name in files:
-            path = folder / name
-            if not path.exists():
-                raise CheckpointError(f"{INDEX_FILE} names {name}, which is not in {folder}")
-            self._handles[name] = safe_open(str(path), framework="numpy")
-        if not weight_map:
-            # safe_open handles are not mappings: keys() is their only listing.
-            weight_map = {key: name for name, h in self._handles.items() for key in h.keys()}  # noqa: SIM118
-        self._weight_map = weight_map
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._weight_map
-
-    def slice(self, name: str, expected_shape: tuple[int, ...], index: Any = slice(None)) -> np.ndarray:
-        if name not in self._weight_map:
-            raise CheckpointError(f"checkpoint has no tensor {name!r}")
-        tensor = self._handles[self._weight_map[name]].get_slice(name)
-        shape = tuple(tensor.get_shape())
-        if shape != expected_shape:
-            raise CheckpointError(f"tensor {name} has shape {shape}, the config implies {expected_shape}")
-        return tensor[index]
+            total += itemsize * int(np.prod(leaf))
+    return total
 
 
 class Transposed:
@@ -105,10 +78,15 @@ def _shard_index(index: tuple[slice, ...], dim: int, width: int) -> int:
 
 
 def load_params(
-    folder: str | Path, spec: ModelSpec, mesh: Mesh, dtype: str, progress: bool = True, stages: int = 1
+    folder: str | Path, spec: ModelSpec, mesh: Mesh, dtype: str, progress: bool = True, stages: int = 1,
+    quantization: str = "auto",
 ) -> dict:
     """Read a Hugging Face checkpoint of the spec's family (its tensor names: ``service/model``) into
     the engine's sharded parameter tree on ``mesh``.
+
+    ``quantization``: ``auto`` holds each layer matrix as the files do (FP8 formats:
+    ``fp8_checkpoint``), ``fp8`` holds every one in FP8 (16-bit tensors quantized here with a scale
+    per output channel), ``none`` every one dense in ``dtype`` (FP8 tensors dequantized).
 
     With ``stages`` > 1 (a pipeline; the mesh has axes ``pp`` and ``tp``) each layer array gets a
     leading stage dimension sharded over ``pp``: entry j of ``layers`` holds, on stage s, layer
@@ -116,63 +94,100 @@ def load_params(
     """
     folder = Path(folder)
     src = TensorSource(folder)
+    matrices = Fp8Matrices(src, spec)
     tp = mesh.shape["tp"]
     shape = ShardShape(spec, tp, vocab_shards=tp * stages)
     np_dtype = NP_DTYPES[dtype]
     s, hd = spec, spec.head_dim
-    shapes, specs = param_shapes(shape), param_specs(spec)
     if s.num_layers % stages:
         raise ValueError(f"{stages} pipeline stages must divide the {s.num_layers} layers of {s.name}")
+    formats = matrix_formats(matrices, spec, tp, quantization)
+    check_stage_formats(formats, stages)
+    shapes, specs = param_shapes(shape, formats), param_specs(spec, formats)
     per_stage = s.num_layers // stages
 
     def put(global_shape: tuple[int, ...], pspec, fetch: Callable | Transposed) -> jax.Array:
         sharding = NamedSharding(mesh, pspec)
         if not isinstance(fetch, Transposed):
-            return jax.make_array_from_callback(global_shape, sharding,
-                                                lambda idx: fetch(idx).astype(np_dtype, copy=False))
+            return jax.make_array_from_callback(global_shape, sharding, fetch)
         spec = (*pspec, *(None,) * (len(global_shape) - len(pspec)))
         stored = jax.make_array_from_callback(
             _swap_last(global_shape), NamedSharding(mesh, P(*_swap_last(spec))),
-            lambda idx: fetch.fetch(_swap_last(idx)).astype(np_dtype, copy=False))
+            lambda idx: np.asarray(fetch.fetch(_swap_last(idx))).astype(np_dtype, copy=False))
         return _swap_on_device(sharding)(stored)
 
+    def dense(fetch: Callable[[tuple[slice, ...]], np.ndarray]) -> Callable[[tuple[slice, ...]], np.ndarray]:
+        return lambda idx: np.asarray(fetch(idx)).astype(np_dtype, copy=False)
+
     def whole(name: str, expected: tuple[int, ...]) -> Callable[[tuple[slice, ...]], np.ndarray]:
-        return lambda idx: src.slice(name, expected)[idx]
+        return dense(lambda idx: src.slice(name, expected)[idx])
 
     def column_block(parts: list[tuple[str, int, int]], width: int) -> Transposed:
         """Shard r's columns = concat of rows [r*n, (r+1)*n) of each HF [out, in] tensor, transposed."""
         def fetch(idx: tuple[slice, ...]) -> np.ndarray:
             r = _shard_index(idx, 1, width)
-            blocks = [src.slice(name, (out, s.hidden_size), slice(r * n, (r + 1) * n)) for name, out, n in parts]
+            blocks = [matrices.read(name, (out, s.hidden_size), (slice(r * n, (r + 1) * n), slice(None)))
+                      for name, out, n in parts]
             return np.concatenate(blocks, axis=0)[:, idx[0]]
         return Transposed(fetch)
+
+    def fp8_column_block(parts: list[tuple[str, int, int]], width: int) -> Fp8Weight:
+        """The FP8 form of :func:`column_block`: shard r's output channels, [width, in] and their scales."""
+        def fetch(idx: tuple[slice, ...], which: int) -> np.ndarray:
+            r = _shard_index(idx, 0, width)
+            got = [matrices.part(name, out, s.hidden_size, slice(r * n, (r + 1) * n), slice(None))
+                   for name, out, n in parts]
+            return np.concatenate([g[which] for g in got], axis=0)[:, idx[1]]
+        return Fp8Weight(lambda idx: fetch(idx, 0), lambda idx: fetch(idx, 1))
 
     def vector_block(parts: list[tuple[str, int, int]], width: int) -> Callable[[tuple[slice, ...]], np.ndarray]:
         """Shard r's entries = concat of entries [r*n, (r+1)*n) of each HF [out] vector (biases)."""
         def fetch(idx: tuple[slice, ...]) -> np.ndarray:
             r = _shard_index(idx, 0, width)
             return np.concatenate([src.slice(name, (out,), slice(r * n, (r + 1) * n)) for name, out, n in parts])
-        return fetch
+        return dense(fetch)
 
     def row_block(name: str, expected: tuple[int, ...]) -> Transposed:
         """HF [out, in] tensor used as [in, out], sharded by its input rows (= the tensor's columns)."""
-        return Transposed(lambda idx: src.slice(name, expected, (idx[1], idx[0])))
+        return Transposed(lambda idx: matrices.read(name, expected, (idx[1], idx[0])))
+
+    def fp8_row_block(name: str, expected: tuple[int, int], block_k: int) -> Fp8Weight:
+        """The FP8 form of :func:`row_block`: [out, in] sharded by input feature, the scales with it
+        (per-channel scales whole on every shard, block scales by block of K)."""
+        def weight(idx: tuple[slice, ...]) -> np.ndarray:
+            return matrices.part(name, *expected, slice(None), idx[1])[0][idx[0]]
+
+        def scale(idx: tuple[slice, ...]) -> np.ndarray:
+            return matrices.full_scales(name, *expected)[idx]
+
+        return Fp8Weight(weight, scale, block_k)
 
     q_l, kv_l = shape.q_heads * hd, shape.kv_heads * hd
 
     def layer_fetchers(i: int) -> dict[str, Any]:
-        """Layer i's tree of fetchers, shaped as its parameters (a weight holds its matrix's)."""
+        """Layer i's tree of fetchers, shaped as its parameters (a weight holds its arrays')."""
         n = s.family.layer_names(i)
+        fmt = formats[i]
+        qkv = [(n["q"], s.q_size, q_l), (n["k"], s.kv_size, kv_l), (n["v"], s.kv_size, kv_l)]
+        gu = [(n["gate"], s.intermediate_size, shape.inter), (n["up"], s.intermediate_size, shape.inter)]
+
+        def column(name: str, parts: list[tuple[str, int, int]], width: int) -> Any:
+            if fmt[name].fp8:
+                return dataclasses.replace(fp8_column_block(parts, width), block_k=fmt[name].block_k)
+            return DenseWeight(column_block(parts, width))
+
+        def row(name: str, tensor: str, expected: tuple[int, int]) -> Any:
+            if fmt[name].fp8:
+                return fp8_row_block(tensor, expected, fmt[name].block_k)
+            return DenseWeight(row_block(tensor, expected))
+
         fetchers: dict[str, Any] = {
             "attn_norm": whole(n["attn_norm"], (s.hidden_size,)),
             "mlp_norm": whole(n["mlp_norm"], (s.hidden_size,)),
-            "wqkv": DenseWeight(column_block(
-                [(n["q"], s.q_size, q_l), (n["k"], s.kv_size, kv_l), (n["v"], s.kv_size, kv_l)], shape.qkv_cols)),
-            "wo": DenseWeight(row_block(n["o"], (s.hidden_size, s.q_size))),
-            "wgu": DenseWeight(column_block(
-                [(n["gate"], s.intermediate_size, shape.inter), (n["up"], s.intermediate_size, shape.inter)],
-                2 * shape.inter)),
-            "wdown": DenseWeight(row_block(n["down"], (s.hidden_size, s.intermediate_size))),
+            "wqkv": column("wqkv", qkv, shape.qkv_cols),
+            "wo": row("wo", n["o"], (s.hidden_size, s.q_size)),
+            "wgu": column("wgu", gu, 2 * shape.inter),
+            "wdown": row("wdown", n["down"], (s.hidden_size, s.intermediate_size)),
         }
         if s.attention_bias:
             fetchers["bqkv"] = vector_block(
@@ -193,9 +208,7 @@ def load_params(
 
     rep = P()
     itemsize = np.dtype(np_dtype).itemsize
-    layer_bytes = itemsize * stages * sum(
-        int(np.prod(dims)) for dims in jax.tree.leaves(shapes["layers"][0], is_leaf=is_shape))
-    total = per_stage * layer_bytes + itemsize * sum(
+    total = stages * sum(_held_bytes(layer, itemsize) for layer in shapes["layers"][:per_stage]) + itemsize * sum(
         int(np.prod(shapes[name])) for name in ("embed", "final_norm", "lm_head"))
     bar = progress_bar(progress, total=total, desc=f"loading {folder.name}")
     params: dict[str, Any] = {"layers": []}
@@ -262,7 +275,8 @@ def random_hf_tensors(spec: ModelSpec, seed: int) -> Iterator[tuple[str, np.ndar
 def write_checkpoint(
     spec: ModelSpec, out: str | Path, seed: int = 0, shard_bytes: int = 4 << 30, progress: bool = True
 ) -> Path:
-    """Write ``config.json``, ``*.safetensors`` (sharded with an index file when large) and a tokenizer."""
+    """Write ``config.json``, ``*.safetensors`` (sharded with an index file when large) and a tokenizer;
+    with ``spec.quantization``, the layer matrices in that FP8 format."""
     from switchyard.service.engine.tokenizer import build_tokenizer  # tokenizer training only here
 
     out = Path(out)
@@ -285,7 +299,10 @@ def write_checkpoint(
         weight_map.update({k: name for k in shard})
         shard, shard_size = {}, 0
 
-    for name, tensor in random_hf_tensors(spec, seed):
+    tensors = random_hf_tensors(spec, seed)
+    if spec.quantization is not None:  # the layer matrices in the FP8 format's published layout
+        tensors = fp8_hf_tensors(spec, spec.quantization, tensors)
+    for name, tensor in tensors:
         if shard and shard_size + tensor.nbytes > shard_bytes and file_no + 1 < n_files:
             flush()
         shard[name] = tensor

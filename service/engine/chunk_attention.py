@@ -8,7 +8,8 @@ about three times slower per query-key pair than causal flash attention.
 
 The earlier keys are in the KV pool, [blocks, kv, B, D], found through the sequence's block table
 [M]. cuDNN reads them there through the table (paged attention); XLA's ops gather the first
-``kv_len`` positions into one array first.
+``kv_len`` positions into one array first (dequantizing an FP8 pool as they gather it: cuDNN's
+paged attention takes 16-bit pools only).
 
 A partial attention is ``(q [C, H, D], k [S, kv, D], v [S, kv, D], kv_len | None, causal) ->
 (out [C, H, D] float32, lse [C, H] float32)`` with grouped queries (H a multiple of kv); a query that
@@ -20,9 +21,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from switchyard.kernels import kv_cache
 
 PartialAttention = Callable[..., tuple[jax.Array, jax.Array]]
 EarlierAttention = Callable[..., tuple[jax.Array, jax.Array]]
@@ -76,18 +79,20 @@ def cudnn_partial(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array | 
     return jnp.swapaxes(out[0], 0, 1).astype(jnp.float32), lse[0].T  # [1, H, C, D] -> [C, H, D]; [1, H, C] -> [C, H]
 
 
-def gather_earlier(pool: jax.Array, table: jax.Array, start: jax.Array, kv_len: int) -> jax.Array:
-    """Positions ``[0, kv_len)`` of a sequence from a pool [blocks, kv, B, D] as [kv_len, kv, D], those
-    at or past ``start`` zeroed (they may hold anything, stale or not yet written)."""
+def gather_earlier(pool: kv_cache.Pool, table: jax.Array, start: jax.Array, kv_len: int,
+                   dtype: Any | None = None) -> jax.Array:
+    """Positions ``[0, kv_len)`` of a sequence from a pool [blocks, kv, B, D] (dense or FP8) as
+    [kv_len, kv, D] in the pool's dtype or ``dtype``, those at or past ``start`` zeroed (they may hold
+    anything, stale or not yet written)."""
     _, kv, bs, d = pool.shape
-    seq = jnp.swapaxes(pool[table[: kv_len // bs]], 1, 2).reshape(kv_len, kv, d)
+    seq = jnp.swapaxes(kv_cache.read(pool, (table[: kv_len // bs],), dtype), 1, 2).reshape(kv_len, kv, d)
     return jnp.where((jnp.arange(kv_len) < start)[:, None, None], seq, jnp.zeros((), seq.dtype))
 
 
-def xla_earlier(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array,
+def xla_earlier(q: jax.Array, k_pool: kv_cache.Pool, v_pool: kv_cache.Pool, table: jax.Array, start: jax.Array,
                 kv_len: int) -> tuple[jax.Array, jax.Array]:
     """The earlier keys' partial attention in XLA's ops: gathered from the pool, then attended."""
-    k, v = (gather_earlier(pool, table, start, kv_len).astype(q.dtype) for pool in (k_pool, v_pool))
+    k, v = (gather_earlier(pool, table, start, kv_len, q.dtype) for pool in (k_pool, v_pool))
     return xla_partial(q, k, v, start)
 
 
@@ -142,9 +147,11 @@ def chunk_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: j
     return split_chunk_attention(xla_partial, xla_earlier, q, k_pool, v_pool, table, start, kv_len, k_chunk, v_chunk)
 
 
-def cudnn_takes(q: jax.Array, k_pool: jax.Array) -> bool:
-    """Whether cuDNN's flash attention takes these queries and pools: 16-bit, the pools in the queries' dtype."""
-    return jnp.dtype(q.dtype).name in ("bfloat16", "float16") and k_pool.dtype == q.dtype
+def cudnn_takes(q: jax.Array, k_pool: kv_cache.Pool) -> bool:
+    """Whether cuDNN's flash attention takes these queries and pools: 16-bit, the pools dense in the
+    queries' dtype (an FP8 pool's earlier keys go through XLA's ops, dequantized as gathered)."""
+    return (jnp.dtype(q.dtype).name in ("bfloat16", "float16") and not kv_cache.is_fp8(k_pool)
+            and k_pool.dtype == q.dtype)
 
 
 def cudnn_chunk_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array,

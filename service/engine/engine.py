@@ -38,8 +38,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from switchyard import kernels
+from switchyard.kernels import kv_cache
 from switchyard.kernels.collectives import MAX_PARTIALS
 from switchyard.kernels.selection import check_strategy
+from switchyard.kernels.weights import with_w8a8_min_rows
+from switchyard.service.engine import param_formats
 from switchyard.service.engine.checkpoint import NP_DTYPES, load_params
 from switchyard.service.engine.compile_cache import (
     ProgramStore,
@@ -51,6 +54,7 @@ from switchyard.service.engine.compile_cache import (
     source_digest,
     stable_repr,
 )
+from switchyard.service.engine.fp8_checkpoint import CHOICES as QUANTIZATION_CHOICES
 from switchyard.service.engine.kv_blocks import NULL_BLOCK
 from switchyard.service.engine.model import AXIS, Chunk, ForwardConfig, ShardShape, budget_forward, param_specs
 from switchyard.service.engine.pipeline import (
@@ -72,11 +76,13 @@ from switchyard.service.engine.xla_runtime import (
     memory_fraction,
     step_compiler_options,
 )
+from switchyard.service.model.quantization import QUANTIZED_AT_LOAD
 from switchyard.service.modelspec import (
     DEFAULT_KV_MEMORY_FRACTION,
     DEFAULT_STEP_TOKENS,
     IDLE_STEP_TOKENS,
     KV_BLOCK_TOKENS,
+    KV_CACHE_DTYPES,
     ModelSpec,
     ModelSpecError,
     ServingLayout,
@@ -87,6 +93,14 @@ from switchyard.service.modelspec import (
 UNNAMED = frozenset({"name"})
 POOL_SPEC = P(None, AXIS, None, None)  # [blocks, kv_heads, block_size, head_dim], sharded by KV head
 ATTENTIONS = ("auto", "xla")
+# FP8 weights: products whose activation has at least this many rows run FP8 x FP8 (W8A8: the
+# activation quantized per token, cuBLASLt's FP8 GEMM on Hopper); fewer rows convert the weight
+# inside the product (W8A16). Decode steps read every weight once for few rows, so they are bound by
+# the weights' bytes, which both halve; a prompt chunk's step is bound by arithmetic, which W8A8
+# doubles on Hopper. Provisional: the crossover is the H100's ridge point for a byte-per-weight
+# product (about 990 TFLOP/s over 3.35 TB/s, ~150 rows for 2 FLOP per weight and row), not yet a
+# measurement of the two products (benchmarks/fp8.py reports the measured crossover).
+DEFAULT_W8A8_MIN_ROWS = 128
 # Compiles at warm-up hold host memory each, so the pool stays small even on a large host.
 MAX_COMPILE_WORKERS = 8
 
@@ -100,6 +114,13 @@ class EngineConfig:
     (XLA's ops elsewhere), ``xla`` always XLA's ops. ``row_parallel_splits``: the partial products a
     row-parallel product hands the fused all-reduce (see ``kernels.collectives``). ``min_batch_width``:
     the narrowest decode width compiled.
+
+    Formats: ``quantization`` ``auto`` serves the checkpoint's layer matrices as they are (FP8
+    checkpoints in FP8, 16-bit ones in ``dtype``), ``fp8`` quantizes 16-bit ones at load (a scale per
+    output channel), ``none`` dequantizes FP8 ones; ``w8a8_min_rows`` is the FP8 products' policy
+    (:data:`DEFAULT_W8A8_MIN_ROWS`; 0: weight-only FP8 in every product); ``kv_cache_dtype``
+    ``fp8`` holds the KV pool in e4m3 with a scale per position and KV head (``kernels.kv_cache``:
+    1.94 times the tokens at head_dim 128), ``auto`` in ``dtype``.
     """
 
     batch_slots: int = 8
@@ -114,9 +135,18 @@ class EngineConfig:
     min_batch_width: int = MIN_BATCH_WIDTH
     decode_attention: str = "auto"
     row_parallel_splits: int = kernels.K_SPLITS
+    quantization: str = "auto"
+    w8a8_min_rows: int = DEFAULT_W8A8_MIN_ROWS
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_strategy(self.strategy)
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.w8a8_min_rows < 0:
+            raise ValueError(f"w8a8_min_rows must be 0 (never) or more, got {self.w8a8_min_rows}")
         if self.decode_attention not in ATTENTIONS:
             raise ValueError(f"decode_attention must be one of {ATTENTIONS}, got {self.decode_attention!r}")
         if not 1 <= self.row_parallel_splits <= MAX_PARTIALS:
@@ -131,6 +161,7 @@ class EngineConfig:
         return cls(**{"batch_slots": layout.batch_slots, "max_seq_len": layout.max_seq_len,
                       "strategy": layout.strategy, "kv_tokens": layout.kv_tokens,
                       "kv_memory_fraction": layout.kv_memory_fraction, "step_tokens": layout.step_tokens,
+                      "quantization": layout.quantization, "kv_cache_dtype": layout.kv_cache_dtype,
                       **changes})
 
     def step_policy(self) -> StepPolicy:
@@ -215,10 +246,13 @@ def slot_state(mesh: Mesh, slots: int) -> dict[str, jax.Array]:
     }
 
 
-def new_pool(shape: tuple[int, ...], sharding: NamedSharding, dtype: str,
-             layers: int) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Per-layer K and V pools of zeros, made on the devices."""
-    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(NP_DTYPES[dtype])), out_shardings=sharding)
+def new_pool(shape: tuple[int, ...], mesh: Mesh, spec: P, dtype: str, layers: int,
+             kv_cache_dtype: str = "auto") -> tuple[list[kv_cache.Pool], list[kv_cache.Pool]]:
+    """Per-layer K and V pools of zeros (``kv_cache_dtype``: in ``dtype`` or FP8), made on the
+    devices; ``spec`` shards the pool's data."""
+    shardings = jax.tree.map(lambda ps: NamedSharding(mesh, ps), kv_cache.spec_of(spec, kv_cache_dtype))
+    zeros = jax.jit(lambda: kv_cache.zeros(shape, kv_cache_dtype, jnp.dtype(NP_DTYPES[dtype])),
+                    out_shardings=shardings)
     return [zeros() for _ in range(layers)], [zeros() for _ in range(layers)]
 
 
@@ -227,7 +261,9 @@ def pool_tokens(spec: ModelSpec, config: EngineConfig, tp: int, pp: int, dtype: 
     """The KV pool's size in tokens: the config's, checked against ``free`` bytes per GPU, or what fits
     in its share of them and in ``room`` (``xla_runtime.compiler_room``: what XLA's compiler assumes
     is left, where the allocator does not tell it); with ``free`` None (host devices), every slot's
-    whole context at most."""
+    whole context at most. A token's bytes are ``dtype``'s, or FP8's with its scales
+    (``config.kv_cache_dtype``)."""
+    dtype = "fp8" if config.kv_cache_dtype == "fp8" else dtype
     bs = config.block_size
     table_tokens = -(-config.max_seq_len // bs) * bs
     if config.kv_tokens:
@@ -283,6 +319,10 @@ class Engine:
         self.pp = dict(mesh.shape).get(PP, 1)
         self.dtype = config.dtype or spec.dtype
         self.shape = ShardShape(spec, self.tp, vocab_shards=self.pp * self.tp)
+        # FP8 weights carry the products' policy (static: it chooses the product when traced).
+        self.params = params = with_w8a8_min_rows(params, config.w8a8_min_rows)
+        formats = param_formats.formats_of(params["layers"]) * self.pp
+        self.weight_formats = formats
         self.policy = config.step_policy()
         self.max_slots = config.batch_slots
         self.max_seq_len = config.max_seq_len
@@ -290,7 +330,9 @@ class Engine:
         self.step_tokens = config.step_tokens
         self.blocks_per_seq = self.policy.blocks_per_seq
         self._cfg = self._forward_config(mesh.devices.flat[0].platform)
-        self._pspecs = param_specs(spec) if self.pp == 1 else stage_param_specs(spec, self.pp)
+        self._pspecs = with_w8a8_min_rows(
+            param_specs(spec, formats) if self.pp == 1 else stage_param_specs(spec, self.pp, formats),
+            config.w8a8_min_rows)
         self._vocab_axes = AXIS if self.pp == 1 else VOCAB_AXES
         if config.strategy != "xla" and self.tp > 1 and self.pp == 1:
             kernels.init(list(mesh.devices.flat))
@@ -311,18 +353,21 @@ class Engine:
         config = config or EngineConfig.from_layout(layout)
         ShardShape(spec, layout.tp)
         mesh = make_mesh(layout.tp, devices, layout.pp)
-        params = load_params(path, spec, mesh, config.dtype or spec.dtype, progress=progress, stages=layout.pp)
+        params = load_params(path, spec, mesh, config.dtype or spec.dtype, progress=progress, stages=layout.pp,
+                             quantization=config.quantization)
         return cls(spec, params, mesh, config)
 
     @classmethod
     def from_random(cls, spec: ModelSpec, layout: ServingLayout, config: EngineConfig | None = None, seed: int = 0,
                     devices: Sequence[jax.Device] | None = None) -> Engine:
-        """Random weights of ``spec``'s shape, made on the devices (benchmarks and tests)."""
+        """Random weights of ``spec``'s shape, made on the devices (benchmarks and tests); with
+        ``config.quantization`` ``fp8``, in FP8 with a scale per output channel."""
         from switchyard.service.engine.random_weights import random_weights
 
         config = config or EngineConfig.from_layout(layout, dtype="bfloat16")
         mesh = make_mesh(layout.tp, devices, layout.pp)
-        return cls(spec, random_weights(spec, mesh, config.dtype or spec.dtype, seed), mesh, config)
+        params = random_weights(spec, mesh, config.dtype or spec.dtype, seed, quantization=config.quantization)
+        return cls(spec, params, mesh, config)
 
     def _forward_config(self, platform: str) -> ForwardConfig:
         cfg = ForwardConfig.make(self.shape, self.config.strategy, platform=platform)
@@ -342,14 +387,38 @@ class Engine:
         return pool_tokens(self.spec, self.config, self.tp, self.pp, self.dtype, free, room)
 
     @property
-    def _pool_spec(self) -> P:
+    def _pool_data_spec(self) -> P:
         return POOL_SPEC if self.pp == 1 else STAGE_POOL_SPEC
+
+    @property
+    def _pool_spec(self) -> Any:
+        """A layer pool's partition specs (an FP8 pool's data and scales)."""
+        return kv_cache.spec_of(self._pool_data_spec, self.config.kv_cache_dtype)
+
+    @property
+    def weights_label(self) -> str:
+        """The layer matrices' format for people (the start-up log, ModelInfo, traces): ``bfloat16``,
+        or FP8 with its format and the products' policy."""
+        fp8 = param_formats.fp8_matrices(self.weight_formats)
+        if not fp8:
+            return self.dtype
+        source = (self.spec.quantization or QUANTIZED_AT_LOAD).label
+        rows = self.config.w8a8_min_rows
+        products = (f"FP8 x FP8 from {rows} rows, weight-only below" if rows else "weight-only products")
+        total = 4 * len(self.weight_formats)
+        held = "" if fp8 == total else f", {fp8} of {total} matrices"
+        return f"{source}{held}; {products}; activations {self.dtype}"
+
+    @property
+    def kv_cache_label(self) -> str:
+        """The KV pool's format for people: the model's dtype, or FP8 with its scales."""
+        return kv_cache.label(self.config.kv_cache_dtype, self.dtype)
 
     def _new_state(self) -> dict[str, Any]:
         s, pp = self.spec, self.pp
         shape = (self.num_blocks, s.num_kv_heads, self.kv_block_size, s.head_dim)
-        k, v = new_pool(shape if pp == 1 else (pp, *shape), NamedSharding(self.mesh, self._pool_spec), self.dtype,
-                        s.num_layers // pp)
+        k, v = new_pool(shape if pp == 1 else (pp, *shape), self.mesh, self._pool_data_spec, self.dtype,
+                        s.num_layers // pp, self.config.kv_cache_dtype)
         return {"k": k, "v": v, **slot_state(self.mesh, self.max_slots)}
 
     def _new_io(self) -> dict[str, jax.Array]:
@@ -426,6 +495,10 @@ class Engine:
             "config": stable_repr(self.config, UNNAMED),
             "forward": stable_repr(self._cfg, UNNAMED),
             "policy": stable_repr(self.policy.__dict__),
+            # Stated outright, though the arguments' dtypes and the config imply them: an FP8 and a
+            # 16-bit program must never share an entry.
+            "weights": [[fmt.label for fmt in layer.values()] for layer in self.weight_formats],
+            "kv_cache": self.config.kv_cache_dtype,
             "arguments": describe_arguments((self.params, self._state, self._io)),
             "environment": environment_facts(os.environ, ("XLA_FLAGS", ALLOCATOR_ENV, *MEMORY_FRACTION_ENVS)),
         }

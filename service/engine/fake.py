@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from switchyard.kernels import kv_cache
 from switchyard.service.engine.compile_cache import WarmUp
 from switchyard.service.engine.engine import EngineConfig, PendingStep
 from switchyard.service.engine.kv_blocks import NULL_BLOCK
@@ -54,6 +55,8 @@ class FakeEngine:
         self.max_seq_len = config.max_seq_len
         self.kv_block_size = config.block_size
         self.step_tokens = config.step_tokens
+        self.weights_label = self.spec.weights_label  # the formats it stands for (it holds no weights)
+        self.kv_cache_label = kv_cache.label(config.kv_cache_dtype, config.dtype or self.spec.dtype)
         every_context = self.max_slots * self.policy.blocks_per_seq * config.block_size
         self.kv_tokens = kv_tokens or config.kv_tokens or every_context
         self.num_blocks = self.kv_tokens // self.kv_block_size + 1

@@ -10,8 +10,8 @@ Weights are stored one array per layer and per matrix ([in, out] layout): a step
 with no dynamic slicing of stacked weights (which would make XLA copy them).
 
 Parameter tree (global shapes; ``tp`` shards, ``c = (q_local + 2 kv_local) * head_dim``). The four
-matrices of a layer are weights (``switchyard.kernels.weights``: dense today, a quantized weight with
-its scales in the same place later); the rest are arrays::
+matrices of a layer are weights (``switchyard.kernels.weights``: dense, or FP8 with its scales, held
+[out, in] as ``param_formats`` says); the rest are arrays::
 
     embed [vocab, hidden]                      replicated (rows are gathered)
     layers[i].attn_norm [hidden]               replicated
@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-from switchyard.kernels import attention, rmsnorm, row_parallel_residual, row_parallel_residual_rmsnorm
-from switchyard.kernels.weights import DenseWeight
+from switchyard.kernels import attention, kv_cache, rmsnorm, row_parallel_residual, row_parallel_residual_rmsnorm
+from switchyard.service.engine import param_formats
 from switchyard.service.engine.chunk_attention import chunk_attention, cudnn_chunk_attention
+from switchyard.service.engine.param_formats import LayerFormats
 from switchyard.service.model.layers import embed, qkv_projection, rope_inv_freq, swiglu
 from switchyard.service.modelspec import ModelSpec
 
@@ -95,30 +96,52 @@ class ShardShape:
         return math.ceil(self.spec.vocab_size / shards) * shards
 
 
-def param_specs(spec: ModelSpec) -> Params:
-    """The parameter tree's partition specs (a weight's spec is that weight holding its matrix's)."""
-    layer: Params = {"attn_norm": P(), "wqkv": DenseWeight(P(None, AXIS)), "wo": DenseWeight(P(AXIS, None)),
-                     "mlp_norm": P(), "wgu": DenseWeight(P(None, AXIS)), "wdown": DenseWeight(P(AXIS, None))}
-    if spec.attention_bias:
-        layer["bqkv"] = P(AXIS)
-    if spec.qk_norm:
-        layer["q_norm"] = layer["k_norm"] = P()
-    return {"embed": P(), "layers": [dict(layer) for _ in range(spec.num_layers)], "final_norm": P(),
-            "lm_head": P(None, AXIS)}
+def _formats(spec: ModelSpec, formats: Sequence[LayerFormats] | None) -> Sequence[LayerFormats]:
+    if formats is None:
+        return param_formats.uniform(spec.num_layers, param_formats.DENSE)
+    if len(formats) != spec.num_layers:
+        raise ValueError(f"{len(formats)} layers' weight formats for the {spec.num_layers} layers of {spec.name}")
+    return formats
 
 
-def param_shapes(shape: ShardShape) -> Params:
-    """The parameter tree's global shapes, as tuples (a weight's: that weight holding its matrix's)."""
+def param_specs(spec: ModelSpec, formats: Sequence[LayerFormats] | None = None) -> Params:
+    """The parameter tree's partition specs (a weight's spec is that weight holding its arrays'), its
+    matrices in ``formats`` (one mapping per layer; default: dense)."""
+    layers = []
+    for fmt in _formats(spec, formats):
+        layer: Params = {"attn_norm": P(), "mlp_norm": P(),
+                         **{name: param_formats.spec_leaf(name, fmt[name]) for name in param_formats.MATRICES}}
+        if spec.attention_bias:
+            layer["bqkv"] = P(AXIS)
+        if spec.qk_norm:
+            layer["q_norm"] = layer["k_norm"] = P()
+        layers.append(layer)
+    return {"embed": P(), "layers": layers, "final_norm": P(), "lm_head": P(None, AXIS)}
+
+
+def matrix_shapes(shape: ShardShape) -> dict[str, tuple[int, int]]:
+    """Each layer matrix's global [in, out]."""
     s, tp = shape.spec, shape.tp
-    layer: Params = {"attn_norm": (s.hidden_size,), "wqkv": DenseWeight((s.hidden_size, tp * shape.qkv_cols)),
-                     "wo": DenseWeight((s.q_size, s.hidden_size)), "mlp_norm": (s.hidden_size,),
-                     "wgu": DenseWeight((s.hidden_size, 2 * s.intermediate_size)),
-                     "wdown": DenseWeight((s.intermediate_size, s.hidden_size))}
-    if s.attention_bias:
-        layer["bqkv"] = (tp * shape.qkv_cols,)
-    if s.qk_norm:
-        layer["q_norm"] = layer["k_norm"] = (s.head_dim,)
-    return {"embed": (s.vocab_size, s.hidden_size), "layers": [dict(layer) for _ in range(s.num_layers)],
+    return {"wqkv": (s.hidden_size, tp * shape.qkv_cols), "wo": (s.q_size, s.hidden_size),
+            "wgu": (s.hidden_size, 2 * s.intermediate_size), "wdown": (s.intermediate_size, s.hidden_size)}
+
+
+def param_shapes(shape: ShardShape, formats: Sequence[LayerFormats] | None = None) -> Params:
+    """The parameter tree's global shapes, as tuples (a weight's: that weight holding its arrays'),
+    its matrices in ``formats`` (default: dense)."""
+    s, tp = shape.spec, shape.tp
+    matrices = matrix_shapes(shape)
+    layers = []
+    for fmt in _formats(s, formats):
+        layer: Params = {"attn_norm": (s.hidden_size,), "mlp_norm": (s.hidden_size,),
+                         **{name: param_formats.shape_leaf(name, fmt[name], matrices[name])
+                            for name in param_formats.MATRICES}}
+        if s.attention_bias:
+            layer["bqkv"] = (tp * shape.qkv_cols,)
+        if s.qk_norm:
+            layer["q_norm"] = layer["k_norm"] = (s.head_dim,)
+        layers.append(layer)
+    return {"embed": (s.vocab_size, s.hidden_size), "layers": layers,
             "final_norm": (s.hidden_size,), "lm_head": (s.hidden_size, shape.padded_vocab)}
 
 
@@ -222,28 +245,27 @@ def _chunk_layer_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     its blocks) and its own; its K/V written into its blocks. qkv [C, q + 2 kv, hd] (roped)."""
     shape = cfg.shape
     kv = k_pool.shape[1]
-    dt = qkv.dtype
     q = qkv[:, : shape.q_heads]
-    # The chunk's own K/V as the pool stores them, so its queries see what later steps will read.
-    k_new = qkv[:, shape.q_heads: shape.q_heads + kv].astype(k_pool.dtype)
-    v_new = qkv[:, shape.q_heads + kv:].astype(v_pool.dtype)
+    k_new, v_new = qkv[:, shape.q_heads: shape.q_heads + kv], qkv[:, shape.q_heads + kv:]
     attend = cfg.chunk_attention or chunk_attention
-    out = attend(q, k_pool, v_pool, chunk.table, chunk.start, chunk.kv_len, k_new.astype(dt), v_new.astype(dt))
+    # The chunk's own K/V as the pool stores them, so its queries see what later steps will read.
+    out = attend(q, k_pool, v_pool, chunk.table, chunk.start, chunk.kv_len, kv_cache.stored(k_pool, k_new),
+                 kv_cache.stored(v_pool, v_new))
     write = _write_chunk_blocks if chunk.block_aligned else _write_chunk_positions
     return out, write(k_pool, k_new, chunk), write(v_pool, v_new, chunk)
 
 
-def _write_chunk_positions(pool: jax.Array, new: jax.Array, chunk: Chunk) -> jax.Array:
+def _write_chunk_positions(pool: kv_cache.Pool, new: jax.Array, chunk: Chunk) -> kv_cache.Pool:
     """The chunk's real rows of ``new`` [C, kv, D] into the pool at their positions, one by one."""
     nb, _, bs, _ = pool.shape
     m = chunk.table.shape[0]
     c = new.shape[0]
     pos = chunk.start + jnp.arange(c)
     block = jnp.where(jnp.arange(c) < chunk.length, chunk.table[jnp.minimum(pos // bs, m - 1)], nb)  # nb: dropped
-    return pool.at[block, :, pos % bs, :].set(new, mode="drop")
+    return kv_cache.write(pool, (block, slice(None), pos % bs), new)
 
 
-def _write_chunk_blocks(pool: jax.Array, new: jax.Array, chunk: Chunk) -> jax.Array:
+def _write_chunk_blocks(pool: kv_cache.Pool, new: jax.Array, chunk: Chunk) -> kv_cache.Pool:
     """``new`` [C, kv, D] into the pool a whole block at a time, for a chunk that starts on a block
     boundary. Every block holding a real row is written whole: its positions past the chunk's end
     (only a prompt's last chunk has them) are the sequence's own, written again before they are read."""
@@ -254,7 +276,7 @@ def _write_chunk_blocks(pool: jax.Array, new: jax.Array, chunk: Chunk) -> jax.Ar
     blocks = jnp.pad(new, ((0, n * bs - c), (0, 0), (0, 0))).reshape(n, bs, kv, d).transpose(0, 2, 1, 3)
     index = chunk.start // bs + jnp.arange(n)
     real = (index * bs < chunk.start + chunk.length) & (index < m)
-    return pool.at[jnp.where(real, chunk.table[jnp.minimum(index, m - 1)], nb)].set(blocks, mode="drop")
+    return kv_cache.write(pool, (jnp.where(real, chunk.table[jnp.minimum(index, m - 1)], nb),), blocks)
 
 
 def budget_layers(

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from switchyard.kernels import rmsnorm
+from switchyard.kernels import kv_cache, rmsnorm
+from switchyard.service.engine import param_formats
 from switchyard.service.engine.model import (
     AXIS,
     Chunk,
@@ -35,6 +36,7 @@ from switchyard.service.engine.model import (
     param_specs,
     stage_stacked,
 )
+from switchyard.service.engine.param_formats import LayerFormats
 from switchyard.service.modelspec import ModelSpec
 
 PP = "pp"
@@ -50,17 +52,35 @@ def make_pipeline_mesh(pp: int, tp: int, devices: Sequence[jax.Device] | None = 
     return Mesh(np.array(devices[: pp * tp]).reshape(pp, tp), (PP, AXIS))
 
 
-def stage_param_shapes(spec: ModelSpec, tp: int, pp: int) -> dict[str, Any]:
+def check_stage_formats(formats: Sequence[LayerFormats] | None, pp: int) -> None:
+    """Stages stack their layers, so layer j of every stage must hold its matrices alike (a checkpoint
+    with some layers left dense, as FBGEMM's FP8 releases leave the first and last, cannot be split
+    into stages)."""
+    if formats is None:
+        return
+    per_stage = len(formats) // pp
+    for i, fmt in enumerate(formats):
+        if fmt != formats[i % per_stage]:
+            raise ValueError(f"pipeline stages need layer {i} to hold its weights as layer {i % per_stage} does "
+                             f"({param_formats.summary([fmt])} vs {param_formats.summary([formats[i % per_stage]])}); "
+                             "serve this checkpoint with one stage, or with --quantization fp8 or none")
+
+
+def stage_param_shapes(spec: ModelSpec, tp: int, pp: int,
+                       formats: Sequence[LayerFormats] | None = None) -> dict[str, Any]:
     """Global shapes of a pipeline's parameters: each stage's layers stacked on a leading stage axis."""
-    shapes, specs = param_shapes(ShardShape(spec, tp, vocab_shards=pp * tp)), param_specs(spec)
+    check_stage_formats(formats, pp)
+    shapes = param_shapes(ShardShape(spec, tp, vocab_shards=pp * tp), formats)
+    specs = param_specs(spec, formats)
     per_stage = spec.num_layers // pp
     shapes["layers"] = [stage_stacked(shp, ps, pp, PP)[0]
                         for shp, ps in zip(shapes["layers"][:per_stage], specs["layers"][:per_stage], strict=True)]
     return shapes
 
 
-def stage_param_specs(spec: ModelSpec, pp: int) -> dict[str, Any]:
-    specs = param_specs(spec)
+def stage_param_specs(spec: ModelSpec, pp: int, formats: Sequence[LayerFormats] | None = None) -> dict[str, Any]:
+    check_stage_formats(formats, pp)
+    specs = param_specs(spec, formats)
     per_stage = spec.num_layers // pp
     specs["layers"] = [jax.tree.map(lambda ps: P(PP, *ps), layer) for layer in specs["layers"][:per_stage]]
     specs["lm_head"] = P(None, VOCAB_AXES)
@@ -75,7 +95,13 @@ def pipeline_forward(params: dict, k_pool: list[jax.Array], v_pool: list[jax.Arr
     stage's pools."""
     stage = jax.lax.axis_index(PP)
     layers = [jax.tree.map(lambda a: a[0], layer) for layer in params["layers"]]
-    ks, vs = [a[0] for a in k_pool], [a[0] for a in v_pool]
+    def unstack(pool: kv_cache.Pool) -> kv_cache.Pool:  # this stage's pool, without the stage dimension
+        return kv_cache.map_pool(lambda a: a[0], pool)
+
+    def restack(pool: kv_cache.Pool) -> kv_cache.Pool:
+        return kv_cache.map_pool(lambda a: a[None], pool)
+
+    ks, vs = [unstack(p) for p in k_pool], [unstack(p) for p in v_pool]
     all_tokens = tokens if chunk is None else jnp.concatenate([tokens, chunk.tokens])
     x = embed(params["embed"], all_tokens)
     for i in range(pp):
@@ -95,4 +121,4 @@ def pipeline_forward(params: dict, k_pool: list[jax.Array], v_pool: list[jax.Arr
         rows = jnp.concatenate([rows, (n + jnp.maximum(chunk.length, 1) - 1)[None]])
     h = rmsnorm(x[rows], params["final_norm"], cfg.shape.spec.rms_norm_eps)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, [a[None] for a in ks], [a[None] for a in vs]
+    return logits, [restack(p) for p in ks], [restack(p) for p in vs]

@@ -288,7 +288,7 @@ class LeaderEngine:
         self._channel = channel
         self.broken: BaseException | None = None  # set once a group collective has failed
         for name in ("spec", "config", "policy", "max_slots", "max_seq_len", "kv_tokens", "kv_block_size",
-                     "step_tokens"):
+                     "step_tokens", "weights_label", "kv_cache_label"):
             setattr(self, name, getattr(engine, name))
 
     def _announce(self, op: int, words: np.ndarray | None = None) -> None:

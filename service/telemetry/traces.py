@@ -47,6 +47,9 @@ CHUNK_TOKENS = "switchyard.prefill.chunk_tokens"  # prompt tokens in the chunk
 CHUNK_EVENT = "prefill_chunk"
 CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"  # prompt tokens whose KV came from the prefix cache
 PREEMPTIONS = "switchyard.request.preemptions"  # times the request lost its KV blocks and was recomputed
+# The formats the engine served the request in (its weights', its KV cache's): ModelInfo's words.
+WEIGHTS = "switchyard.engine.weights"
+KV_CACHE = "switchyard.engine.kv_cache"
 OPERATION_NAME = "text_completion"
 
 

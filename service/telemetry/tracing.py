@@ -311,6 +311,9 @@ class RequestRecorder:
 
     def __init__(self, telemetry: Telemetry | None = None, *, keep: int = 256) -> None:
         self.telemetry = telemetry
+        # What every span also says of the engine that served it (the weights' and KV cache's
+        # formats), once the engine is known.
+        self.served: dict[str, str] = {}
         # Monotonic -> wall clock, sampled once: spans of one process stay consistent with each other.
         self.wall_offset_ns = time.time_ns() - time.monotonic_ns()
         self._recent: collections.deque[Any] = collections.deque(maxlen=keep)
@@ -351,7 +354,7 @@ class RequestRecorder:
                 trace = T.RequestTrace.from_record(record, self.wall_offset_ns)
                 parent = self._parents.pop(trace.request_id, None)
                 assert self.telemetry is not None
-                self.telemetry.record(trace, _sampling_attributes(record.sampling), parent)
+                self.telemetry.record(trace, {**_sampling_attributes(record.sampling), **self.served}, parent)
             except Exception:  # a broken record must not stop telemetry for every later request
                 log.exception("could not export the trace of request %s", getattr(record, "request_id", "?"))
             finally:

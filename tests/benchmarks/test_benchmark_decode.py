@@ -75,3 +75,29 @@ def test_step_profile_sums_kernel_events_per_step():
     # busy 34 us, span 0..44 us; names cut to 4 characters merge the two products (14 us) under "gemm"
     assert summary == {"steps": 2, "gpu_busy_us_per_step": 17.0, "gpu_span_us_per_step": 22.0,
                        "top_kernels": [{"name": "atte", "count": 1, "total_us_per_step": 10.0}]}
+
+
+def test_decode_benchmark_rows_of_fp8_weights_and_kv_count_their_bytes(tmp_path):
+    """--weights and --kv-cache build their engines through EngineConfig: FP8 rows carry the weights'
+    label, and their roofline counts FP8 bytes (about half the weights' of bf16)."""
+    out = tmp_path / "decode.json"
+    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tp", "1", "--batch", "2", "--context",
+                          "16", "--steps", "3", "--warmup", "1", "--copy-gib", "0.01", "--weights", "bf16",
+                          "fp8-w8a16", "--kv-cache", "auto", "fp8", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["weights"], r["kv_cache"]) for r in rows] == [("bf16", "auto"), ("bf16", "fp8"),
+                                                             ("fp8-w8a16", "auto"), ("fp8-w8a16", "fp8")]
+    spec = preset("tiny")
+    fp8 = spec.served_as("fp8")
+    assert rows[0]["weights_label"] == "bfloat16"
+    label = rows[2]["weights_label"]
+    assert label.startswith("fp8 e4m3 (quantized at load") and "weight-only products" in label
+    for row, model, kv in zip(rows, (spec, spec, fp8, fp8), ("auto", "fp8", "auto", "fp8"), strict=True):
+        assert row["ms_per_token"] > 0
+        # the bytes a step reads as served, against the bf16 row's
+        want = model.decode_bytes_per_step(2, 16, kv) / (spec.decode_bytes_per_step(2, 16))
+        assert abs(row["roofline_ms"] / rows[0]["roofline_ms"] - want) < 0.01
+    assert rows[2]["roofline_ms"] < 0.7 * rows[0]["roofline_ms"]

@@ -83,7 +83,8 @@ def test_a_second_engine_loads_every_step_program_and_serves_the_same_tokens(tin
     assert second.compiled_count() == compiled, "serving after a warm start compiled a step program"
 
 
-@pytest.mark.parametrize("change", [{"max_seq_len": 80}, {"step_tokens": 16}, {"dtype": "float32"}])
+@pytest.mark.parametrize("change", [{"max_seq_len": 80}, {"step_tokens": 16}, {"dtype": "float32"},
+                                    {"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}])
 def test_an_engine_built_otherwise_has_other_programs(tiny_checkpoint_dir, change) -> None:
     keys = set(tiny_engine(tiny_checkpoint_dir, **SMALL).program_keys().values())
     assert keys == set(tiny_engine(tiny_checkpoint_dir, **SMALL).program_keys().values())

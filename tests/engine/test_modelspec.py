@@ -178,7 +178,7 @@ def test_kv_tokens_for_memory_rejects_what_no_gpu_can_hold():
     with pytest.raises(ModelSpecError, match="pp must be"):
         kv_tokens_for_memory(spec, 1, 5, 2**30, "bfloat16")
     with pytest.raises(ModelSpecError, match="dtype must be one of"):
-        kv_tokens_for_memory(spec, 1, 1, 2**30, "fp8")
+        kv_tokens_for_memory(spec, 1, 1, 2**30, "int8")
     for free in (float("inf"), float("nan"), "1GiB", None, True):
         with pytest.raises(ModelSpecError, match="free_bytes_per_gpu must be a finite number"):
             kv_tokens_for_memory(spec, 1, 1, free, "bfloat16")

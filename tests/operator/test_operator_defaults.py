@@ -24,6 +24,7 @@ DEFAULTED = {
     "kvMemoryFraction": "kv_memory_fraction",
     "engine": "",
     "model.configMapRef.key": "",
+    "model.quantization": "",
 }
 
 

@@ -86,6 +86,17 @@ def test_request_span_follows_genai_conventions_and_carries_every_token(telemetr
     recorder.close()
 
 
+def test_every_span_says_which_formats_the_engine_served(telemetry) -> None:
+    tel, spans, _ = telemetry
+    recorder = tracing.RequestRecorder(tel)
+    recorder.served = {T.WEIGHTS: "fp8 e4m3 (fbgemm_fp8, per-channel weight scales)", T.KV_CACHE: "bfloat16"}
+    recorder.on_finish(record(3))
+    assert recorder.flush()
+    (span,) = spans.get_finished_spans()
+    assert span.attributes[T.WEIGHTS].startswith("fp8 e4m3 (fbgemm_fp8") and span.attributes[T.KV_CACHE] == "bfloat16"
+    recorder.close()
+
+
 def test_failed_and_never_admitted_requests(telemetry) -> None:
     tel, spans, metrics = telemetry
     recorder = tracing.RequestRecorder(tel)

@@ -1,0 +1,72 @@
+"""FP8 on a GPU: XLA runs FP8 x FP8 products as its FP8 GEMM and both FP8 products match their float64
+references there; an engine on FP8 weights (weight-only, FP8 x FP8) and on an FP8 KV cache follows
+transformers' float32 logits on the same dequantized weights as the bf16 engine does. Timings:
+benchmarks/fp8.py and benchmarks/decode.py --weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers.engine_fixtures import greedy_and_logits, kernel_sized_spec, tiny_engine
+from helpers.fp8_published import load_into, write_published
+from helpers.hf_reference import hf_logits, hf_model
+from switchyard.kernels.fp8 import quantize_rows_np
+from switchyard.kernels.weights import Fp8Weight
+
+pytestmark = pytest.mark.gpu
+PROMPT = [1, *range(3, 150)]
+
+
+def _weight(rng, k: int, n: int, min_rows: int) -> tuple[Fp8Weight, np.ndarray]:
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    q, scale = quantize_rows_np(w, axis=1)
+    dense = (q.astype(np.float64) * scale).T
+    return Fp8Weight(jax.device_put(q), jax.device_put(scale), 0, min_rows), dense
+
+
+@pytest.mark.parametrize("rows", [1, 64, 512])
+def test_fp8_products_on_the_gpu_match_float64_and_fp8_x_fp8_is_xlas_fp8_gemm(rng, rows):
+    k, n = 4096, 1024
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    exact = np.asarray(xb, np.float64)
+    for min_rows in (0, 1):  # weight-only, then FP8 x FP8
+        w, dense = _weight(rng, k, n, min_rows)
+        fn = jax.jit(lambda a, b: a @ b)
+        got = np.asarray(fn(xb, w), np.float64)
+        if min_rows:
+            xq, xs = quantize_rows_np(np.asarray(xb, np.float32))
+            reference = (xq.astype(np.float64) * xs) @ dense
+            assert "$f8" in fn.lower(xb, w).compile().as_text(), "FP8 x FP8 did not run as XLA's FP8 GEMM"
+        else:
+            reference = exact @ dense
+        # bf16 output (2^-9) and float32 accumulation in another order.
+        assert np.abs(got - reference).max() <= 1e-2 * np.abs(reference).max()
+        cos = (got * reference).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(reference, axis=-1)
+        assert cos.min() >= 0.9999
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    spec = kernel_sized_spec()
+    folder = tmp_path_factory.mktemp("fp8-kernel-sized") / "ct"
+    published = write_published(hf_model(spec, seed=4), folder, "ct-channel")
+    return spec, folder, load_into(hf_model(spec, seed=4), published.dequantized)
+
+
+@pytest.mark.parametrize("config", [{"w8a8_min_rows": 0}, {"w8a8_min_rows": 1}, {"kv_cache_dtype": "fp8"}])
+def test_an_fp8_engine_follows_transformers_on_the_dequantized_weights(published, config):
+    """bf16 activations over FP8 weights (and an FP8 KV cache): within 5% of the largest float32 logit,
+    the bar the bf16 engine's GPU test holds, step after step until a near-tie picks another token."""
+    _, folder, reference = published
+    engine = tiny_engine(folder, slots=2, max_seq_len=512, kv_tokens=2 * 512, step_tokens=64, block_size=64,
+                         dtype="bfloat16", **config)
+    tokens, logits = greedy_and_logits(engine, PROMPT, 6)
+    expected = hf_logits(reference, PROMPT + tokens[:-1])[len(PROMPT) - 1:]
+    scale = np.abs(expected).max()
+    for step in range(6):
+        assert np.abs(logits[step] - expected[step]).max() <= 0.05 * scale, (config, step)
+        if tokens[step] != int(np.argmax(expected[step])):
+            break
