@@ -1,4 +1,5 @@
-"""``switchyard serve``: run the gRPC decode service for one model.
+"""``switchyard serve``: run the decode service for one model: gRPC (Decode, KServe v2) on ``--port``,
+the OpenAI-compatible HTTP API with ``/health`` and ``/metrics`` on ``--http-port``.
 
 Configuration comes from flags, each with an environment variable (``SWITCHYARD_<FLAG>``); a layout
 file (``--layout``, written by the operator) overrides the layout fields it sets.
@@ -57,7 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default=_env("HOST", "[::]"), help="listen address [SWITCHYARD_HOST]")
     parser.add_argument(
-        "--port", type=int, default=_env("PORT", 8001, int), help="gRPC port [SWITCHYARD_PORT]"
+        "--port", type=int, default=_env("PORT", 8001, int), help="gRPC port (Decode, KServe v2) [SWITCHYARD_PORT]"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=_env("HTTP_PORT", 8000, int),
+        help="HTTP port: the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models), "
+        "/health and Prometheus /metrics (default 8000) [SWITCHYARD_HTTP_PORT]",
     )
     parser.add_argument(
         "--tp", type=int, default=_env("TP", 1, int), help="tensor-parallel size [SWITCHYARD_TP]"
@@ -159,6 +167,10 @@ def resolve_layout(args: argparse.Namespace) -> Any:
         positive(getattr(args, flag), "--" + flag.replace("_", "-"))
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 <= args.http_port <= 65535:
+        raise UsageError(f"--http-port must be in [0, 65535], got {args.http_port}")
+    if args.http_port == args.port and args.port != 0:
+        raise UsageError(f"--http-port and --port must differ, both are {args.port}")
     if args.grace_period < 0:
         raise UsageError(f"--grace-period must be zero or more seconds, got {args.grace_period}")
     if args.strategy not in STRATEGIES:
@@ -397,10 +409,14 @@ def run(args: argparse.Namespace) -> int:
             scratch.cleanup()
         return 1
 
+    from switchyard.service.api.http.chat_template import ChatTemplate
     from switchyard.service.api.server import STOPPED_WHILE_LOADING, DecodeApp, ServeOptions, serve, tune_interpreter
     from switchyard.service.api.wire import Limits
     from switchyard.service.telemetry.tracing import RequestRecorder, Telemetry
 
+    chat_template = ChatTemplate.from_dir(model_path)
+    if not chat_template.available:
+        log.warning("no chat on /v1/chat/completions: %s", chat_template.problem)
     recorder = RequestRecorder(Telemetry.from_env(args.trace_file), keep=args.keep_traces)
     app = DecodeApp(
         model_name=model_name,
@@ -411,6 +427,7 @@ def run(args: argparse.Namespace) -> int:
             "allreduce_strategy": layout.strategy,
             "max_queue": args.max_queue,
         },
+        chat_template=chat_template,
     )
 
     def load() -> tuple[Any, Any]:
@@ -434,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
 
     tune_interpreter(args.switch_interval)
     try:
-        code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))
+        code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period, args.http_port)))
         if code == STOPPED_WHILE_LOADING:
             # The loading thread may be deep in a compile: end now instead of waiting for it.
             if scratch is not None:
