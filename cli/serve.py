@@ -466,11 +466,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace, log: logging.Logger) -> int:
-    """A later pipeline stage: no Decode API, only gRPC health (SERVING while it follows stage 0)."""
+    """A later pipeline stage: no Decode API, only gRPC health and HTTP /health (serving while it
+    follows stage 0)."""
     from concurrent import futures
 
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from switchyard.service.api.http.health import HealthEndpoint
     from switchyard.service.engine.pipeline_group import CommandChannel, GroupFormationError, exit_now, follow, join
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -478,6 +480,11 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     if server.add_insecure_port(f"{args.host}:{args.port}") == 0:
         log.error("could not listen on %s:%s", args.host, args.port)
+        return 1
+    try:  # the pod's probes ask /health of every stage
+        http_health = HealthEndpoint(args.host, args.http_port)
+    except OSError as err:
+        log.error("could not listen for HTTP on %s:%s: %s", args.host, args.http_port, err.strerror or err)
         return 1
     server.start()
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -488,6 +495,7 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         engine = load_engine(EngineOptions(model_path, layout, args.dtype, warmup=True))
         channel = CommandChannel.open(layout)
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        http_health.serving = True
         log.info("stage %d ready: following stage 0", layout.pipeline_stage)
         follow(engine, channel)
         log.info("stage 0 released the group")
@@ -500,4 +508,6 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         exit_now(1)
     finally:
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        http_health.serving = False
+        http_health.close()
         server.stop(0)

@@ -7,7 +7,8 @@ Per DecodeService ``NAME``:
 * ``pp > 1``: one StatefulSet ``NAME-gI`` per pipeline group with ``pp`` pods (stage = pod ordinal,
   coordinator = pod 0) and a ConfigMap ``NAME-gI-layout`` each, so a group starts and stops as a unit;
 * a headless Service ``NAME-headless`` (stable pod DNS for the pipeline coordinator), a ClusterIP
-  Service ``NAME`` for gRPC (stage-0 pods only), and a PodDisruptionBudget ``NAME``.
+  Service ``NAME`` for gRPC and HTTP (the OpenAI-compatible API, ``/metrics``; stage-0 pods only),
+  and a PodDisruptionBudget ``NAME``.
 
 Everything carries an owner reference to the DecodeService (deletion cascades through the garbage
 collector) and the label ``switchyard.dev/service=NAME``.
@@ -50,6 +51,8 @@ class RenderConfig:
     switchyard_image: str = "ghcr.io/switchyard/switchyard-service:0.1.0"
     trtllm_image: str = "nvcr.io/nvidia/tensorrt-llm/release:1.0.0"
     port: int = 8001
+    # switchyard serve's HTTP port: the OpenAI-compatible API, /health (the probes) and /metrics
+    http_port: int = 8000
     coordinator_port: int = 8476
     run_as_user: int = 1000
     shm_size: str = "16Gi"
@@ -180,8 +183,9 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
         image = spec.get("image") or config.trtllm_image
     else:
         command = ["switchyard", "serve", "--layout", LAYOUT_FILE, "--model-path", source.path,
-                   "--port", str(config.port)]
-        probe = {"grpc": {"port": config.port}}  # grpc.health.v1, overall server health
+                   "--port", str(config.port), "--http-port", str(config.http_port)]
+        # 200 while serving; 503 while loading, draining or failed (every pipeline stage answers it)
+        probe = {"httpGet": {"path": "/health", "port": config.http_port}}
         image = spec.get("image") or config.switchyard_image
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -204,7 +208,9 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     user = spec.get("resources", {})
     requests = {**user.get("requests", {}), GPU_RESOURCE: str(lay.tp)}
     limits = {**user.get("limits", {}), GPU_RESOURCE: str(lay.tp)}
-    ports = [{"name": "grpc" if not trt else "http", "containerPort": config.port, "protocol": "TCP"}]
+    ports = ([{"name": "http", "containerPort": config.port, "protocol": "TCP"}] if trt else
+             [{"name": "grpc", "containerPort": config.port, "protocol": "TCP"},
+              {"name": "http", "containerPort": config.http_port, "protocol": "TCP"}])
     if lay.pp > 1:
         ports.append({"name": "coordinator", "containerPort": config.coordinator_port, "protocol": "TCP"})
     mounts = [{"name": "layout", "mountPath": LAYOUT_DIR, "readOnly": True},
@@ -300,6 +306,7 @@ def _headless(owner: Owner, config: RenderConfig) -> dict[str, Any]:
             "publishNotReadyAddresses": True,
             "selector": selector(owner),
             "ports": [{"name": "grpc", "port": config.port, "targetPort": config.port, "protocol": "TCP"},
+                      {"name": "http", "port": config.http_port, "targetPort": config.http_port, "protocol": "TCP"},
                       {"name": "coordinator", "port": config.coordinator_port,
                        "targetPort": config.coordinator_port, "protocol": "TCP"}],
         },
@@ -311,14 +318,14 @@ def _service(owner: Owner, spec: Mapping[str, Any], plan: Plan, config: RenderCo
     if plan.layout is not None and plan.layout.pp > 1:
         sel = {**sel, POD_INDEX_LABEL: "0"}  # only the first stage serves clients
     trt = spec.get("engine") == "tensorrt-llm"
+    ports = [{"name": "http" if trt else "grpc", "port": config.port, "targetPort": config.port,
+              "protocol": "TCP", "appProtocol": "http" if trt else "grpc"}]
+    if not trt:  # the OpenAI-compatible API and /metrics beside gRPC
+        ports.append({"name": "http", "port": config.http_port, "targetPort": config.http_port, "protocol": "TCP",
+                      "appProtocol": "http"})
     return {
         "apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, owner.name),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": sel,
-            "ports": [{"name": "http" if trt else "grpc", "port": config.port, "targetPort": config.port,
-                       "protocol": "TCP", "appProtocol": "http" if trt else "grpc"}],
-        },
+        "spec": {"type": "ClusterIP", "selector": sel, "ports": ports},
     }
 
 

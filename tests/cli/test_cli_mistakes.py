@@ -193,7 +193,8 @@ def test_ctrl_c_during_warm_up_stops_at_once() -> None:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     environment.update(XLA_FLAGS="", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--host", "127.0.0.1",
-                             "--port", str(port)], stderr=subprocess.PIPE, text=True, env=environment)
+                             "--port", str(port), "--http-port", "0"], stderr=subprocess.PIPE, text=True,
+                            env=environment)
     log = []
     try:
         for line in proc.stderr:
