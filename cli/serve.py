@@ -467,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace, log: logging.Logger) -> int:
     """A later pipeline stage: no Decode API, only gRPC health and HTTP /health (serving while it
-    follows stage 0)."""
+    follows stage 0) and /metrics (that one gauge)."""
     from concurrent import futures
 
     import grpc
@@ -482,7 +482,7 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         log.error("could not listen on %s:%s", args.host, args.port)
         return 1
     try:  # the pod's probes ask /health of every stage
-        http_health = HealthEndpoint(args.host, args.http_port)
+        http_health = HealthEndpoint(args.host, args.http_port, layout.pipeline_stage)
     except OSError as err:
         log.error("could not listen for HTTP on %s:%s: %s", args.host, args.http_port, err.strerror or err)
         return 1

@@ -34,6 +34,11 @@ from .spec import ModelSource
 SERVICE_LABEL = "switchyard.dev/service"
 GROUP_LABEL = "switchyard.dev/group"
 MANAGED_BY = "switchyard-operator"
+# On switchyard-engine pods and their clients' Service (not the headless one: a second target per
+# pod), which serve Prometheus text on /metrics of their "http" port: what the chart's PodMonitor and
+# ServiceMonitor select. TensorRT-LLM pods go without: trtllm-serve's /metrics is JSON.
+METRICS_LABEL = "switchyard.dev/metrics"
+METRICS_FORMAT = "prometheus"
 HASH_ANNOTATION = "switchyard.dev/config-hash"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set on StatefulSet pods since Kubernetes 1.28
 LAYOUT_DIR = "/etc/switchyard"
@@ -249,7 +254,7 @@ def _statefulset(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mode
     lay = plan.layout
     assert lay is not None
     group_labels = {GROUP_LABEL: str(index)} if lay.pp > 1 else {}
-    pod_labels = {**labels(owner), **group_labels}
+    pod_labels = {**labels(owner), **group_labels, **_metrics_labels(spec)}
     volumes: list[dict[str, Any]] = [
         {"name": "layout", "configMap": {"name": cm["metadata"]["name"]}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
@@ -324,9 +329,13 @@ def _service(owner: Owner, spec: Mapping[str, Any], plan: Plan, config: RenderCo
         ports.append({"name": "http", "port": config.http_port, "targetPort": config.http_port, "protocol": "TCP",
                       "appProtocol": "http"})
     return {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, owner.name),
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, owner.name, _metrics_labels(spec)),
         "spec": {"type": "ClusterIP", "selector": sel, "ports": ports},
     }
+
+
+def _metrics_labels(spec: Mapping[str, Any]) -> dict[str, str]:
+    return {} if spec.get("engine") == "tensorrt-llm" else {METRICS_LABEL: METRICS_FORMAT}
 
 
 def _pdb(owner: Owner) -> dict[str, Any]:

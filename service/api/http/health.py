@@ -1,6 +1,7 @@
-"""``GET /health`` alone, for a pipeline stage after the first: it serves no API (stage 0 does), but
-its pod carries the same probes as every pod of the group. A thread of the standard library's HTTP
-server: the stage's process has no event loop."""
+"""``GET /health`` and a one-gauge ``GET /metrics`` for a pipeline stage after the first: it serves no
+API (stage 0 does, and counts the requests), but its pod carries the same probes as every pod of the
+group, and the chart's PodMonitor scrapes every pod of the engine (a 404 there would be a failing
+target). A thread of the standard library's HTTP server: the stage's process has no event loop."""
 
 from __future__ import annotations
 
@@ -8,20 +9,41 @@ import http.server
 import threading
 from typing import Any
 
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def stage_metrics(stage: int, serving: bool) -> bytes:
+    """Prometheus text: whether this stage follows stage 0."""
+    return (
+        "# HELP switchyard_pipeline_stage_serving 1 while this pipeline stage follows stage 0, else 0 "
+        "(stage 0 serves the request metrics).\n"
+        "# TYPE switchyard_pipeline_stage_serving gauge\n"
+        f'switchyard_pipeline_stage_serving{{stage="{stage}"}} {int(serving)}\n'
+    ).encode()
+
 
 class HealthEndpoint:
-    """200 on ``/health`` while :attr:`serving`, 503 before; 404 elsewhere."""
+    """``/health``: 200 while :attr:`serving`, 503 before; ``/metrics``: the stage's gauge; 404
+    elsewhere."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, stage: int = 0) -> None:
         self.serving = False
         endpoint = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                status = (200 if endpoint.serving else 503) if self.path == "/health" else 404
-                body = b"{}" if status == 200 else b'{"error": {"message": "not serving"}}'
+                content_type = "application/json"
+                if self.path == "/metrics":
+                    status, body = 200, stage_metrics(stage, endpoint.serving)
+                    content_type = METRICS_CONTENT_TYPE
+                elif self.path == "/health" and endpoint.serving:
+                    status, body = 200, b"{}"
+                elif self.path == "/health":
+                    status, body = 503, b'{"error": {"message": "not serving"}}'
+                else:
+                    status, body = 404, b'{"error": {"message": "not found"}}'
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
