@@ -11,11 +11,12 @@ export PYTHONSAFEPATH := 1
 
 .PHONY: demo test lint venv helm manifests locks
 
-# The product alone (what `make demo` needs), then the test and lint tools on top (`make test`).
+# The product with its serving extra (what `make demo` needs), then the operator and the test and lint
+# tools on top (`make test`: the dev extra names the serve and operator extras).
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[serve]'
 	$(PY) -m switchyard.kernels.build --optional
 	touch $(BASE)
 

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from switchyard.service.engine.compile_cache import WarmUp
 from switchyard.service.engine.engine import Engine, EngineConfig, PendingStep
 from switchyard.service.engine.heap import freeze_warm_heap
 from switchyard.service.engine.kv_manager import KVManager
@@ -101,7 +102,7 @@ def serving_tokenizer(args: Any) -> tuple[ModelSpec, Any]:
     return spec, Tokenizer(build_tokenizer(spec), spec.eos_token_ids, spec.vocab_size)
 
 
-def serving_engine(args: Any) -> tuple[Engine, float]:
+def serving_engine(args: Any) -> tuple[Engine, WarmUp]:
     """The warmed-up engine and the warm-up's seconds, for a serving benchmark (``args``:
     ``model_path`` or ``preset``, ``dtype`` and :func:`serving_layout`'s): a checkpoint's, configured
     from the layout as ``switchyard serve`` does, or random weights of a preset in the same
@@ -118,14 +119,14 @@ def serving_engine(args: Any) -> tuple[Engine, float]:
     print(f"KV pool: {engine.kv_tokens} tokens in blocks of {engine.kv_block_size} "
           f"({engine.kv_tokens / layout.max_seq_len:.1f} sequences at the full context); "
           f"steps carry up to {engine.step_tokens} prompt tokens", flush=True)
-    warmup_s = engine.warmup()
-    print(f"warm-up: {warmup_s:.1f} s", flush=True)
+    warmup = engine.warmup()
+    print(f"warm-up: {warmup.seconds:.1f} s", flush=True)
     frozen, collect_ms = freeze_warm_heap()
     t0 = time.perf_counter()
     gc.collect()
     print(f"heap: {frozen} objects frozen; a full collection took {collect_ms:.0f} ms before, "
           f"{1e3 * (time.perf_counter() - t0):.1f} ms after", flush=True)
-    return engine, warmup_s
+    return engine, warmup
 
 
 # ---- driving ---------------------------------------------------------------------------------------

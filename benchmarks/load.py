@@ -645,9 +645,9 @@ def run_grpc(engine_process: Any, tokenizer: Any, plan: list[PlannedRequest], ti
     return [RequestTimes(m["arrival"], m["token_times"], m["status"], m["finish_reason"]) for m in measured]
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Any, float]:
+def build_engine(args: argparse.Namespace) -> tuple[Any, Any]:
     """The engine process's builder for the gRPC path (runs there): the benchmark's engine and its
-    warm-up's seconds."""
+    warm-up."""
     return drive().serving_engine(args)
 
 
@@ -689,7 +689,7 @@ def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], token
 
 def in_process_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]]) -> dict[str, Any]:
     """Every rate with the scheduler in this process: {"rows", "warmup_s", "device", "facts"}."""
-    engine, warmup_s = drive().serving_engine(args)
+    engine, warmup = drive().serving_engine(args)
     rows = []
     for rate, plan in zip(args.rates, plans, strict=True):
         sampler = StallSampler() if args.stall_report is not None else None
@@ -701,7 +701,7 @@ def in_process_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]])
         row = finish_row("in-process", rate, measured, args, extra, sampler)
         row["engine_steps_per_s"] = round(row["engine_steps"] / row["span_s"], 1) if row["span_s"] else None
         rows.append(row)
-    return {"rows": rows, "warmup_s": warmup_s, "device": device_name(), "facts": engine}
+    return {"rows": rows, "warmup_s": warmup.seconds, "device": device_name(), "facts": engine}
 
 
 def finish_row(path: str, rate: float, measured: list[RequestTimes], args: argparse.Namespace,

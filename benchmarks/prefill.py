@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             engine = drive()["engine_on"](weights, config)
         if not args.no_warmup:
-            warm = engine.warmup()
+            warm = engine.warmup().seconds
             print(f"step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
             rows.append({"kind": "warm-up", "step_tokens": step_tokens, "programs": engine.compiled_count(),
                          "s": round(warm, 1)})

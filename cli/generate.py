@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def latency_report(result: StreamResult, rows: int = 0) -> str:
-    """Per-token table (client-side arrival gaps, the server's step and batch size) and percentiles."""
+    """Per-token table (client-side arrival gaps, the server's step and batch size) and percentiles, all
+    as this client saw them (tokenizing, the engine's queue, gRPC and the network included)."""
     import numpy as np
 
     gaps = result.gaps_ms
@@ -50,7 +51,7 @@ def latency_report(result: StreamResult, rows: int = 0) -> str:
             continue
         step = "prefill" if result.steps[i] < 0 else str(result.steps[i])
         lines.append(f"{i:>6} {gaps[i]:>9.3f} {step:>7} {result.batch_sizes[i]:>5}")
-    lines.append(f"time to first token {gaps[0]:.3f} ms")
+    lines.append(f"time to first token {gaps[0]:.3f} ms, as this client saw it (request sent -> first token received)")
     if len(gaps) > 1:
         rest = np.asarray(gaps[1:])
         p50, p90, p99 = np.percentile(rest, [50, 90, 99])
@@ -78,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
         no_prefix_cache=args.no_prefix_cache,
     )
 
+    shown = False
+
     def show(text: str) -> None:
+        nonlocal shown
+        shown = shown or bool(text)
         sys.stdout.write(text)
         sys.stdout.flush()
 
@@ -86,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = client.generate(request, timeout=args.timeout, on_text=show)
         except grpc.RpcError as err:
-            sys.stdout.write("\n")
+            if shown:  # end the text streamed so far; with none, there is no line to end
+                sys.stdout.write("\n")
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     sys.stdout.write("\n\n")

@@ -27,6 +27,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one worth saying (not None or off) and
+    the help does not already say it; defaults read from ``SWITCHYARD_*`` variables show as read."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default in ("", [], argparse.SUPPRESS) or "default" in text
+                or not action.option_strings or text == argparse.SUPPRESS):
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description="LLM decode service for HGX GPU nodes")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -37,14 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
             if err.name != module_name:
                 raise
             continue  # a part not installed in this image (the operator image has no JAX engine)
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
         module.add_arguments(command)
         command.set_defaults(_run=module.run)
     return parser
 
 
 # A module only an optional part needs -> the extra that installs it.
-EXTRAS = {"kopf": "operator", "kubernetes": "operator", "torch": "dev", "transformers": "dev"}
+EXTRAS = {
+    **dict.fromkeys(("jax", "jaxlib", "ml_dtypes", "numpy", "safetensors", "tokenizers", "tqdm", "grpc", "grpc_health",
+                     "grpc_reflection", "google", "opentelemetry", "matplotlib"), "serve"),
+    "kopf": "operator", "kubernetes": "operator", "torch": "dev", "transformers": "dev",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from switchyard.cli.usage import UsageError, existing_file, existing_folder, positive, writable_file
+from switchyard.cli.usage import (
+    UsageError,
+    existing_file,
+    existing_folder,
+    positive,
+    writable_file,
+    writable_folder,
+)
 
 LAYOUT_FLAGS = {  # ServingLayout field -> flag dest
     "tp": "tp",
@@ -150,13 +157,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-warmup", action="store_true", help="compile steps on first use instead of at start"
     )
     parser.add_argument(
+        "--compile-cache",
+        default=_env("COMPILE_CACHE", None),
+        help="folder that keeps compiled step programs between starts (created if missing; pods of one "
+        "node may share it); default: none, every start compiles [SWITCHYARD_COMPILE_CACHE]",
+    )
+    parser.add_argument(
         "--switch-interval",
         type=float,
         default=_env("SWITCH_INTERVAL", None, float),
         help="CPython GIL switch interval in seconds (default: CPython's, 0.005); benchmarks/serve.py "
         "measures the effect [SWITCHYARD_SWITCH_INTERVAL]",
     )
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR [SWITCHYARD_LOG_LEVEL]")
 
 
 def resolve_layout(args: argparse.Namespace) -> Any:
@@ -227,6 +241,8 @@ def check_port_free(host: str, port: int) -> None:
     bind_host = host.strip("[]")
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As the gRPC server binds: a port whose last connections linger in TIME_WAIT is free to it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((bind_host, port))
         except OSError as err:
@@ -264,6 +280,8 @@ def check_model(layout: Any, model_path: str, args: argparse.Namespace, model_na
         raise UsageError(f"--tp {layout.tp}: {err}") from None
     if args.trace_file:
         writable_file(args.trace_file, "--trace-file")
+    if args.compile_cache:
+        writable_folder(args.compile_cache, "--compile-cache")
     try:
         return spec, Tokenizer.from_dir(folder, spec)
     except Exception as err:  # a tokenizer.json the tokenizers library cannot read
@@ -278,35 +296,81 @@ class EngineOptions:
     layout: Any  # ServingLayout
     dtype: str | None
     warmup: bool
+    compile_cache: str | None = None
 
 
-def warm_up(engine: Any, options: EngineOptions, compiled: str) -> float:
-    """In the engine process: compile every program of ``engine`` (unless the options say not to) and
-    freeze the warm heap; logs what was ``compiled``. Returns the warm-up's seconds (0 without one)."""
+# How often the engine process logs its compiling's progress (and once at the end).
+PROGRESS_EVERY_S = 5.0
+
+
+class CompileProgress:
+    """``on_program(done, total)`` for a warm-up: tells the server, and logs a line every
+    :data:`PROGRESS_EVERY_S` seconds."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._log = log
+        self._start = self._last = self._clock()
+
+    def __call__(self, done: int, total: int) -> None:
+        from switchyard.service.api.engine_process import report_startup
+
+        report_startup(COMPILING, done, total)
+        now = self._clock()
+        if now - self._last >= PROGRESS_EVERY_S and done < total:
+            self._last = now
+            self._log.info("%s: %d of %d ready after %.0f s", COMPILING, done, total, now - self._start)
+
+
+COMPILING = "compiling step programs"
+LOADING = "loading weights"
+
+
+def warm_up(engine: Any, options: EngineOptions, store: Any = None) -> Any:
+    """In the engine process: make every step program of ``engine`` ready (unless the options say
+    not to), from ``store`` where it holds them, and freeze the warm heap. Returns the WarmUp."""
+    from switchyard.service.engine.compile_cache import WarmUp
     from switchyard.service.engine.heap import freeze_warm_heap
 
     if not options.warmup:
-        return 0.0
+        return WarmUp(0.0, 0)
     log = logging.getLogger("switchyard.serve")
-    warmup_s = engine.warmup()
-    log.info("warm-up: compiled %s in %.1f s", compiled, warmup_s)
+    warmup = engine.warmup(store, CompileProgress(log))
+    log.info("warm-up: %s", warmup.describe())
     log.info("heap: %d objects frozen after warm-up (a full collection took %.0f ms)", *freeze_warm_heap())
-    return warmup_s
+    return warmup
+
+
+def open_compile_cache(options: EngineOptions) -> Any:
+    """In an engine's process, before anything compiles: the compile cache the options name (XLA's
+    layer on from here), or None."""
+    if not options.compile_cache:
+        return None
+    from switchyard.kernels.native import library_path
+    from switchyard.service.engine.compile_cache import open_cache
+
+    return open_cache(options.compile_cache, library_path())
 
 
 def load_engine(options: EngineOptions) -> Any:
-    """The engine of the checkpoint, as the layout says (a pipeline stage's share with ``pp`` > 1)."""
+    """The engine of the checkpoint, as the layout says (a pipeline stage's share with ``pp`` > 1); the
+    loading's progress goes to the log (``service.progress``)."""
+    from switchyard.service.api.engine_process import report_startup
     from switchyard.service.engine.engine import Engine, EngineConfig
 
+    report_startup(LOADING)
     config = EngineConfig.from_layout(options.layout, dtype=options.dtype)
-    return Engine.from_checkpoint(options.model_path, options.layout, config, progress=False)
+    return Engine.from_checkpoint(options.model_path, options.layout, config, progress=True)
 
 
-def build_engine(options: EngineOptions) -> tuple[Any, float]:
-    """The engine process's builder: the engine from the checkpoint, every step compiled and the warm
-    heap frozen. Returns (engine, warm-up seconds)."""
+def build_engine(options: EngineOptions) -> tuple[Any, Any]:
+    """The engine process's builder: the engine from the checkpoint, every step program ready (from
+    the compile cache where it has them) and the warm heap frozen. Returns (engine, WarmUp)."""
+    cache = open_compile_cache(options)
     engine = load_engine(options)
-    return engine, warm_up(engine, options, "every step")
+    return engine, warm_up(engine, options, None if cache is None else cache.programs)
 
 
 def choose_xla_runtime(options: EngineOptions) -> None:
@@ -328,13 +392,15 @@ def join_pipeline_group(options: EngineOptions) -> None:
     join(layout)
 
 
-def build_pipeline_leader(options: EngineOptions) -> tuple[Any, float]:
+def build_pipeline_leader(options: EngineOptions) -> tuple[Any, Any]:
     """Stage 0's engine process's builder: its stage of the pipeline, sending every plan to the other
-    stages, every program compiled on every stage and the warm heap frozen."""
+    stages, every program compiled on every stage (XLA's layer of the compile cache serving each) and
+    the warm heap frozen."""
     from switchyard.service.engine.pipeline_group import CommandChannel, LeaderEngine
 
+    open_compile_cache(options)
     engine = LeaderEngine(load_engine(options), CommandChannel.open(options.layout))
-    return engine, warm_up(engine, options, "every program on every stage")
+    return engine, warm_up(engine, options)
 
 
 def release_pipeline_group(engine: Any) -> None:
@@ -349,7 +415,7 @@ def start_engine_process(layout: Any, model_path: str, model_name: str, args: ar
     not form."""
     from switchyard.service.api.engine_process import EngineProcess, EngineProcessLost, EngineStartError
 
-    options = EngineOptions(model_path, layout, args.dtype, not args.no_warmup)
+    options = EngineOptions(model_path, layout, args.dtype, not args.no_warmup, args.compile_cache)
     group = ({"prepare": join_pipeline_group, "release": release_pipeline_group} if layout.pp > 1
              else {"prepare": choose_xla_runtime})
     process = EngineProcess(build_pipeline_leader if layout.pp > 1 else build_engine, options, **group,
@@ -362,8 +428,10 @@ def start_engine_process(layout: Any, model_path: str, model_name: str, args: ar
         raise UsageError(f"the engine process could not start: {err}") from None
     if layout.tp > devices.count:
         process.close()
+        cpu = (f"; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={layout.tp} in the environment "
+               f"splits it into {layout.tp} devices") if devices.platform == "cpu" else ""
         raise UsageError(f"--tp {layout.tp} needs {layout.tp} devices; the engine process sees {devices.count} "
-                         f"({devices.platform})")
+                         f"({devices.platform}){cpu}")
     return process
 
 
@@ -371,9 +439,12 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import tempfile
 
+    from switchyard.service.logs import quiet_known_noise
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_known_noise()
     log = logging.getLogger("switchyard.serve")
     layout = resolve_layout(args)
     model_path = layout.model_path
@@ -391,10 +462,10 @@ def run(args: argparse.Namespace) -> int:
     if args.tiny and not layout.model_name:
         model_name = "tiny"
     _, tokenizer = check_model(layout, model_path, args, model_name)
-    if layout.pp > 1:
-        # Before joining the group: a stage that joined and then failed would hold the others in the
-        # distributed runtime until its timeouts ran out.
-        check_port_free(args.host, args.port)
+    # Before the engine starts (and, in a pipeline group, before joining it: a stage that joined and
+    # then failed would hold the others in the distributed runtime until its timeouts ran out), and in
+    # one line: the gRPC server failing to bind a taken port adds its core's own error to ours.
+    check_port_free(args.host, args.port)
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
     # The engine and its scheduler in a process of their own, so that the server's work never holds
@@ -430,6 +501,8 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template,
     )
 
+    app.startup = lambda: engine_process.startup
+
     def load() -> tuple[Any, Any]:
         from switchyard.service.engine.heap import freeze_warm_heap
 
@@ -442,7 +515,8 @@ def run(args: argparse.Namespace) -> int:
             layout.batch_slots,
             layout.max_seq_len,
         )
-        engine_process.wait_ready()  # the engine loads in its own process
+        facts = engine_process.wait_ready()  # the engine loads in its own process
+        app.info["compile_cache"] = facts.compile_cache
         # This process delivers every token: a full collection scanning its libraries' objects
         # (transformers, gRPC) would hold every stream for as long as it takes.
         log.info("heap: %d objects of the server's process frozen (a full collection took %.0f ms)",
@@ -492,7 +566,9 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         log.info("joining pipeline group of %d stages at %s as stage %d", layout.pp, layout.coordinator,
                  layout.pipeline_stage)
         join(layout)
-        engine = load_engine(EngineOptions(model_path, layout, args.dtype, warmup=True))
+        options = EngineOptions(model_path, layout, args.dtype, warmup=True, compile_cache=args.compile_cache)
+        open_compile_cache(options)
+        engine = load_engine(options)
         channel = CommandChannel.open(layout)
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         http_health.serving = True

@@ -2,8 +2,9 @@
 
 Prints a per-token table (one request, with the prefill chunks of its prompt) or a per-request table
 (prompt tokens, those from the prefix cache, prefill chunks), TTFT and inter-token p50/p90/p99, the
-slowest tokens with the engine step that made them, and writes a PNG timeline that marks the steps
-which carried each prompt.
+slowest tokens with the engine step that made them, and, with ``--png PATH``, a PNG timeline that
+marks the steps which carried each prompt. Its times are the engine's (from a request's arrival at the
+scheduler to each token's emission), not a client's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="host:port of a running service (its recent requests)")
     parser.add_argument("--request", default="", help="only this request id")
     parser.add_argument("--limit", type=int, default=0, help="only the last N requests (0 = all)")
-    parser.add_argument("--png", default="switchyard-trace.png", help="timeline image path ('' = none)")
+    parser.add_argument("--png", metavar="PATH", help="also draw the timeline into this PNG file")
     parser.add_argument("--rows", type=int, default=40, help="per-token rows to print (0 = all)")
     parser.add_argument("--top", type=int, default=5, help="slowest tokens to list")
 

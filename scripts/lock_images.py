@@ -1,10 +1,10 @@
 """Resolve and pin (with sha256 hashes) the Python packages of the two images, from pyproject.toml.
 
-* ``images/operator/requirements.lock``: the ``operator`` extra (kopf, the Kubernetes client, PyYAML)
-  and everything they need; the image installs it with ``--require-hashes`` and our wheel with
-  ``--no-deps``, so nothing else (no JAX) can arrive.
-* ``images/service/requirements.lock``: the base dependencies plus the ``gpu`` extra (JAX with CUDA),
-  with JAX at the version the CPU tests run.
+* ``images/operator/requirements.lock``: the base dependencies (PyYAML) and the ``operator`` extra
+  (kopf, the Kubernetes client) and everything they need; the image installs it with
+  ``--require-hashes`` and our wheel with ``--no-deps``, so nothing else (no JAX) can arrive.
+* ``images/service/requirements.lock``: the base dependencies plus the ``gpu`` extra (the ``serve``
+  extra and JAX with CUDA), with JAX at the version the CPU tests run.
 
 Both are for linux x86_64, CPython 3.12 (the images' Python). Resolution is pip's own (``pip install
 --dry-run --report``) against the configured index; run ``python scripts/lock_images.py`` after
@@ -35,11 +35,26 @@ def project() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-def requirements(image: str) -> list[str]:
+def extra(name: str) -> list[str]:
+    """The requirements of one extra, with its references to our own extras (``switchyard[serve]``)
+    replaced by theirs: the resolver must not look for switchyard itself on the index."""
     proj = project()
+    out: list[str] = []
+    for req in proj["optional-dependencies"][name]:
+        own, _, rest = req.partition("[")
+        if own == proj["name"]:
+            for sub in rest.rstrip("]").split(","):
+                out += [r for r in extra(sub.strip()) if r not in out]
+        elif req not in out:
+            out.append(req)
+    return out
+
+
+def requirements(image: str) -> list[str]:
+    base = list(project()["dependencies"])
     if image == "operator":
-        return list(proj["optional-dependencies"]["operator"])
-    return [*proj["dependencies"], *proj["optional-dependencies"]["gpu"], *SERVICE_PINS]
+        return [*base, *extra("operator")]
+    return [*base, *extra("gpu"), *SERVICE_PINS]
 
 
 def resolve(reqs: list[str]) -> list[tuple[str, str, str]]:

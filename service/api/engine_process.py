@@ -18,9 +18,10 @@ and held-KV-block counts of that step, in one message.
 :class:`EngineProcess` is what the server's bridge drives: ``submit`` (returns a future that the
 acceptance settles), ``cancel``, and ``run(stop)``, the loop that reads the child's messages on the
 bridge's thread and calls each request's ``on_event`` there, as an in-process scheduler would.
-How the child builds its engine is a picklable ``builder(options) -> (engine, warm-up seconds)``, its
-module importable there: serve's from a checkpoint, a benchmark's from random weights. The child sees
-token ids only: text is the server's.
+How the child builds its engine is a picklable ``builder(options) -> (engine, warm-up)``, its module
+importable there: serve's from a checkpoint, a benchmark's from random weights. While it builds, the
+builder may call :func:`report_startup` (loading weights, compiling N of M programs): the server keeps
+the latest for ModelInfo. The child sees token ids only: text is the server's.
 ``prepare(options)``, when given, runs before the child looks at its devices: what must be set before
 JAX starts its runtime (serve's chooses XLA's allocator; stage 0 of a pipeline group joins the group
 there, as the distributed runtime must start before any device is used). Stage 0 also gives
@@ -42,12 +43,14 @@ from typing import Any, NamedTuple, NoReturn
 
 from switchyard.service import errors
 from switchyard.service.api.wire import Unavailable
+from switchyard.service.engine.compile_cache import WarmUp
+from switchyard.service.logs import quiet_known_noise
 from switchyard.service.modelspec import ModelSpecError
 
 log = logging.getLogger(__name__)
 
-# builder(options) -> (engine, warm-up seconds), run in the child; picklable by reference.
-Builder = Callable[[Any], tuple[Any, float]]
+# builder(options) -> (engine, its warm-up), run in the child; picklable by reference.
+Builder = Callable[[Any], tuple[Any, WarmUp]]
 Prepare = Callable[[Any], None]  # prepare(options), in the child before it counts its devices
 Release = Callable[[Any], None]  # release(engine), in the child after a clean stop
 
@@ -75,6 +78,23 @@ class EngineFacts:
     kv_block_size: int
     step_tokens: int
     warmup_s: float
+    compile_cache: str  # what the warm-up compiled and what the compile cache gave
+
+
+class StartupProgress(NamedTuple):
+    """How far the engine's start is: ``phase`` (starting, loading weights, compiling step programs,
+    ready), with ``done`` of ``total`` units where the phase counts any."""
+
+    phase: str
+    done: int = 0
+    total: int = 0
+
+    def describe(self) -> str:
+        return f"{self.phase} ({self.done} of {self.total})" if self.total else self.phase
+
+
+STARTING = StartupProgress("starting")
+READY = "ready"
 
 
 class Devices(NamedTuple):
@@ -114,6 +134,7 @@ class EngineProcess:
         self._requests_lock = threading.Lock()
         self.on_finish: Callable[[Any], None] | None = None  # a finished request's record (the recorder's)
         self.facts: EngineFacts | None = None
+        self.startup = STARTING
         self.active_slots = 0
         self.kv_blocks_held = 0
         self.queue_depth = 0
@@ -138,11 +159,15 @@ class EngineProcess:
         if kind == "devices":
             self._send(("load",))
             kind, *rest = self._receive(timeout)
+        while kind == "startup":
+            self.startup = rest[0]
+            kind, *rest = self._receive(timeout)
         if kind == "failed":
             raise self._start_error(*rest)
         if kind != "ready":
             raise EngineProcessLost(f"the engine process said {kind!r} before it was ready")
         self.facts = rest[0]
+        self.startup = StartupProgress(READY)
         return self.facts
 
     @staticmethod
@@ -332,8 +357,21 @@ def _ignore_terminal_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+_startup_outbox: _Outbox | None = None  # the engine's process: where report_startup sends
+
+
+def report_startup(phase: str, done: int = 0, total: int = 0) -> None:
+    """In the engine's process, while its builder runs: tell the server how far start-up is (nothing
+    anywhere else)."""
+    if _startup_outbox is not None:
+        with contextlib.suppress(OSError):
+            _startup_outbox.send(("startup", StartupProgress(phase, done, total)))
+
+
 def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, lifeline: Any, log_level: str) -> None:
+    global _startup_outbox
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_known_noise()
     _ignore_terminal_signals()
     threading.Thread(target=_exit_with_parent, args=(lifeline,), name="switchyard-lifeline", daemon=True).start()
     outbox = _Outbox(conn)
@@ -348,7 +386,9 @@ def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, l
         outbox.send(("devices", Devices(len(devices), devices[0].platform, devices[0].device_kind)))
         if conn.recv()[0] != "load":  # the server may find the devices too few, and stop here
             _exit_now(0)
-        engine, warmup_s = recipe.build(recipe.options)
+        _startup_outbox = outbox
+        engine, warmup = recipe.build(recipe.options)
+        _startup_outbox = None
         scheduler = Scheduler(engine, on_finish=outbox.record, **scheduler_options)
     except (EOFError, OSError):  # the server's end closed before loading
         return
@@ -363,7 +403,7 @@ def _child_main(recipe: _Recipe, scheduler_options: dict[str, Any], conn: Any, l
         outbox.send(("failed", "error", f"{type(err).__name__}: {err}"))
         return
     facts = EngineFacts(engine.max_slots, engine.max_seq_len, engine.kv_tokens, engine.kv_block_size,
-                        engine.step_tokens, warmup_s)
+                        engine.step_tokens, warmup.seconds, warmup.describe())
     stop = threading.Event()
     threading.Thread(target=_take_commands, args=(conn, scheduler, outbox, stop), name="switchyard-commands",
                      daemon=True).start()

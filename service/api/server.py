@@ -86,6 +86,8 @@ class DecodeApp:
         self.text_pool = TextPool()
         self.bridge: EngineBridge | None = None
         self.ready = False
+        # How far the engine's start is, as (phase, done, total); serve's reads its engine process.
+        self.startup: Callable[[], tuple[str, int, int]] | None = None
 
     async def set_health(self, serving: bool) -> None:
         status = (
@@ -279,7 +281,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             tensor_parallel=int(app.info.get("tensor_parallel", 0)),
             allreduce_strategy=str(app.info.get("allreduce_strategy", "")),
             max_queue=int(app.info.get("max_queue", 0)),
+            compile_cache=str(app.info.get("compile_cache", "")),
         )
+        phase, done, total = ("ready", 0, 0) if app.ready else app.startup() if app.startup else ("starting", 0, 0)
+        response.startup, response.startup_done, response.startup_total = phase, done, total
         if app.bridge is not None and app.tokenizer is not None:
             s = app.bridge.scheduler
             response.max_seq_len = s.max_seq_len

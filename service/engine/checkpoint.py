@@ -22,27 +22,18 @@ from switchyard.kernels.weights import DenseWeight
 from switchyard.service.engine.model import ShardShape, is_shape, param_shapes, param_specs, stage_stacked
 from switchyard.service.model.family import EMBED, FINAL_NORM, LM_HEAD, tensor_shape
 from switchyard.service.modelspec import ModelSpec
-from tqdm import tqdm
+from switchyard.service.progress import NoProgress, Progress, progress_bytes
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class _NoProgress:
-    """What a progress bar does when there is none to show."""
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def progress_bar(show: bool, **kwargs: Any) -> Any:
-    """A tqdm bar, or nothing that shows. A disabled tqdm still makes a multiprocessing lock, which an
-    engine process that is killed (or exits at once) leaves behind, and the resource tracker then warns
-    of a leaked semaphore when serve exits."""
-    return tqdm(**kwargs) if show else _NoProgress()
+def progress_bar(show: bool, total: int, desc: str) -> Progress:
+    """Progress over ``total`` bytes: a bar on a terminal, a line every few seconds in a log
+    (``service.progress``), or nothing. No disabled tqdm when nothing shows: it still makes a
+    multiprocessing lock, which an engine process that is killed (or exits at once) leaves behind, and
+    the resource tracker then warns of a leaked semaphore when serve exits."""
+    return progress_bytes(total, desc) if show else NoProgress()
 
 
 class CheckpointError(ValueError):
@@ -173,11 +164,15 @@ def load_params(
         return fetch
 
     rep = P()
-    total = 3 + per_stage
-    bar = progress_bar(progress, total=total, desc=f"loading {folder.name}", unit="tensor-group")
+    itemsize = np.dtype(np_dtype).itemsize
+    layer_bytes = itemsize * stages * sum(
+        int(np.prod(dims)) for dims in jax.tree.leaves(shapes["layers"][0], is_leaf=is_shape))
+    total = per_stage * layer_bytes + itemsize * sum(
+        int(np.prod(shapes[name])) for name in ("embed", "final_norm", "lm_head"))
+    bar = progress_bar(progress, total=total, desc=f"loading {folder.name}")
     params: dict[str, Any] = {"layers": []}
     params["embed"] = put(shapes["embed"], rep, whole(EMBED, (s.vocab_size, s.hidden_size)))
-    bar.update()
+    bar.update(params["embed"].nbytes)
     for j in range(per_stage):
         lshape, lspec = shapes["layers"][j], specs["layers"][j]
         if stages == 1:
@@ -190,9 +185,9 @@ def load_params(
             layer = jax.tree.unflatten(treedef, [put(shp, ps, stage_fetch(j, k)) for k, (shp, ps) in enumerate(
                 zip(leaves, jax.tree.leaves(lspec), strict=True))])
         params["layers"].append(layer)
-        bar.update()
+        bar.update(sum(leaf.nbytes for leaf in jax.tree.leaves(layer)))
     params["final_norm"] = put(shapes["final_norm"], rep, whole(FINAL_NORM, (s.hidden_size,)))
-    bar.update()
+    bar.update(params["final_norm"].nbytes)
     head_name = EMBED if s.tie_word_embeddings else LM_HEAD
     if not s.tie_word_embeddings and head_name not in src:
         raise CheckpointError("checkpoint has no lm_head.weight and the config does not tie word embeddings")
@@ -208,7 +203,7 @@ def load_params(
 
     head_spec = specs["lm_head"] if stages == 1 else P(None, ("pp", "tp"))
     params["lm_head"] = put(shapes["lm_head"], head_spec, head)
-    bar.update()
+    bar.update(params["lm_head"].nbytes)
     bar.close()
     return params
 
@@ -266,7 +261,7 @@ def write_checkpoint(
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(spec), indent=2) + "\n")
     total = spec.param_bytes
     n_files = max(1, -(-total // shard_bytes))
-    bar = progress_bar(progress, total=total, desc=f"writing {out.name}", unit="B", unit_scale=True)
+    bar = progress_bar(progress, total=total, desc=f"writing {out.name}")
     shard: dict[str, np.ndarray] = {}
     shard_size = 0
     weight_map: dict[str, str] = {}

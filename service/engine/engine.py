@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,16 @@ from switchyard import kernels
 from switchyard.kernels.collectives import MAX_PARTIALS
 from switchyard.kernels.selection import check_strategy
 from switchyard.service.engine.checkpoint import NP_DTYPES, load_params
+from switchyard.service.engine.compile_cache import (
+    ProgramStore,
+    WarmUp,
+    describe_arguments,
+    environment_facts,
+    file_digest,
+    program_key,
+    source_digest,
+    stable_repr,
+)
 from switchyard.service.engine.kv_blocks import NULL_BLOCK
 from switchyard.service.engine.model import AXIS, Chunk, ForwardConfig, ShardShape, budget_forward, param_specs
 from switchyard.service.engine.pipeline import (
@@ -54,7 +64,13 @@ from switchyard.service.engine.pipeline import (
 from switchyard.service.engine.plan import ChunkPlan, StepPlan, StepTokens
 from switchyard.service.engine.sampling import SamplingParams, sample_sharded
 from switchyard.service.engine.step_policy import MIN_BATCH_WIDTH, StepPolicy, StepShape
-from switchyard.service.engine.xla_runtime import free_device_memory, memory_fraction, step_compiler_options
+from switchyard.service.engine.xla_runtime import (
+    ALLOCATOR_ENV,
+    MEMORY_FRACTION_ENVS,
+    free_device_memory,
+    memory_fraction,
+    step_compiler_options,
+)
 from switchyard.service.modelspec import (
     DEFAULT_KV_MEMORY_FRACTION,
     DEFAULT_STEP_TOKENS,
@@ -66,6 +82,8 @@ from switchyard.service.modelspec import (
     kv_tokens_for_memory,
 )
 
+# What a compile-cache key leaves out of the model and configuration: names, which shape no program.
+UNNAMED = frozenset({"name"})
 POOL_SPEC = P(None, AXIS, None, None)  # [blocks, kv_heads, block_size, head_dim], sharded by KV head
 ATTENTIONS = ("auto", "xla")
 # Compiles at warm-up hold host memory each, so the pool stays small even on a large host.
@@ -372,7 +390,36 @@ class Engine:
 
     def compiled_count(self) -> int:
         """Compiled executables so far (flat after warm-up while serving)."""
-        return sum(fn._cache_size() for fn in self._programs.values())
+        return sum(1 if isinstance(fn, jax.stages.Compiled) else fn._cache_size() for fn in self._programs.values())
+
+    def program_keys(self) -> dict[StepShape, str]:
+        """Each step program's compile-cache key (``service.engine.compile_cache``)."""
+        facts = self._program_facts()
+        return {shape: program_key({**facts, "shape": dataclasses.asdict(shape)}) for shape in self.policy.shapes()}
+
+    def _program_facts(self) -> dict[str, Any]:
+        """What every step program of this engine is built from, beyond its shape (a compile-cache
+        key's common part: ``service.engine.compile_cache``)."""
+        import jaxlib
+        from switchyard.kernels.native import library_path
+
+        devices = list(self.mesh.devices.flat)
+        client = devices[0].client
+        return {
+            "source": source_digest(Path(__file__).resolve().parents[2]),
+            "kernels": file_digest(library_path()),
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+            "platform": [client.platform, client.platform_version],
+            "devices": [[d.id, d.device_kind] for d in devices],
+            "mesh": [list(self.mesh.axis_names), list(self.mesh.devices.shape)],
+            "spec": stable_repr(self.spec, UNNAMED),
+            "config": stable_repr(self.config, UNNAMED),
+            "forward": stable_repr(self._cfg, UNNAMED),
+            "policy": stable_repr(self.policy.__dict__),
+            "arguments": describe_arguments((self.params, self._state, self._io)),
+            "environment": environment_facts(os.environ, ("XLA_FLAGS", ALLOCATOR_ENV, *MEMORY_FRACTION_ENVS)),
+        }
 
     def _build(self, shape: StepShape, logits: bool):
         """The step program of ``shape``; with ``logits``, the same forward returning every row's logits
@@ -490,9 +537,11 @@ class Engine:
         rows = [*range(plan.rows.size), *([plan.shape.width] if plan.chunk is not None else [])]
         return out[rows, : self.spec.vocab_size]
 
-    def warmup(self) -> float:
-        """Compile every step program the policy lists and run each once (no slot is in use, so
-        nothing is written); returns seconds.
+    def warmup(self, store: ProgramStore | None = None,
+               on_program: Callable[[int, int], None] | None = None) -> WarmUp:
+        """Make every step program the policy lists ready and run each once (no slot is in use, so
+        nothing is written): loaded from ``store`` where it holds one, else traced, compiled and kept
+        there. ``on_program(done, total)`` after each program is ready.
 
         Tracing holds the GIL, so programs are traced one after another here, while XLA compiles
         them in a thread pool as they come (it releases the GIL): on a 16-core H200 host the load
@@ -502,13 +551,30 @@ class Engine:
         rows, chunk = self._row_arrays(np.zeros(0, np.int64), None), {"chunk": self._empty_chunk()}
         for updates in (chunk, {**rows, **chunk}, rows):
             self._io = self._write_io_fn(self._io, updates)
-        programs = [self._program("step", shape) for shape in self.policy.shapes()]
+        shapes = self.policy.shapes()
+        report = on_program or (lambda done, total: None)
+        keys = self.program_keys() if store is not None else {}
+        devices = list(self.mesh.devices.flat)
+        ready, loaded = 0, 0
+        compiling = {}
         with ThreadPoolExecutor(compile_workers()) as pool:
-            compiling = [pool.submit(fn.lower(self.params, self._state, self._io).compile) for fn in programs]
-            for done in compiling:
-                done.result()
-        for fn in programs:
-            self._state, self._io = fn(self.params, self._state, self._io)
+            for shape in shapes:
+                program = store.load(keys[shape], devices) if store is not None else None
+                if program is not None:
+                    self._programs[("step", shape)] = program
+                    ready, loaded = ready + 1, loaded + 1
+                    report(ready, len(shapes))
+                    continue
+                lowered = self._program("step", shape).lower(self.params, self._state, self._io)
+                compiling[shape] = pool.submit(lowered.compile)
+            for shape, done in compiling.items():
+                self._programs[("step", shape)] = program = done.result()
+                if store is not None:
+                    store.save(keys[shape], program)
+                ready += 1
+                report(ready, len(shapes))
+        for shape in shapes:
+            self._state, self._io = self._programs[("step", shape)](self.params, self._state, self._io)
         self._read_out_fn(self._io)
         jax.block_until_ready((self._state, self._io))
-        return time.perf_counter() - t0
+        return WarmUp(time.perf_counter() - t0, len(shapes), loaded, None if store is None else store.folder)

@@ -15,8 +15,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+from switchyard.service.engine.compile_cache import WarmUp
 from switchyard.service.engine.engine import EngineConfig, PendingStep
 from switchyard.service.engine.kv_blocks import NULL_BLOCK
 from switchyard.service.engine.plan import StepPlan, StepTokens
@@ -66,8 +69,12 @@ class FakeEngine:
         self._ready_at: dict[int, float] = {}
 
     # ---- the contract ----------------------------------------------------------------------------
-    def warmup(self) -> float:
-        return 0.0
+    def warmup(self, store: Any = None, on_program: Callable[[int, int], None] | None = None) -> WarmUp:
+        shapes = len(self._shapes)
+        for done in range(1, shapes + 1):
+            if on_program is not None:
+                on_program(done, shapes)
+        return WarmUp(0.0, shapes)
 
     def compiled_count(self) -> int:
         return 0

@@ -20,10 +20,12 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import jax
 import numpy as np
+from switchyard.service.engine.compile_cache import ProgramStore, WarmUp
 from switchyard.service.engine.engine import Engine, PendingStep
 from switchyard.service.engine.plan import StepPlan, StepTokens, decode_plan, encode_plan
 from switchyard.service.errors import FatalEngineError, GroupFormationError
@@ -314,10 +316,13 @@ class LeaderEngine:
     def collect(self, pending: PendingStep) -> StepTokens:
         return self._run(self.engine.collect, pending)
 
-    def warmup(self) -> float:
-        """Compile every program the group will run, on every stage."""
+    def warmup(self, store: ProgramStore | None = None,
+               on_program: Callable[[int, int], None] | None = None) -> WarmUp:
+        """Compile every program the group will run, on every stage. Stages compile their own programs
+        (every stage runs each one; an executable loaded on one process alone would leave the others
+        tracing), so ``store`` is not used; XLA's layer of the compile cache serves every stage."""
         self._announce(WARMUP)
-        return self._run(self.engine.warmup)
+        return self._run(self.engine.warmup, None, on_program)
 
     def compiled_count(self) -> int:
         return self.engine.compiled_count()

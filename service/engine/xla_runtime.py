@@ -31,6 +31,13 @@ UPDATE_MODE_OPTION = "xla_gpu_command_buffer_update_mode"
 # when they move.
 STABLE_TEMP_UPDATE_MODE = "SKIP_TEMP"
 COMMAND_BUFFER_OPTION = "xla_gpu_enable_command_buffer"
+# XLA's rematerialization pass fits a program under a limit computed from its own guess of the usable
+# memory (80% of the GPU unless the allocator states a limit) less the program's parameters. A step's
+# parameters are the weights and the KV pool, which the engine sizes to fill what is free, so the limit
+# comes out at zero: the pass can recompute nothing that would help (a step's temporaries are small
+# beside the pool) and says so in one warning per program.
+DISABLED_PASSES_OPTION = "xla_disable_hlo_passes"
+NO_REMATERIALIZATION = "rematerialization"
 
 # A short chunk's step is bound by its launch: outside a command buffer each cuDNN call splits the
 # step's graph, and launching and updating the pieces keeps the GPU waiting (a lone 64-token chunk
@@ -71,11 +78,14 @@ def step_compiler_options(chunk_tokens: int, step_tokens: int, platform: str,
     """XLA options of a step program (``chunk_tokens`` 0: decode only), given the process's
     environment. On GPU: a short chunk's step runs as one command buffer, cuDNN included, unless the
     user's XLA_FLAGS choose the command buffers; under the virtual-memory allocator every step keeps
-    its temporary buffer at one address, unless XLA_FLAGS choose an update mode."""
+    its temporary buffer at one address, unless XLA_FLAGS choose an update mode; no step runs XLA's
+    rematerialization pass, unless XLA_FLAGS choose the disabled passes."""
     if platform != "gpu":
         return None
     xla_flags = environ.get("XLA_FLAGS", "")
     options = {}
+    if DISABLED_PASSES_OPTION not in xla_flags:
+        options[DISABLED_PASSES_OPTION] = NO_REMATERIALIZATION
     if 0 < chunk_tokens < step_tokens and COMMAND_BUFFER_OPTION not in xla_flags:
         options[COMMAND_BUFFER_OPTION] = SHORT_CHUNK_COMMAND_BUFFER
     if xla_allocator(environ) == VMM_ALLOCATOR and UPDATE_MODE_OPTION not in xla_flags:

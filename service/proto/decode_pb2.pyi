@@ -117,7 +117,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_seq_len", "batch_slots", "max_queue", "vocab_size", "eos_token_ids", "default_max_tokens", "tensor_parallel", "allreduce_strategy", "ready", "active_slots", "queue_depth", "kv_tokens", "kv_block_size", "step_tokens", "kv_blocks_held")
+    __slots__ = ("model_name", "max_seq_len", "batch_slots", "max_queue", "vocab_size", "eos_token_ids", "default_max_tokens", "tensor_parallel", "allreduce_strategy", "ready", "active_slots", "queue_depth", "kv_tokens", "kv_block_size", "step_tokens", "kv_blocks_held", "startup", "startup_done", "startup_total", "compile_cache")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,10 @@ class ModelInfoResponse(_message.Message):
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_DONE_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_CACHE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_seq_len: int
     batch_slots: int
@@ -150,7 +154,11 @@ class ModelInfoResponse(_message.Message):
     kv_block_size: int
     step_tokens: int
     kv_blocks_held: int
-    def __init__(self, model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., batch_slots: _Optional[int] = ..., max_queue: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_tokens: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., allreduce_strategy: _Optional[str] = ..., ready: _Optional[bool] = ..., active_slots: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., step_tokens: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ...) -> None: ...
+    startup: str
+    startup_done: int
+    startup_total: int
+    compile_cache: str
+    def __init__(self, model_name: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., batch_slots: _Optional[int] = ..., max_queue: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_tokens: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., allreduce_strategy: _Optional[str] = ..., ready: _Optional[bool] = ..., active_slots: _Optional[int] = ..., queue_depth: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., step_tokens: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., startup: _Optional[str] = ..., startup_done: _Optional[int] = ..., startup_total: _Optional[int] = ..., compile_cache: _Optional[str] = ...) -> None: ...
 
 class GetTracesRequest(_message.Message):
     __slots__ = ("request_id", "limit")

@@ -399,7 +399,8 @@ def format_report(traces: Sequence[RequestTrace], *, table_rows: int = 40, top: 
             )
     s = summarize(traces)
     out.append("")
-    out.append(f"{s.requests} request(s), {s.tokens} tokens")
+    out.append(f"{s.requests} request(s), {s.tokens} tokens; times in the engine, from each request's arrival "
+               f"in its queue (a client's TTFT adds tokenizing, gRPC and the network)")
     out.append(f"time to first token ms   {_fmt_pcts(s.ttft_ms)}")
     out.append(f"inter-token ms           {_fmt_pcts(s.inter_token_ms)}")
     out.append(f"queue ms                 {_fmt_pcts(s.queue_ms)}")

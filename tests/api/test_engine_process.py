@@ -18,7 +18,7 @@ from helpers import engine_builders
 from helpers.engine_fixtures import generate
 from helpers.serving_harness import MAX_SEQ_LEN, SLOTS, tiny_dir
 from switchyard.cli.serve import EngineOptions
-from switchyard.service.api.engine_process import EngineProcess, EngineProcessLost, EngineStartError
+from switchyard.service.api.engine_process import EngineProcess, EngineProcessLost, EngineStartError, StartupProgress
 from switchyard.service.api.wire import Unavailable
 from switchyard.service.engine.request import GenerationRequest
 from switchyard.service.engine.sampling import SamplingParams
@@ -157,6 +157,34 @@ def test_an_engine_that_cannot_start_says_why(builder, error, message):
         assert devices.count >= 1 and devices.platform == "cpu" and devices.label.startswith(f"{devices.count}x ")
         with pytest.raises(error, match=message):
             process.wait_ready(timeout=120)
+    finally:
+        process.close(timeout=10)
+
+
+def test_start_up_progress_reaches_the_server_while_the_engine_builds(tmp_path):
+    flag = tmp_path / "go"
+    process = EngineProcess(engine_builders.reports_progress, str(flag))
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            process.wait_ready(timeout=120)
+        except BaseException as err:
+            outcome.append(err)
+
+    try:
+        assert process.startup == StartupProgress("starting")
+        process.wait_devices(timeout=120)
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while process.startup.phase == "starting" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process.startup == StartupProgress("compiling step programs", 1, 3)
+        assert process.startup.describe() == "compiling step programs (1 of 3)"
+        flag.touch()
+        waiter.join(60)
+        assert len(outcome) == 1 and isinstance(outcome[0], ModelSpecError)
     finally:
         process.close(timeout=10)
 

@@ -57,7 +57,8 @@ def _busy_port() -> tuple[socket.socket, int]:
     (["serve", "--tiny", "--layout", "/no/such/layout.json"], ["layout file", "does not exist"]),
     (["serve", "--model-path", "/no/such/model"], ["model folder", "/no/such/model", "does not exist"]),
     (["serve", "--tiny", "--tp", "64"], ["--tp 64", "must divide"]),
-    (["serve", "--tiny", "--tp", "2"], ["--tp 2", "needs 2 devices", "sees 1"]),
+    (["serve", "--tiny", "--tp", "2"], ["--tp 2", "needs 2 devices", "sees 1",
+                                         "XLA_FLAGS=--xla_force_host_platform_device_count=2"]),
     (["serve", "--tiny", "--max-seq-len", "100000"], ["--max-seq-len 100000", "2048"]),
     (["serve", "--tiny", "--trace-file", "/no/such/folder/t.jsonl"], ["--trace-file", "does not exist"]),
     (["serve", "--tiny", "--port", "70000"], ["--port"]),
@@ -107,6 +108,27 @@ def test_model_folder_problems_are_found_before_the_port_opens(model_dir: Path, 
             done = switchyard("serve", "--model-path", str(broken), "--port", str(port), "--host", "127.0.0.1")
             assert_one_line(done, missing)
             assert time.monotonic() - started < 60  # no compile happened
+
+
+@pytest.mark.parametrize("host", [None, "127.0.0.1"])
+def test_a_port_in_use_is_one_line_before_anything_loads(host: str | None) -> None:
+    held, port = _busy_port()
+    with held:
+        started = time.monotonic()
+        done = switchyard("serve", "--tiny", "--port", str(port), *(["--host", host] if host else []),
+                          env={"JAX_PLATFORMS": "cpu"})
+        assert_one_line(done, "cannot listen", f":{port}", "in use")
+        assert time.monotonic() - started < 60
+
+
+def test_generate_against_no_server_is_one_line_and_no_output() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once the socket is closed
+    done = switchyard("generate", "--target", f"127.0.0.1:{port}", "hello")
+    assert done.returncode == 1 and done.stdout == "", (done.returncode, done.stdout)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "UNAVAILABLE" in lines[0] and "Traceback" not in done.stderr, done.stderr
 
 
 def test_a_layout_file_with_a_bad_value_names_it(tmp_path: Path) -> None:
@@ -258,5 +280,6 @@ def test_a_sliding_window_shorter_than_the_context_is_refused_in_one_line(tmp_pa
                               progress=False)
     assert_one_line(switchyard("serve", "--model-path", str(folder), "--max-seq-len", "2048"),
                     "--max-seq-len 2048", "sliding window of 1024 tokens", "at most 1024")
-    spec, _ = check_model(ServingLayout(max_seq_len=1024), str(folder), argparse.Namespace(trace_file=None))
+    args = argparse.Namespace(trace_file=None, compile_cache=None)
+    spec, _ = check_model(ServingLayout(max_seq_len=1024), str(folder), args)
     assert (spec.model_type, spec.sliding_window) == ("mistral", 1024)

@@ -11,4 +11,6 @@ def test_demo_serves_generates_and_traces(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "time to first token" in out and "inter-token ms" in out
     assert "output 12 tokens" in out and f"timeline: {png}" in out
+    # Two TTFTs, each saying where it was measured.
+    assert "as this client saw it" in out and "times in the engine" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -3,8 +3,8 @@
 CHECKS says. A README command that no row of CHECKS matches fails the first test, so a new command
 cannot go unchecked.
 
-What the README leaves to the reader (their model folder, their nodes file, the address of their
-server, a request id) is swapped for a test value only where a command is run."""
+What the README leaves to the reader (their model folder, the address of their server, a request id)
+is swapped for a test value only where a command is run."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -119,7 +121,6 @@ def parsed_cli(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     checks the subcommand makes before its slow part pass."""
     from switchyard.cli import serve as serve_cli
     from switchyard.cli.main import build_parser
-    from switchyard.service.modelspec import preset_name
 
     monkeypatch.chdir(tmp_path)
     for writer in earlier_in_block(command, ECHO):
@@ -132,18 +133,77 @@ def parsed_cli(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         args = build_parser().parse_args(command.argv[1:])  # reads SWITCHYARD_* defaults now
     except SystemExit as err:
         pytest.fail(f"`{command.text}` does not parse (exit {err.code})")
-    if args.command == "serve":
-        layout = serve_cli.resolve_layout(args)
-        if "SWITCHYARD_PIPELINE_STAGE" in command.env:
-            assert layout.pp > 1 and layout.pipeline_stage == int(command.env["SWITCHYARD_PIPELINE_STAGE"])
-            assert layout.coordinator, "a pipeline layout needs its coordinator"
-    elif args.command == "make-checkpoint":
-        assert preset_name(args.preset) is not None, args.preset
-    else:
-        raise AssertionError(f"no parse check for `switchyard {args.command}`")
+    assert args.command == "serve", f"no parse check for `switchyard {args.command}`"
+    layout = serve_cli.resolve_layout(args)
+    if "SWITCHYARD_PIPELINE_STAGE" in command.env:
+        assert layout.pp > 1 and layout.pipeline_stage == int(command.env["SWITCHYARD_PIPELINE_STAGE"])
+        assert layout.coordinator, "a pipeline layout needs its coordinator"
 
 
 ECHO = r"echo .+ > \S+"
+
+
+def command_environment(command: Command) -> dict[str, str]:
+    """This machine's environment as a reader's shell has it (no test settings of JAX or ours), with the
+    command's own NAME=value words."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SWITCHYARD_") and k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return {**env, "PYTHONSAFEPATH": "1", **command.env}
+
+
+def switchyard_process(argv: list[str], command: Command, **kwargs: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "switchyard.cli.main", *argv], text=True,
+                            env=command_environment(command), **kwargs)
+
+
+def checkpoint_size_first(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run as written into a scratch folder (the reader's /models) and stopped at its first line, which
+    says how many bytes it is about to write and where, before any weight file exists."""
+    from switchyard.service.modelspec import preset
+    from switchyard.service.progress import format_bytes
+
+    argv = command.argv[1:]
+    out = tmp_path / Path(argv[argv.index("--out") + 1]).name
+    argv[argv.index("--out") + 1] = str(out)
+    proc = switchyard_process(argv, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = proc.stdout.readline()
+        weights = list(out.glob("*.safetensors"))
+    finally:
+        proc.kill()
+        error = proc.communicate(timeout=60)[1]
+    size = format_bytes(preset(argv[argv.index("--preset") + 1]).param_bytes)
+    if not first:  # a disk too small for it: refused in one line, with the same figures
+        assert proc.returncode == 2 and size in error and "free" in error, error[-3000:]
+        return
+    assert first.startswith("writing ") and size in first and str(out) in first, first
+    assert not weights, weights
+
+
+def serve_until_listening(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run as written in the reader's environment, on free ports (the README's are 8001 and 8000): it gets past
+    its start-up checks (the devices it asks for included) to listening, then Ctrl-C stops it. Its log
+    up to then holds no warning and none of JAX's notices that a TPU is missing."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    proc = switchyard_process([*command.argv[1:], "--host", "127.0.0.1", "--port", str(ports[0]),
+                               "--http-port", str(ports[1])], command, stderr=subprocess.PIPE)
+    log = []
+    try:
+        for line in proc.stderr:
+            log.append(line)
+            if "listening on" in line:
+                break
+        started = "".join(log)
+        proc.send_signal(signal.SIGINT)
+        log.append(proc.communicate(timeout=120)[1])
+    finally:
+        proc.kill()
+    assert proc.returncode in (0, 130) and "listening on" in started, "".join(log)[-3000:]
+    assert " WARNING " not in started and "Unable to initialize backend" not in started, started[-3000:]
 
 
 def run_shell(command: Command, tmp_path: Path) -> None:
@@ -290,13 +350,19 @@ def rendered_objects(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def switchyard_plan(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run, on the example nodes of the README's `kubectl get` (its nodes.yaml is the reader's)."""
+    """Run as written, from the repository's top folder (a reader's checkout): the inventory it names is
+    shipped, and each of its Nodes is a valid Kubernetes Node."""
+    import kubernetes_validate
     from switchyard.cli.main import main
 
-    argv = [str(EXAMPLE_NODES) if w == "nodes.yaml" else w for w in command.argv[1:]]
+    monkeypatch.chdir(ROOT)
+    nodes = repo_path(command.argv[command.argv.index("--nodes") + 1], "--nodes file")
+    for doc in yaml_docs(nodes):
+        for node in doc["items"]:
+            kubernetes_validate.validate(node, K8S_VERSION, strict=True)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(argv) == 0
+        assert main(command.argv[1:]) == 0
     out = out.getvalue()
     assert "Planned" in out and "TP" in out, out
 
@@ -308,7 +374,9 @@ SERVED = "run against a served tiny model (one server for all)"
 CHECKS: list[tuple[str, str, Callable[..., None] | None]] = [
     (r"make (demo|test)", "make -n; its switchyard commands parsed", make_dry_run),
     (r"python -m switchyard\.kernels\.build", "needs nvcc: the module's parser (--help)", module_help),
-    (r"switchyard (make-checkpoint|serve) .+", "GPU/size/ports: parsed, start-up checks run", parsed_cli),
+    (r"switchyard make-checkpoint .+", "run, stopped after it says the size and where", checkpoint_size_first),
+    (r"switchyard serve --tiny .+", "run on a free port until it listens, then Ctrl-C", serve_until_listening),
+    (r"switchyard serve (?!--tiny).+", "GPU/size/ports: parsed, start-up checks run", parsed_cli),
     (r"switchyard (generate|trace)( .+)?", SERVED, None),
     (r"grpcurl .+", SERVED, None),
     (ECHO, "run in a scratch folder; the layout it writes is valid", written_layout),
@@ -318,7 +386,7 @@ CHECKS: list[tuple[str, str, Callable[..., None] | None]] = [
     (r"kubectl apply -f \S+", "each object validated against its schema", kubectl_apply),
     (r"kubectl (-n \S+ )?(rollout status|get|describe|delete|port-forward) .+",
      "needs a cluster: the names it uses exist", kubectl_names),
-    (r"switchyard plan .+", "run on the example nodes", switchyard_plan),
+    (r"switchyard plan .+", "run as written, on the shipped example nodes", switchyard_plan),
 ]
 
 
@@ -409,7 +477,7 @@ def test_readme_client_commands_run_against_a_served_model(tmp_path: Path, monke
     commands = [c for c in COMMANDS if row(c)[1] == SERVED]
     programs = {" ".join(c.argv[:2]) for c in commands}
     assert {"switchyard generate", "switchyard trace"} <= programs, programs
-    monkeypatch.chdir(tmp_path)  # `switchyard trace` writes its default PNG into the working folder
+    monkeypatch.chdir(tmp_path)  # where a stray file would land
     trace_file = tmp_path / "traces.jsonl"
     telemetry = Telemetry.from_env(str(trace_file))
     request_ids: list[str] = []
@@ -434,5 +502,7 @@ def test_readme_client_commands_run_against_a_served_model(tmp_path: Path, monke
                 assert request_ids[-1] in out, out[-2000:]
                 if "--png" in argv:
                     assert Path(argv[argv.index("--png") + 1]).stat().st_size > 0
+                else:  # nothing written that was not asked for
+                    assert not list(tmp_path.glob("*.png")), list(tmp_path.glob("*.png"))
     if telemetry is not None:
         telemetry.shutdown()

@@ -1,7 +1,8 @@
 """The Dockerfiles, checked without a container engine: their entry points are commands the real CLI
 parser accepts and that the chart and the renderer run; users match the pods' securityContext; base
 images and Python packages are pinned (hash-locked, from pyproject.toml); and the operator image's
-packages are enough to run the operator and plan, with no JAX."""
+packages are enough to run the operator and plan, with no JAX. test_image_install.py builds each
+image's Python layer as its Dockerfile does."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from helpers import HELPERS
 from helpers.chart_helpers import ROOT, one, template
+from helpers.dockerfile import IMAGES, final_stage, instructions
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -24,36 +25,7 @@ from switchyard.cli import serve as serve_cli
 from switchyard.cli.main import build_parser
 from switchyard.operator import render
 
-IMAGES = ROOT / "images"
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-
-
-def instructions(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for line in path.read_text().splitlines():
-        if line.lstrip().startswith("#") or not line.strip():
-            continue
-        pending += line.rstrip()
-        if pending.endswith("\\"):
-            pending = pending[:-1] + " "
-            continue
-        word, _, rest = pending.strip().partition(" ")
-        out.append((word.upper(), rest.strip()))
-        pending = ""
-    return out
-
-
-def final_stage(path: Path) -> dict[str, str]:
-    """ENTRYPOINT, CMD, USER, EXPOSE of the last stage (what the image runs)."""
-    found: dict[str, str] = {}
-    for word, rest in instructions(path):
-        if word == "FROM":
-            found = {}
-        elif word in ("ENTRYPOINT", "CMD", "USER", "EXPOSE"):
-            found[word] = rest
-    return found
 
 
 def argv_of(path: Path) -> list[str]:
@@ -160,17 +132,41 @@ def requirement_met(req: str, pins: dict[str, str]) -> None:
                 assert canonicalize_name(sub_req.name) in pins, f"{sub_req.name} (from {req}) is not in the lock"
 
 
-def test_operator_lock_is_the_operator_extra_and_has_no_jax():
+def own_extras(req: str) -> list[str]:
+    """The extras a requirement on switchyard itself names (``switchyard[serve]``), else []."""
+    r = Requirement(req)
+    return sorted(r.extras) if canonicalize_name(r.name) == canonicalize_name(PROJECT["name"]) else []
+
+
+def extra_requirements(name: str) -> list[str]:
+    """An extra's requirements, with those of the extras of ours it names."""
+    out: list[str] = []
+    for req in PROJECT["optional-dependencies"][name]:
+        out += [r for sub in own_extras(req) for r in extra_requirements(sub)] if own_extras(req) else [req]
+    return out
+
+
+def test_operator_lock_is_the_base_and_operator_extra_and_has_no_jax():
     pins = lock("operator")
-    for req in PROJECT["optional-dependencies"]["operator"]:
+    for req in [*PROJECT["dependencies"], *extra_requirements("operator")]:
         requirement_met(req, pins)
     heavy = {"jax", "jaxlib", "numpy", "grpcio", "torch", "safetensors", "matplotlib", "opentelemetry-sdk"}
     assert not heavy & set(pins), heavy & set(pins)
 
 
+def test_the_base_needs_no_serving_package():
+    """What the operator image holds beside its extra is the base: none of the serving stack may be
+    there, or the image's `pip check` fails (its lock has the operator extra and the base only)."""
+    base = {canonicalize_name(Requirement(r).name) for r in PROJECT["dependencies"]}
+    serving = {canonicalize_name(Requirement(r).name) for r in extra_requirements("serve")}
+    assert not base & serving, base & serving
+    assert "jax" in serving and "grpcio" in serving
+
+
 def test_service_lock_covers_the_base_and_gpu_dependencies():
     pins = lock("service")
-    for req in [*PROJECT["dependencies"], *PROJECT["optional-dependencies"]["gpu"]]:
+    assert own_extras(PROJECT["optional-dependencies"]["gpu"][0]) == ["serve"]
+    for req in [*PROJECT["dependencies"], *extra_requirements("gpu")]:
         requirement_met(req, pins)
     # JAX, its compiler and its CUDA plugin move together.
     assert pins["jax"] == pins["jaxlib"] == pins["jax-cuda13-plugin"] == pins["jax-cuda13-pjrt"]
@@ -247,7 +243,7 @@ def test_operator_runs_with_only_the_operator_images_packages():
     proc = run_as_in_operator_image("operator", "--help")
     assert proc.returncode == 0 and "--peering" in proc.stdout, proc.stderr
     proc = run_as_in_operator_image("plan", "--model", "llama3-8b", "--nodes",
-                                    str(HELPERS / "kube" / "nodes-hgx.yaml"), "--objective", "latency")
+                                    str(ROOT / "manifests" / "nodes" / "hgx-h100.yaml"), "--objective", "latency")
     assert proc.returncode == 0 and "Planned: TP" in proc.stdout, proc.stderr
     # Everything `switchyard operator` imports before it connects: handlers, planner, renderer, kopf.
     code = "import switchyard.operator.handlers, switchyard.operator.runner, kopf, kubernetes"
@@ -258,9 +254,11 @@ def test_operator_runs_with_only_the_operator_images_packages():
 
 
 def test_the_blocker_blocks():
-    # The check above would pass vacuously if nothing were blocked: JAX must not import.
+    # The check above would pass vacuously if nothing were blocked: JAX must not import, and serving
+    # says in one line which extra it needs.
     proc = run_as_in_operator_image("serve", "--tiny", "--port", "1")
-    assert proc.returncode != 0 and "No module named 'jax'" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "module 'jax' is not installed" in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().count("\n") == 0 and "pip install 'switchyard[serve]'" in proc.stderr
 
 
 @pytest.mark.parametrize("image", ["operator", "service"])

@@ -45,11 +45,21 @@ def test_the_process_share_is_what_the_planner_plans_with():
 
 
 def test_only_short_chunk_steps_on_gpu_ask_for_cudnn_inside_command_buffers():
-    assert step_compiler_options(64, 256, "gpu", {}) == {"xla_gpu_enable_command_buffer": SHORT_CHUNK_COMMAND_BUFFER}
+    assert step_compiler_options(64, 256, "gpu", {}) == {"xla_gpu_enable_command_buffer": SHORT_CHUNK_COMMAND_BUFFER,
+                                                         **NO_REMAT}
     assert "CUDNN" in SHORT_CHUNK_COMMAND_BUFFER.split(",")
-    for chunk, platform in ((256, "gpu"), (2048, "gpu"), (0, "gpu"), (64, "cpu")):
-        assert step_compiler_options(chunk, 256, platform, {}) is None, (chunk, platform)
-    assert step_compiler_options(64, 256, "gpu", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"}) is None
+    for chunk in (256, 2048, 0):
+        assert step_compiler_options(chunk, 256, "gpu", {}) == NO_REMAT, chunk
+    assert step_compiler_options(64, 256, "cpu", {}) is None
+    assert step_compiler_options(64, 256, "gpu", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"}) == NO_REMAT
+
+
+def test_gpu_steps_skip_rematerialization_unless_xla_flags_choose_the_disabled_passes():
+    for chunk in (0, 64, 256):
+        assert step_compiler_options(chunk, 256, "gpu", {})["xla_disable_hlo_passes"] == "rematerialization"
+        assert step_compiler_options(chunk, 256, "gpu", VMM)["xla_disable_hlo_passes"] == "rematerialization"
+    flags = {"XLA_FLAGS": "--xla_disable_hlo_passes=fusion"}
+    assert "xla_disable_hlo_passes" not in (step_compiler_options(64, 256, "gpu", flags) or {})
 
 
 def test_every_gpu_step_keeps_its_temporary_buffer_in_place_under_the_virtual_memory_allocator():
@@ -57,13 +67,16 @@ def test_every_gpu_step_keeps_its_temporary_buffer_in_place_under_the_virtual_me
         options = step_compiler_options(chunk, 256, "gpu", VMM)
         assert options is not None and options[UPDATE_MODE] == "SKIP_TEMP", chunk
     assert step_compiler_options(64, 256, "gpu", {ALLOCATOR_ENV: "VMM"}) == {
-        "xla_gpu_enable_command_buffer": SHORT_CHUNK_COMMAND_BUFFER, UPDATE_MODE: "SKIP_TEMP"}
+        "xla_gpu_enable_command_buffer": SHORT_CHUNK_COMMAND_BUFFER, UPDATE_MODE: "SKIP_TEMP", **NO_REMAT}
     # Not without that allocator (the mode needs it), never off GPU, and not where XLA_FLAGS choose a mode.
-    assert step_compiler_options(0, 256, "gpu", {ALLOCATOR_ENV: "bfc"}) is None
+    assert step_compiler_options(0, 256, "gpu", {ALLOCATOR_ENV: "bfc"}) == NO_REMAT
     assert step_compiler_options(0, 256, "cpu", VMM) is None
     flags = {**VMM, "XLA_FLAGS": f"--{UPDATE_MODE}=ALWAYS_UPDATE"}
-    assert step_compiler_options(0, 256, "gpu", flags) is None
+    assert step_compiler_options(0, 256, "gpu", flags) == NO_REMAT
     assert UPDATE_MODE not in step_compiler_options(64, 256, "gpu", flags)
+
+
+NO_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 class _Device:
