@@ -233,9 +233,9 @@ def _in_flag_words(message: str) -> str:
     return message
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str = "") -> None:
     """UsageError unless ``host:port`` can be listened on now (a moment later someone else may take
-    it; the server still reports that as it always has)."""
+    it; the server still reports that as it always has). ``flag`` names the option that chose it."""
     import socket
 
     bind_host = host.strip("[]")
@@ -246,7 +246,8 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((bind_host, port))
         except OSError as err:
-            raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+            where = f"{host}:{port}" + (f" ({flag})" if flag else "")
+            raise UsageError(f"cannot listen on {where}: {err.strerror}") from None
 
 
 def check_model(layout: Any, model_path: str, args: argparse.Namespace, model_name: str = "") -> tuple[Any, Any]:
@@ -466,6 +467,8 @@ def run(args: argparse.Namespace) -> int:
     # then failed would hold the others in the distributed runtime until its timeouts ran out), and in
     # one line: the gRPC server failing to bind a taken port adds its core's own error to ours.
     check_port_free(args.host, args.port)
+    if args.http_port:
+        check_port_free(args.host, args.http_port, "--http-port")
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
     # The engine and its scheduler in a process of their own, so that the server's work never holds
