@@ -31,3 +31,11 @@ def test_health_and_metrics_follow_the_stage() -> None:
         assert status == 404 and json.loads(body)["error"]["message"]
     finally:
         endpoint.close()
+
+
+def test_the_any_address_is_reached_over_ipv4() -> None:
+    endpoint = HealthEndpoint("[::]", 0, stage=1)
+    try:
+        assert call(f"http://127.0.0.1:{endpoint.port}/health")[0] == 503
+    finally:
+        endpoint.close()

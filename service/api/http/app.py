@@ -35,6 +35,7 @@ from switchyard.service.telemetry import tracing
 
 from . import openai_api, sse
 from .errors import HttpError, ModelNotFound, http_error, too_large
+from .listen import any_address_socket, is_any_address
 from .metrics import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,11 @@ class HttpFrontEnd:
         self._runner = web.AppRunner(self.web_app(), handle_signals=False, access_log=None,
                                      handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host.strip("[]") or None, port, reuse_port=False)
         try:
+            if is_any_address(host):
+                site: web.BaseSite = web.SockSite(self._runner, any_address_socket(port))
+            else:
+                site = web.TCPSite(self._runner, host.strip("[]"), port, reuse_port=False)
             await site.start()
         except OSError:
             await self._runner.cleanup()

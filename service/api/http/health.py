@@ -5,6 +5,7 @@ target). A thread of the standard library's HTTP server: the stage's process has
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import threading
 from typing import Any
@@ -56,7 +57,16 @@ class HealthEndpoint:
         if ":" in family_host:
             import socket
 
-            server_class = type("IPv6Server", (http.server.ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+            class IPv6Server(http.server.ThreadingHTTPServer):
+                address_family = socket.AF_INET6
+
+                def server_bind(self) -> None:
+                    # "::" is every address, IPv4 too (the kubelet probes the pod's IPv4 address).
+                    with contextlib.suppress(OSError, AttributeError):
+                        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                    super().server_bind()
+
+            server_class = IPv6Server
         self._server = server_class((family_host, port), Handler)  # OSError when it cannot listen
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="switchyard-health", daemon=True)
