@@ -12,11 +12,10 @@ and counted as ``unfinished``, requests refused or ended by an error as ``failed
   times (``TokenEvent.time``).
 - ``grpc``: as ``switchyard serve`` runs them, the server in this process and the engine with its
   scheduler in a process of its own (``service/api/engine_process.py``); the client (grpc.aio, one stream
-  per request, prompts as token ids) in a third process that sends each request at its arrival time;
-  arrival and token times are the client's. Its rates run before the in-process ones, since its engine
-  must have the devices to itself until it ends. The wire has no ignore-EOS, so a request asks for
-  ``max_tokens`` = its output length and may stop early at an end-of-sequence token (with random weights);
-  only generated tokens are counted (``stopped_early`` says how many requests did).
+  per request, prompts as token ids, ``ignore_eos`` and ``max_tokens`` = the output length, so every
+  request generates exactly its output length here too) in a third process that sends each request at
+  its arrival time; arrival and token times are the client's. Its rates run before the in-process ones,
+  since its engine must have the devices to itself until it ends.
 
 Prompts are random token ids (never BOS or EOS) of the drawn length; with ``--shared-prefix N`` every
 prompt's first N tokens are the same. Length mixes: a list of lengths drawn from uniformly, ``uniform:LO:HI``
@@ -100,8 +99,6 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("in-process", "grpc")
 FINISHED, FAILED, UNFINISHED = "finished", "failed", "unfinished"
-GRPC_EOS_NOTE = ("gRPC requests set max_tokens to the output length; the wire has no ignore-EOS, so with random "
-                 "weights a request may stop early at an end-of-sequence token; only generated tokens are counted")
 
 # ---- length mixes --------------------------------------------------------------------------------
 
@@ -341,11 +338,12 @@ def highest_rate_holding(rows: Sequence[dict[str, Any]], path: str) -> float | N
 # ---- the client process (imports only gRPC and the generated code) ------------------------------
 
 
-def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: float) -> list[dict[str, Any]]:
-    """Send each ``(offset, prompt ids, max_tokens)`` at its offset, one stream each; per request its
-    arrival and token times (``time.monotonic``: the machine's clock, the server's too), status and
-    finish reason. Streams still open ``timeout`` seconds after the last arrival are cancelled and
-    reported unfinished."""
+def grpc_load(target: str, plan: list[tuple[float, list[int] | str, int]], timeout: float) -> list[dict[str, Any]]:
+    """Send each ``(offset, prompt ids or text, max_tokens)`` at its offset, one stream each, ignoring
+    end-of-sequence tokens (every request generates exactly ``max_tokens``); per request its arrival and
+    token times (``time.monotonic``: the machine's clock, the server's too; a time per message, which may
+    carry several tokens), its token count, status and finish reason.
+    Streams still open ``timeout`` seconds after the last arrival are cancelled and reported unfinished."""
     import asyncio
 
     import grpc
@@ -353,15 +351,20 @@ def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: fl
 
     reasons = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}
 
-    async def one(stub: Any, start: float, offset: float, ids: list[int], max_tokens: int, out: dict) -> None:
+    async def one(stub: Any, start: float, offset: float, prompt: list[int] | str, max_tokens: int,
+                  out: dict) -> None:
         await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
-        request = decode_pb2.GenerateRequest(max_tokens=max_tokens)
-        request.token_ids.ids.extend(ids)
+        request = decode_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True)
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
         out["arrival"] = time.monotonic()
         try:
             async for message in stub.Generate(request):
                 if message.token_ids:
                     out["token_times"].append(time.monotonic())
+                    out["tokens"] += len(message.token_ids)
                 if message.finish_reason:
                     out["status"], out["finish_reason"] = FINISHED, reasons.get(message.finish_reason, "other")
             if out["status"] != FINISHED:
@@ -376,7 +379,8 @@ def grpc_load(target: str, plan: list[tuple[float, list[int], int]], timeout: fl
             # The client's own full collections would read as gaps between tokens.
             gc.collect()
             gc.freeze()
-            results = [{"arrival": None, "token_times": [], "status": UNFINISHED, "finish_reason": ""} for _ in plan]
+            results = [{"arrival": None, "token_times": [], "tokens": 0, "status": UNFINISHED, "finish_reason": ""}
+                       for _ in plan]
             start = time.monotonic()
             tasks = [asyncio.create_task(one(stub, start, offset, ids, n, out))
                      for (offset, ids, n), out in zip(plan, results, strict=True)]
@@ -657,7 +661,7 @@ def grpc_rows(args: argparse.Namespace, plans: list[list[PlannedRequest]], token
     from switchyard.service.api.engine_process import EngineProcess
     from switchyard.service.engine.heap import freeze_warm_heap
 
-    # The model's end-of-sequence ids stop a request that does not ignore them (the wire cannot ask to).
+    # The model's end-of-sequence ids, as serve gives them (the benchmark's requests ignore them).
     process = EngineProcess(build_engine, args, scheduler_options={
         "max_queue": max(len(plan) for plan in plans) + 8, "model_name": "load",
         "eos_token_ids": tuple(tokenizer.eos_token_ids)})
@@ -820,7 +824,6 @@ def main(argv: list[str] | None = None) -> int:
             "percentiles": "linear interpolation between the nearest ranks (numpy's default)",
         },
         "highest_rate_slo_p99s_hold": {path: highest_rate_holding(rows, path) for path in args.path},
-        "notes": [GRPC_EOS_NOTE] if "grpc" in args.path else [],
         "rows": rows,
     }
     out = Path(args.out) if args.out else None

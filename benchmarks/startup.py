@@ -88,6 +88,7 @@ def start(label: str, model: Path, cache: Path, args: argparse.Namespace, work: 
     port = free_port()
     log_path = work / f"serve-{label}.log"
     cmd = switchyard("serve", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
+                     "--http-port", str(free_port()),
                      "--tp", str(args.tp), "--batch-slots", str(args.batch_slots), "--max-seq-len",
                      str(args.max_seq_len), "--compile-cache", str(cache), "--grace-period", "5")
     target = f"127.0.0.1:{port}"

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         trace_file = Path(scratch) / "traces.jsonl"
         # -P: the working directory may be a checkout whose operator/ would shadow the standard library.
         command = [sys.executable, "-P", "-m", "switchyard.cli.main", "serve", "--tiny", "--host", "127.0.0.1",
-                   "--port", str(port), "--trace-file", str(trace_file)]
+                   "--port", str(port), "--http-port", str(_free_port()), "--trace-file", str(trace_file)]
         print("$ switchyard " + " ".join(command[4:]), flush=True)
         env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY=os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "100"))
         server = subprocess.Popen(command, env=env)

@@ -1,4 +1,5 @@
-"""``switchyard serve``: run the gRPC decode service for one model.
+"""``switchyard serve``: run the decode service for one model: gRPC (Decode, KServe v2) on ``--port``,
+the OpenAI-compatible HTTP API with ``/health`` and ``/metrics`` on ``--http-port``.
 
 Configuration comes from flags, each with an environment variable (``SWITCHYARD_<FLAG>``); a layout
 file (``--layout``, written by the operator) overrides the layout fields it sets.
@@ -66,7 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default=_env("HOST", "[::]"), help="listen address [SWITCHYARD_HOST]")
     parser.add_argument(
-        "--port", type=int, default=_env("PORT", 8001, int), help="gRPC port [SWITCHYARD_PORT]"
+        "--port", type=int, default=_env("PORT", 8001, int), help="gRPC port (Decode, KServe v2) [SWITCHYARD_PORT]"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=_env("HTTP_PORT", 8000, int),
+        help="HTTP port: the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models), "
+        "/health and Prometheus /metrics (default 8000) [SWITCHYARD_HTTP_PORT]",
     )
     parser.add_argument(
         "--tp", type=int, default=_env("TP", 1, int), help="tensor-parallel size [SWITCHYARD_TP]"
@@ -188,6 +196,10 @@ def resolve_layout(args: argparse.Namespace) -> Any:
         positive(getattr(args, flag), "--" + flag.replace("_", "-"))
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 <= args.http_port <= 65535:
+        raise UsageError(f"--http-port must be in [0, 65535], got {args.http_port}")
+    if args.http_port == args.port and args.port != 0:
+        raise UsageError(f"--http-port and --port must differ, both are {args.port}")
     if args.grace_period < 0:
         raise UsageError(f"--grace-period must be zero or more seconds, got {args.grace_period}")
     if args.strategy not in STRATEGIES:
@@ -237,9 +249,9 @@ def _in_flag_words(message: str) -> str:
     return message
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str = "") -> None:
     """UsageError unless ``host:port`` can be listened on now (a moment later someone else may take
-    it; the server still reports that as it always has)."""
+    it; the server still reports that as it always has). ``flag`` names the option that chose it."""
     import socket
 
     bind_host = host.strip("[]")
@@ -250,7 +262,8 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((bind_host, port))
         except OSError as err:
-            raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+            where = f"{host}:{port}" + (f" ({flag})" if flag else "")
+            raise UsageError(f"cannot listen on {where}: {err.strerror}") from None
 
 
 def check_model(layout: Any, model_path: str, args: argparse.Namespace, model_name: str = "") -> tuple[Any, Any]:
@@ -476,6 +489,8 @@ def run(args: argparse.Namespace) -> int:
     # then failed would hold the others in the distributed runtime until its timeouts ran out), and in
     # one line: the gRPC server failing to bind a taken port adds its core's own error to ours.
     check_port_free(args.host, args.port)
+    if args.http_port:
+        check_port_free(args.host, args.http_port, "--http-port")
     if layout.pp > 1 and layout.pipeline_stage > 0:
         return run_pipeline_follower(layout, model_path, args, log)
     # The engine and its scheduler in a process of their own, so that the server's work never holds
@@ -490,11 +505,15 @@ def run(args: argparse.Namespace) -> int:
             scratch.cleanup()
         return 1
 
+    from switchyard.service.api.http.chat_template import ChatTemplate
     from switchyard.service.api.server import STOPPED_WHILE_LOADING, DecodeApp, ServeOptions, serve, tune_interpreter
     from switchyard.service.api.wire import Limits
     from switchyard.service.telemetry.traces import KV_CACHE, WEIGHTS
     from switchyard.service.telemetry.tracing import RequestRecorder, Telemetry
 
+    chat_template = ChatTemplate.from_dir(model_path)
+    if not chat_template.available:
+        log.warning("no chat on /v1/chat/completions: %s", chat_template.problem)
     recorder = RequestRecorder(Telemetry.from_env(args.trace_file), keep=args.keep_traces)
     app = DecodeApp(
         model_name=model_name,
@@ -505,6 +524,7 @@ def run(args: argparse.Namespace) -> int:
             "allreduce_strategy": layout.strategy,
             "max_queue": args.max_queue,
         },
+        chat_template=chat_template,
     )
 
     app.startup = lambda: engine_process.startup
@@ -534,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
 
     tune_interpreter(args.switch_interval)
     try:
-        code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period)))
+        code = asyncio.run(serve(app, load, ServeOptions(args.host, args.port, args.grace_period, args.http_port)))
         if code == STOPPED_WHILE_LOADING:
             # The loading thread may be deep in a compile: end now instead of waiting for it.
             if scratch is not None:
@@ -549,11 +569,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace, log: logging.Logger) -> int:
-    """A later pipeline stage: no Decode API, only gRPC health (SERVING while it follows stage 0)."""
+    """A later pipeline stage: no Decode API, only gRPC health and HTTP /health (serving while it
+    follows stage 0) and /metrics (that one gauge)."""
     from concurrent import futures
 
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from switchyard.service.api.http.health import HealthEndpoint
     from switchyard.service.engine.pipeline_group import CommandChannel, GroupFormationError, exit_now, follow, join
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -561,6 +583,11 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     if server.add_insecure_port(f"{args.host}:{args.port}") == 0:
         log.error("could not listen on %s:%s", args.host, args.port)
+        return 1
+    try:  # the pod's probes ask /health of every stage
+        http_health = HealthEndpoint(args.host, args.http_port, layout.pipeline_stage)
+    except OSError as err:
+        log.error("could not listen for HTTP on %s:%s: %s", args.host, args.http_port, err.strerror or err)
         return 1
     server.start()
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -573,6 +600,7 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         engine = load_engine(options)
         channel = CommandChannel.open(layout)
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        http_health.serving = True
         log.info("stage %d ready: following stage 0", layout.pipeline_stage)
         follow(engine, channel)
         log.info("stage 0 released the group")
@@ -585,4 +613,6 @@ def run_pipeline_follower(layout: Any, model_path: str, args: argparse.Namespace
         exit_now(1)
     finally:
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        http_health.serving = False
+        http_health.close()
         server.stop(0)

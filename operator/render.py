@@ -7,7 +7,8 @@ Per DecodeService ``NAME``:
 * ``pp > 1``: one StatefulSet ``NAME-gI`` per pipeline group with ``pp`` pods (stage = pod ordinal,
   coordinator = pod 0) and a ConfigMap ``NAME-gI-layout`` each, so a group starts and stops as a unit;
 * a headless Service ``NAME-headless`` (stable pod DNS for the pipeline coordinator), a ClusterIP
-  Service ``NAME`` for gRPC (stage-0 pods only), and a PodDisruptionBudget ``NAME``.
+  Service ``NAME`` for gRPC and HTTP (the OpenAI-compatible API, ``/metrics``; stage-0 pods only),
+  and a PodDisruptionBudget ``NAME``.
 
 Everything carries an owner reference to the DecodeService (deletion cascades through the garbage
 collector) and the label ``switchyard.dev/service=NAME``.
@@ -33,6 +34,11 @@ from .spec import ModelSource
 SERVICE_LABEL = "switchyard.dev/service"
 GROUP_LABEL = "switchyard.dev/group"
 MANAGED_BY = "switchyard-operator"
+# On switchyard-engine pods and their clients' Service (not the headless one: a second target per
+# pod), which serve Prometheus text on /metrics of their "http" port: what the chart's PodMonitor and
+# ServiceMonitor select. TensorRT-LLM pods go without: trtllm-serve's /metrics is JSON.
+METRICS_LABEL = "switchyard.dev/metrics"
+METRICS_FORMAT = "prometheus"
 HASH_ANNOTATION = "switchyard.dev/config-hash"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set on StatefulSet pods since Kubernetes 1.28
 LAYOUT_DIR = "/etc/switchyard"
@@ -52,6 +58,8 @@ class RenderConfig:
     switchyard_image: str = "ghcr.io/switchyard/switchyard-service:0.1.0"
     trtllm_image: str = "nvcr.io/nvidia/tensorrt-llm/release:1.0.0"
     port: int = 8001
+    # switchyard serve's HTTP port: the OpenAI-compatible API, /health (the probes) and /metrics
+    http_port: int = 8000
     coordinator_port: int = 8476
     run_as_user: int = 1000
     shm_size: str = "16Gi"
@@ -186,8 +194,9 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
         image = spec.get("image") or config.trtllm_image
     else:
         command = ["switchyard", "serve", "--layout", LAYOUT_FILE, "--model-path", source.path,
-                   "--port", str(config.port)]
-        probe = {"grpc": {"port": config.port}}  # grpc.health.v1, overall server health
+                   "--port", str(config.port), "--http-port", str(config.http_port)]
+        # 200 while serving; 503 while loading, draining or failed (every pipeline stage answers it)
+        probe = {"httpGet": {"path": "/health", "port": config.http_port}}
         image = spec.get("image") or config.switchyard_image
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -212,7 +221,9 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     user = spec.get("resources", {})
     requests = {**user.get("requests", {}), GPU_RESOURCE: str(lay.tp)}
     limits = {**user.get("limits", {}), GPU_RESOURCE: str(lay.tp)}
-    ports = [{"name": "grpc" if not trt else "http", "containerPort": config.port, "protocol": "TCP"}]
+    ports = ([{"name": "http", "containerPort": config.port, "protocol": "TCP"}] if trt else
+             [{"name": "grpc", "containerPort": config.port, "protocol": "TCP"},
+              {"name": "http", "containerPort": config.http_port, "protocol": "TCP"}])
     if lay.pp > 1:
         ports.append({"name": "coordinator", "containerPort": config.coordinator_port, "protocol": "TCP"})
     mounts = [{"name": "layout", "mountPath": LAYOUT_DIR, "readOnly": True},
@@ -271,7 +282,7 @@ def _statefulset(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mode
     lay = plan.layout
     assert lay is not None
     group_labels = {GROUP_LABEL: str(index)} if lay.pp > 1 else {}
-    pod_labels = {**labels(owner), **group_labels}
+    pod_labels = {**labels(owner), **group_labels, **_metrics_labels(spec)}
     volumes: list[dict[str, Any]] = [
         {"name": "layout", "configMap": {"name": cm["metadata"]["name"]}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
@@ -334,6 +345,7 @@ def _headless(owner: Owner, config: RenderConfig) -> dict[str, Any]:
             "publishNotReadyAddresses": True,
             "selector": selector(owner),
             "ports": [{"name": "grpc", "port": config.port, "targetPort": config.port, "protocol": "TCP"},
+                      {"name": "http", "port": config.http_port, "targetPort": config.http_port, "protocol": "TCP"},
                       {"name": "coordinator", "port": config.coordinator_port,
                        "targetPort": config.coordinator_port, "protocol": "TCP"}],
         },
@@ -345,15 +357,19 @@ def _service(owner: Owner, spec: Mapping[str, Any], plan: Plan, config: RenderCo
     if plan.layout is not None and plan.layout.pp > 1:
         sel = {**sel, POD_INDEX_LABEL: "0"}  # only the first stage serves clients
     trt = spec.get("engine") == "tensorrt-llm"
+    ports = [{"name": "http" if trt else "grpc", "port": config.port, "targetPort": config.port,
+              "protocol": "TCP", "appProtocol": "http" if trt else "grpc"}]
+    if not trt:  # the OpenAI-compatible API and /metrics beside gRPC
+        ports.append({"name": "http", "port": config.http_port, "targetPort": config.http_port, "protocol": "TCP",
+                      "appProtocol": "http"})
     return {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, owner.name),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": sel,
-            "ports": [{"name": "http" if trt else "grpc", "port": config.port, "targetPort": config.port,
-                       "protocol": "TCP", "appProtocol": "http" if trt else "grpc"}],
-        },
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, owner.name, _metrics_labels(spec)),
+        "spec": {"type": "ClusterIP", "selector": sel, "ports": ports},
     }
+
+
+def _metrics_labels(spec: Mapping[str, Any]) -> dict[str, str]:
+    return {} if spec.get("engine") == "tensorrt-llm" else {METRICS_LABEL: METRICS_FORMAT}
 
 
 def _pdb(owner: Owner) -> dict[str, Any]:

@@ -163,7 +163,7 @@ class EngineBridge:
         pump = self._pumps.get(loop) or self._pumps.setdefault(loop, _EventPump(loop))
         events: asyncio.Queue[Any] = asyncio.Queue()
         request_id = spec.request_id
-        text = TextStream(self.tokenizer, spec.stop_strings)
+        text = TextStream(self.tokenizer, spec.stop_strings, spec.min_tokens)
 
         def deliver(event: Any) -> None:  # the thread that reads the engine
             out = text.push(event)

@@ -30,14 +30,19 @@ def make_request(
     stop_token_ids: Sequence[int] = (),
     request_id: str = "",
     no_prefix_cache: bool = False,
+    ignore_eos: bool = False,
+    min_tokens: int = 0,
 ) -> Any:
-    """``no_prefix_cache``: compute the prompt's KV afresh, reusing no cached prompt prefix."""
+    """``no_prefix_cache``: compute the prompt's KV afresh, reusing no cached prompt prefix;
+    ``ignore_eos``, ``min_tokens``: a fixed-length output (benchmarks)."""
     request = decode_pb2.GenerateRequest(
         request_id=request_id,
         max_tokens=max_tokens,
         stop_strings=list(stop),
         stop_token_ids=list(stop_token_ids),
         no_prefix_cache=no_prefix_cache,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
     )
     if isinstance(prompt, str):
         request.text = prompt

@@ -1,15 +1,23 @@
 """KServe v2 / Triton ``inference.GRPCInferenceService`` over the same engine.
 
-Speaks the tensors of Triton's TensorRT-LLM ensemble: inputs ``text_input`` (BYTES), ``max_tokens``
-(INT32) and optionally ``temperature``, ``top_k``, ``top_p``, ``random_seed``, ``stop_words``,
-``end_id``, ``pad_id`` (accepted, unused: no padding here), ``beam_width`` (1 only), ``stream``,
-``exclude_input_in_output``; output ``text_output`` (BYTES), the generated text, after the prompt
-only when ``exclude_input_in_output`` is false. ``ModelStreamInfer`` is decoupled: with ``stream`` true, one
-response per token carrying the text delta; otherwise one response with the whole text. Every
-streamed response carries the ``triton_final_response`` parameter as Triton's does, and a request
-with ``triton_enable_empty_final_response`` gets an empty final response. The request parameter
+Speaks the tensors of Triton's two LLM backends, as benchmark clients (genai-perf, perf_analyzer)
+send them. TensorRT-LLM's ensemble: ``text_input`` (BYTES) and optionally ``max_tokens`` (INT32; the
+server's default when absent), ``temperature``, ``top_k``, ``top_p``, ``random_seed``, ``stop_words``,
+``bad_words`` (empty only), ``min_length`` (no stop before that many tokens), ``end_id``, ``pad_id``
+(accepted, unused: no padding here), ``beam_width`` (1 only), ``stream``, ``exclude_input_in_output``,
+and our ``ignore_eos`` (BOOL). vLLM's backend: ``sampling_parameters``, one BYTES element of JSON
+(``max_tokens``, ``min_tokens``, ``ignore_eos``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+``stop``, ``stop_token_ids``; numbers and booleans as JSON values or as strings, as that backend's
+clients send them); a tensor given as well wins. Output ``text_output`` (BYTES), the generated text,
+after the prompt only when ``exclude_input_in_output`` is false. ``ModelStreamInfer`` is decoupled
+(``ModelConfig`` says so): with ``stream`` true, one response per token carrying the text delta;
+otherwise one response with the whole text. Every streamed response carries the
+``triton_final_response`` parameter as Triton's does, and a request with
+``triton_enable_empty_final_response`` gets an empty final response. The request parameter
 ``reuse_prefix`` (bool, default true) set false computes the whole prompt's KV afresh instead of
-reusing the cached KV of a shared prompt prefix.
+reusing the cached KV of a shared prompt prefix. ``ModelConfig`` lists every input (all but
+``text_input`` optional), ``ModelStatistics`` counts finished requests from the same records as the
+metrics, ``RepositoryIndex`` lists the one model.
 
 The messages come from a private descriptor pool (see ``proto/grpc_service.proto`` for why).
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import math
 import struct
 from collections.abc import AsyncIterator, Callable
@@ -61,22 +70,39 @@ ModelInferRequest = message("ModelInferRequest")
 ModelInferResponse = message("ModelInferResponse")
 ModelStreamInferResponse = message("ModelStreamInferResponse")
 
-# name -> (datatypes accepted, shape reported in metadata)
+_INTEGERS = ("INT32", "INT64", "UINT32", "UINT64")
+# name -> (datatypes accepted, shape reported in metadata); ModelConfig states each without its batch
+# dimension, every one but REQUIRED optional.
 INPUTS: dict[str, tuple[tuple[str, ...], list[int]]] = {
     "text_input": (("BYTES",), [-1, 1]),
-    "max_tokens": (("INT32", "INT64", "UINT32", "UINT64"), [-1, 1]),
+    "max_tokens": (_INTEGERS, [-1, 1]),
     "temperature": (("FP32", "FP64"), [-1, 1]),
-    "top_k": (("INT32", "INT64", "UINT32", "UINT64"), [-1, 1]),
+    "top_k": (_INTEGERS, [-1, 1]),
     "top_p": (("FP32", "FP64"), [-1, 1]),
     "random_seed": (("UINT64", "INT64", "INT32", "UINT32"), [-1, 1]),
     "stop_words": (("BYTES",), [-1, -1]),
-    "end_id": (("INT32", "INT64", "UINT32", "UINT64"), [-1, 1]),
-    "pad_id": (("INT32", "INT64", "UINT32", "UINT64"), [-1, 1]),
-    "beam_width": (("INT32", "INT64", "UINT32", "UINT64"), [-1, 1]),
+    "bad_words": (("BYTES",), [-1, -1]),
+    "min_length": (_INTEGERS, [-1, 1]),
+    "ignore_eos": (("BOOL",), [-1, 1]),
+    "end_id": (_INTEGERS, [-1, 1]),
+    "pad_id": (_INTEGERS, [-1, 1]),
+    "beam_width": (_INTEGERS, [-1, 1]),
     "stream": (("BOOL",), [-1, 1]),
     "exclude_input_in_output": (("BOOL",), [-1, 1]),
+    "sampling_parameters": (("BYTES",), [-1, 1]),
 }
-REQUIRED = ("text_input", "max_tokens")
+REQUIRED = ("text_input",)
+# sampling_parameters keys (vLLM's SamplingParams names) -> their kind; others are refused by name.
+SAMPLING_KEYS = {"max_tokens": "int", "min_tokens": "int", "ignore_eos": "bool", "temperature": "float",
+                 "top_p": "float", "top_k": "int", "seed": "int", "stop": "strings", "stop_token_ids": "ints"}
+# Keys a client may send at their neutral value (a value that asks for nothing this server lacks).
+SAMPLING_NEUTRAL = {"n": (1, "1"), "best_of": (1, "1", None), "presence_penalty": (0, 0.0, "0", "0.0"),
+                    "frequency_penalty": (0, 0.0, "0", "0.0"), "repetition_penalty": (1, 1.0, "1", "1.0"),
+                    "logprobs": (None,), "skip_special_tokens": (True, "true", "True"),
+                    "spaces_between_special_tokens": (True, "true", "True")}
+MAX_SAMPLING_PARAMETERS_BYTES = 64 << 10
+_DATA_TYPES = {"BOOL": "TYPE_BOOL", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "UINT32": "TYPE_UINT32",
+               "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32", "FP64": "TYPE_FP64", "BYTES": "TYPE_STRING"}
 MAX_DIMS = 8  # per input tensor
 MAX_ELEMENTS = 4096  # per input tensor
 OUTPUT = "text_output"
@@ -231,11 +257,71 @@ class Options:
     prefix: str = ""  # text before the generated text: the prompt when exclude_input_in_output is false
 
 
+def _sampling_value(key: str, kind: str, value: Any) -> Any:
+    """One ``sampling_parameters`` value; numbers and booleans may come as strings."""
+    where = f"sampling_parameters.{key}"
+    try:
+        if kind == "bool":
+            if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            if isinstance(value, bool):
+                return value
+        elif kind == "int":
+            if isinstance(value, str):
+                value = float(value) if "." in value or "e" in value.lower() else int(value)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        elif kind == "float":
+            number = float(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else None
+            if number is not None and math.isfinite(number):
+                return number
+        elif kind == "strings":
+            value = [value] if isinstance(value, str) else value
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return [v for v in value if v]
+        elif kind == "ints" and isinstance(value, list) and \
+                all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return value
+    except (ValueError, OverflowError):
+        pass
+    expected = {"bool": "true or false", "int": "an integer", "float": "a number", "strings": "a string or strings",
+                "ints": "a list of integers"}[kind]
+    raise InvalidRequestError(f"{where} must be {expected}, got {quoted(repr(value))}")
+
+
+def sampling_parameters(raw: bytes | None) -> dict[str, Any]:
+    """vLLM's backend's ``sampling_parameters`` JSON as values (InvalidRequestError names a bad key)."""
+    if raw is None or not raw:
+        return {}
+    if len(raw) > MAX_SAMPLING_PARAMETERS_BYTES:
+        raise InvalidRequestError(f"sampling_parameters is {len(raw)} bytes; at most {MAX_SAMPLING_PARAMETERS_BYTES}")
+    try:
+        given = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise InvalidRequestError(f"sampling_parameters is not valid JSON: {str(err)[:200]}") from None
+    if not isinstance(given, dict):
+        raise InvalidRequestError(f"sampling_parameters must be a JSON object, got {type(given).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in given.items():
+        if key in SAMPLING_KEYS:
+            if value is not None:
+                out[key] = _sampling_value(key, SAMPLING_KEYS[key], value)
+        elif key in SAMPLING_NEUTRAL:
+            if value not in SAMPLING_NEUTRAL[key]:
+                raise InvalidRequestError(f"sampling_parameters.{key} = {quoted(repr(value))} is not supported")
+        else:
+            raise InvalidRequestError(
+                f"sampling_parameters.{quoted(key)} is not supported; this server takes {', '.join(SAMPLING_KEYS)}")
+    return out
+
+
 def request_spec(
     request: Any, tokenizer: Any, limits: Limits, max_seq_len: int | None = None
 ) -> tuple[RequestSpec, Options]:
-    """A ModelInferRequest -> (RequestSpec, Options). ``max_tokens`` 0 means the server's default, as
-    on the Decode API."""
+    """A ModelInferRequest -> (RequestSpec, Options). ``max_tokens`` absent or 0 means the server's
+    default, as on the Decode API."""
     tensors = decode_inputs(request)
     missing = [n for n in REQUIRED if n not in tensors]
     if missing:
@@ -247,26 +333,37 @@ def request_spec(
     beam = _scalar(tensors, "beam_width", int)
     if beam not in (None, 1):
         raise InvalidRequestError(f"beam_width {beam} is not supported; only 1 (no beam search)")
+    if any(bytes(v) for v in tensors.get("bad_words", np.empty(0, object)).reshape(-1)):
+        raise InvalidRequestError("bad_words is not supported; send it empty")
+    params = sampling_parameters(_scalar(tensors, "sampling_parameters", bytes))
+
+    def given(tensor: str, key: str, kind: Callable[[Any], Any]) -> Any:
+        value = _scalar(tensors, tensor, kind)
+        return params.get(key) if value is None else value
+
     sampling = sampling_from(
-        _scalar(tensors, "temperature", float),
-        _scalar(tensors, "top_k", int),
-        _scalar(tensors, "top_p", float),
-        _scalar(tensors, "random_seed", int),
+        given("temperature", "temperature", float),
+        given("top_k", "top_k", int),
+        given("top_p", "top_p", float),
+        given("random_seed", "seed", int),
     )
     stops = tuple(_text(v, "stop_words") for v in tensors.get("stop_words", np.empty(0, object)).reshape(-1))
-    stops = check_stop_strings([s for s in stops if s])
+    stops = check_stop_strings([s for s in stops if s] + params.get("stop", []))
     end_id = _scalar(tensors, "end_id", int)
-    stop_ids = () if end_id is None else (end_id,)  # the scheduler adds the model's EOS ids, checks ranges
+    # the scheduler adds the model's EOS ids (unless ignore_eos) and checks the ranges
+    stop_ids = tuple(params.get("stop_token_ids", ())) + (() if end_id is None else (end_id,))
     prompt_ids = tokenizer.encode(text)
     room = None if max_seq_len is None else max_seq_len - len(prompt_ids)
     spec = RequestSpec(
         request_id=check_request_id(""),
         prompt_ids=prompt_ids,
-        max_tokens=check_max_tokens(_scalar(tensors, "max_tokens", int), limits, room),
+        max_tokens=check_max_tokens(given("max_tokens", "max_tokens", int) or 0, limits, room),
         sampling=sampling,
         stop_token_ids=stop_ids,
         stop_strings=stops,
         reuse_prefix=reuse_prefix,
+        ignore_eos=bool(given("ignore_eos", "ignore_eos", bool) or False),
+        min_tokens=int(given("min_length", "min_tokens", int) or 0),  # the scheduler checks it
     )
     exclude_input = _scalar(tensors, "exclude_input_in_output", bool)
     options = Options(
@@ -329,6 +426,41 @@ class KServeService:
         for name, (types, shape) in INPUTS.items():
             response.inputs.add(name=name, datatype=types[0], shape=shape)
         response.outputs.add(name=OUTPUT, datatype="BYTES", shape=[-1, -1])
+        return response
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        await self._check_model(request.name, request.version, context)
+        config = message("ModelConfig")(
+            name=self.app.model_name, platform="switchyard", backend="switchyard",
+            max_batch_size=1,  # one request per message; the engine batches across requests
+        )
+        config.model_transaction_policy.decoupled = True  # ModelStreamInfer: a response per token
+        for name, (types, shape) in INPUTS.items():
+            config.input.add(name=name, data_type=_DATA_TYPES[types[0]], dims=shape[1:], optional=name not in REQUIRED)
+        config.output.add(name=OUTPUT, data_type="TYPE_STRING", dims=[-1])
+        return message("ModelConfigResponse")(config=config)
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        response = message("ModelStatisticsResponse")()
+        if not request.name:  # every model: the one
+            request = message("ModelStatisticsRequest")(name=self.app.model_name)
+        await self._check_model(request.name, request.version, context)
+        t = self.app.metrics.statistics()
+        stats = response.model_stats.add(name=self.app.model_name, version="1", last_inference=t["last_ms"],
+                                         inference_count=t["success"], execution_count=t["success"])
+        infer = stats.inference_stats
+        infer.success.count, infer.success.ns = t["success"], t["success_ns"]
+        infer.fail.count, infer.fail.ns = t["fail"], t["fail_ns"]
+        infer.queue.count, infer.queue.ns = t["success"], t["queue_ns"]
+        infer.compute_infer.count, infer.compute_infer.ns = t["success"], t["compute_ns"]
+        return response
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        response = message("RepositoryIndexResponse")()
+        ready = self.app.ready
+        if ready or not request.ready:
+            response.models.add(name=self.app.model_name, version="1", state="READY" if ready else "UNAVAILABLE",
+                                reason="" if ready else "loading, draining or failed")
         return response
 
     def _known(self, name: str, version: str) -> bool:
@@ -460,6 +592,9 @@ class KServeService:
                 ),
                 "ModelMetadata": unary(self.ModelMetadata, "ModelMetadataRequest", "ModelMetadataResponse"),
                 "ModelInfer": unary(self.ModelInfer, "ModelInferRequest", "ModelInferResponse"),
+                "ModelConfig": unary(self.ModelConfig, "ModelConfigRequest", "ModelConfigResponse"),
+                "ModelStatistics": unary(self.ModelStatistics, "ModelStatisticsRequest", "ModelStatisticsResponse"),
+                "RepositoryIndex": unary(self.RepositoryIndex, "RepositoryIndexRequest", "RepositoryIndexResponse"),
                 "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
                     self.ModelStreamInfer,
                     request_deserializer=parsing.parser(ModelInferRequest, max_bytes),

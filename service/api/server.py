@@ -1,9 +1,11 @@
-"""The gRPC decode service: ``switchyard.v1.Decode``, KServe v2, health and reflection on one port.
+"""The decode service: ``switchyard.v1.Decode``, KServe v2, health and reflection on the gRPC port, and
+the OpenAI-compatible HTTP API with ``/health`` and ``/metrics`` on the HTTP port (``http/``).
 
 :class:`DecodeApp` holds what the handlers share (tokenizer, scheduler bridge, limits, traces);
 :func:`build_server` puts every service on a ``grpc.aio`` server; :func:`serve` is the pod's whole
-life: listen at once with health NOT_SERVING, load and warm the model, report SERVING, and on
-SIGTERM drain (NOT_SERVING, refuse new calls, let in-flight streams finish within the grace period).
+life: listen at once (both ports) with health NOT_SERVING, load and warm the model, report SERVING,
+and on SIGTERM drain (NOT_SERVING, refuse new calls, let in-flight streams of either protocol finish
+within the grace period).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from grpc_reflection.v1alpha import reflection
 from switchyard.service.api import kserve, parsing
 from switchyard.service.api.bridge import EngineBridge
 from switchyard.service.api.engine_process import EngineStartError
+from switchyard.service.api.http.app import HttpFrontEnd
+from switchyard.service.api.http.chat_template import ChatTemplate
+from switchyard.service.api.http.metrics import Metrics
 from switchyard.service.api.tokenizing import PromptEncoder, TextPool
 from switchyard.service.api.wire import (
     Limits,
@@ -55,7 +60,7 @@ _FINISH = {"stop": decode_pb2.FINISH_REASON_STOP, "length": decode_pb2.FINISH_RE
 
 
 class DecodeApp:
-    """State shared by the Decode and KServe handlers. Not ready until :meth:`attach`."""
+    """State shared by the Decode, KServe and HTTP handlers. Not ready until :meth:`attach`."""
 
     def __init__(
         self,
@@ -64,11 +69,16 @@ class DecodeApp:
         limits: Limits | None = None,
         recorder: tracing.RequestRecorder | None = None,
         info: dict[str, Any] | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self.model_name = model_name
         self.limits = limits or Limits()
         self.recorder = recorder or tracing.RequestRecorder()
         self.info = info or {}  # tensor_parallel, allreduce_strategy, max_queue for ModelInfo
+        self.chat_template = chat_template or ChatTemplate.missing("this server was started without a chat template")
+        # Prometheus metrics from the same finished-request records as the traces (http/metrics.py).
+        self.metrics = Metrics(model_name)
+        self.recorder.add_sink(functools.partial(self.metrics.observe, wall_offset_ns=self.recorder.wall_offset_ns))
         self.health = health.aio.HealthServicer()
         self.failed: asyncio.Event | None = None  # set if the scheduler loop dies
         self.tokenizer: Any = None
@@ -104,6 +114,7 @@ class DecodeApp:
         self.bridge.start()
         if self.recorder.telemetry is not None:
             self.recorder.telemetry.observe_scheduler(lambda: (scheduler.active_slots, scheduler.queue_depth))
+        self.metrics.counts = functools.partial(scheduler_counts, scheduler)
         self.ready = True
         await self.set_health(True)
 
@@ -174,15 +185,22 @@ class DecodeApp:
             raise Unavailable("the model is not ready (loading, or the server is draining)")
 
     async def events(self, spec: RequestSpec, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        """TokenEvents of ``spec``; raises GenerationEnded for deadline / error / cancel finishes.
-        The call's deadline becomes the request's (for a KServe stream, the whole stream's)."""
+        """:meth:`generate` for a gRPC call: the call's deadline becomes the request's (for a KServe
+        stream, the whole stream's), its ``traceparent`` metadata the span's parent."""
+        async with contextlib.aclosing(self.generate(
+                spec, timeout=request_timeout(context.time_remaining()),
+                parent=tracing.parent_context(context.invocation_metadata()))) as events:
+            async for event in events:
+                yield event
+
+    async def generate(self, spec: RequestSpec, *, timeout: float | None, parent: Any = None) -> AsyncIterator[Any]:
+        """OutputEvents of ``spec`` (any protocol); raises GenerationEnded for deadline / error / cancel
+        finishes. Leaving early cancels the request in the engine."""
         self.require_ready()
         assert self.bridge is not None
-        self.recorder.set_parent(spec.request_id, tracing.parent_context(context.invocation_metadata()))
+        self.recorder.set_parent(spec.request_id, parent)
         try:
-            async with contextlib.aclosing(
-                self.bridge.stream(spec, timeout=request_timeout(context.time_remaining()))
-            ) as events:
+            async with contextlib.aclosing(self.bridge.stream(spec, timeout=timeout)) as events:
                 async for event in events:
                     check_final_event(event, spec.request_id)
                     yield event
@@ -291,6 +309,17 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 f"no finished request {quoted(request.request_id)} among the last ones kept by this server",
             )
         return decode_pb2.GetTracesResponse(traces=[trace_to_proto(t) for t in found])
+
+
+def scheduler_counts(scheduler: Any) -> tuple[int, int, int, int, int] | None:
+    """(running, waiting, KV blocks held, KV blocks in the pool, block size) of a Scheduler or an
+    EngineProcess (whose counts come with every step's message), for the metrics' gauges."""
+    engine = scheduler.engine
+    if engine is None:
+        return None
+    block = int(engine.kv_block_size)
+    return (int(scheduler.active_slots), int(scheduler.queue_depth), int(scheduler.kv_blocks_held),
+            int(engine.kv_tokens) // block if block else 0, block)
 
 
 def request_timeout(remaining: float | None) -> float | None:
@@ -421,6 +450,7 @@ class ServeOptions:
     host: str = "[::]"
     port: int = 8001
     grace_period: float = 30.0
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP API, /health and /metrics; None: none
 
 
 async def serve(
@@ -449,6 +479,15 @@ async def serve(
         return 1
     await app.set_health(False)
     await server.start()
+    http = HttpFrontEnd(app)
+    if options.http_port is not None:
+        try:
+            http_port = await http.start(options.host, options.http_port)
+        except OSError as err:
+            log.error("could not listen for HTTP on %s:%s: %s", options.host, options.http_port, err.strerror or err)
+            await server.stop(0)
+            return 1
+        log.info("HTTP (OpenAI API, /health, /metrics) on %s:%d", options.host, http_port)
     log.info("listening on %s:%d (NOT_SERVING until the model is warm)", options.host, port)
     if on_listening is not None:
         on_listening(port)
@@ -459,16 +498,19 @@ async def serve(
         # Loading and compiling cannot be interrupted; the caller exits without waiting for them.
         log.warning("stopped while loading the model")
         await server.stop(0)
+        await http.stop()
         return STOPPED_WHILE_LOADING
     try:
         scheduler, tokenizer = loader.result()
     except (ModelSpecError, EngineStartError) as err:  # what these devices cannot give; the engine process's reason
         log.error("loading the model failed: %s", err)
         await server.stop(0)
+        await http.stop()
         return 1
     except Exception:
         log.exception("loading the model failed")
         await server.stop(0)
+        await http.stop()
         return 1
     await app.attach(scheduler, tokenizer)
     log.info("serving %s: %s", app.model_name, engine_summary(scheduler.engine))
@@ -479,6 +521,7 @@ async def serve(
         log.error("the engine loop failed: stopping so that the pod restarts")
         await app.drain()
         await app.finish_in_flight(server, 1.0)
+        await http.stop()
         await asyncio.to_thread(app.close)
         return 1
     failure.cancel()
@@ -489,6 +532,7 @@ async def serve(
     )
     await app.drain()
     cut = await app.finish_in_flight(server, options.grace_period)
+    await http.stop()
     await asyncio.to_thread(app.close)
     if cut:
         log.error("stopped with %d request(s) cut short by the drain grace period", cut)
@@ -525,12 +569,15 @@ def _in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
 class ServerThread:
     """A server on its own event-loop thread, for tests and benchmarks in one process."""
 
-    def __init__(self, app: DecodeApp, scheduler: Any, tokenizer: Any, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, app: DecodeApp, scheduler: Any, tokenizer: Any, *, host: str = "127.0.0.1",
+                 http: bool = False) -> None:
         self.app = app
         self._started = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._server: grpc.aio.Server | None = None
+        self._http = HttpFrontEnd(app) if http else None
         self.port = 0
+        self.http_port = 0
         self._thread = threading.Thread(
             target=self._run, args=(scheduler, tokenizer, host), name="switchyard-grpc", daemon=True
         )
@@ -545,6 +592,8 @@ class ServerThread:
             self._server = build_server(self.app)
             self.port = self._server.add_insecure_port(f"{host}:0")
             await self._server.start()
+            if self._http is not None:
+                self.http_port = await self._http.start(host, 0)
             await self.app.attach(scheduler, tokenizer)
             self._started.set()
 
@@ -564,6 +613,8 @@ class ServerThread:
             await self.app.drain()
             assert self._server is not None
             await self.app.finish_in_flight(self._server, grace or 0.0)
+            if self._http is not None:
+                await self._http.stop()
 
         self.call(shutdown())
         self.app.close()

@@ -46,9 +46,12 @@ def check_stop_strings(stops: Sequence[str]) -> tuple[str, ...]:
 class TextStream:
     """One request's tokens into text (module docstring). Not thread-safe: one thread pushes."""
 
-    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._decoder = tokenizer.incremental()
         self._stops = tuple(stop_strings)
+        # Stop strings count only from this many tokens on, as stop tokens do in the engine; text made
+        # before then is sent at once (nothing of it is held back as a stop string's start).
+        self._min_tokens = min_tokens
         self._pending = ""  # text held back because it may begin a stop string
         self.stopped_at: int | None = None  # tokens the caller received when a stop string ended it
 
@@ -58,7 +61,7 @@ class TextStream:
             return None
         text, reason = "", event.finish_reason
         if event.token_id is not None and reason != "stop":  # a stop token's own text is not output
-            text, hit = self._push(event.token_id)
+            text, hit = self._push(event.token_id, event.index + 1 >= self._min_tokens)
             if hit:
                 self.stopped_at = event.index + 1
                 return self._output(event, text, "stop")
@@ -70,10 +73,10 @@ class TextStream:
         return OutputEvent(event.request_id, event.index, event.token_id, text, reason, event.step, event.batch_size,
                            event.time)
 
-    def _push(self, token: int) -> tuple[str, bool]:
+    def _push(self, token: int, stops_count: bool = True) -> tuple[str, bool]:
         """Append a token's text; returns (text safe to send, whether a stop string was reached)."""
         self._pending += self._decoder.push(token)
-        if not self._stops:
+        if not self._stops or not stops_count:
             out, self._pending = self._pending, ""
             return out, False
         cut = min((p for s in self._stops if (p := self._pending.find(s)) >= 0), default=-1)

@@ -48,8 +48,9 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
 
-    def encode(self, text: str) -> list[int]:
-        """A prompt's ids; OutOfRangeError, before or without listing them, when it cannot fit."""
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        """A prompt's ids; OutOfRangeError, before or without listing them, when it cannot fit.
+        ``special`` false: no BOS added (a chat template's text has its own)."""
         limit = self.max_prompt_tokens
         per_token = self.tokenizer.max_token_bytes
         if per_token is not None and len(text) > limit * per_token:  # characters: no more than bytes
@@ -59,7 +60,9 @@ class PromptEncoder:
                     f"prompt is {size} bytes of text: more tokens than this deployment's context allows "
                     f"(at most {limit}; one token stands for at most {per_token} bytes)")
         try:
-            return self.tokenizer.encode(text, max_tokens=limit)
+            if special:  # keyword only when needed: test tokenizers take (text, max_tokens)
+                return self.tokenizer.encode(text, max_tokens=limit)
+            return self.tokenizer.encode(text, max_tokens=limit, special=False)
         except TooManyTokens as err:
             raise OutOfRangeError(
                 f"prompt has {err.count} tokens; this deployment's context is {limit + 1} tokens, so a prompt "

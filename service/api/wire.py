@@ -150,6 +150,8 @@ def from_generate_request(
         stop_token_ids=stop_ids,
         stop_strings=check_stop_strings(msg.stop_strings),
         reuse_prefix=not msg.no_prefix_cache,
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,  # the scheduler checks it against max_tokens
     )
 
 

@@ -272,6 +272,23 @@ def random_hf_tensors(spec: ModelSpec, seed: int) -> Iterator[tuple[str, np.ndar
         yield LM_HEAD, normal(s.vocab_size, s.hidden_size)
 
 
+# Llama 3's chat format, so that a random-weight checkpoint answers /v1/chat/completions as a real
+# Llama 3 checkpoint does (its headers are plain text to the small tokenizer).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def tokenizer_config(spec: ModelSpec) -> dict[str, Any]:
+    """``tokenizer_config.json`` of a random-weight checkpoint: its special tokens and chat template."""
+    from switchyard.service.engine.tokenizer import BOS_TEXT, EOS_TEXT
+
+    return {"bos_token": BOS_TEXT if spec.bos_token_id is not None else None, "eos_token": EOS_TEXT,
+            "model_max_length": spec.max_position_embeddings, "chat_template": CHAT_TEMPLATE}
+
+
 def write_checkpoint(
     spec: ModelSpec, out: str | Path, seed: int = 0, shard_bytes: int = 4 << 30, progress: bool = True
 ) -> Path:
@@ -283,6 +300,7 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(spec.to_config(), indent=2) + "\n")
     build_tokenizer(spec).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(spec), indent=2) + "\n")
     total = spec.param_bytes
     n_files = max(1, -(-total // shard_bytes))
     bar = progress_bar(progress, total=total, desc=f"writing {out.name}")

@@ -89,13 +89,14 @@ class Tokenizer:
         spec = spec or ModelSpec.from_file(path)
         return cls(HFTokenizer.from_file(str(file)), spec.eos_token_ids, spec.vocab_size)
 
-    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
-        """The ids of ``text``; TooManyTokens when there are more than ``max_tokens``.
+    def encode(self, text: str, max_tokens: int | None = None, *, special: bool = True) -> list[int]:
+        """The ids of ``text``; TooManyTokens when there are more than ``max_tokens``. ``special``
+        false: no BOS added (a chat template's text states its own special tokens).
 
         Through the library's batch call, which releases the GIL while it works (its plain ``encode``
         holds it throughout: a megabyte of text would stop every other thread of the process for most
         of a second), and counted before the ids become a Python list (which holds the GIL too)."""
-        (encoding,) = self._tok.encode_batch([text], add_special_tokens=True)
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=special)
         if max_tokens is not None and len(encoding) > max_tokens:
             raise TooManyTokens(len(encoding))
         return encoding.ids

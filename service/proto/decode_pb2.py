@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%switchyard/service/proto/decode.proto\x12\rswitchyard.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.switchyard.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.switchyard.v1.SamplingParams\x12\x14\n\x0cstop_strings\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x17\n\x0fno_prefix_cache\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"4\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.switchyard.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.switchyard.v1.Usage\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x12\n\nbatch_size\x18\x08 \x01(\r\"\xa5\x01\n\x15GenerateUnaryResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.switchyard.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.switchyard.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x12\n\x10ModelInfoRequest\"\xe9\x03\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x02 \x01(\r\x12\x13\n\x0b\x62\x61tch_slots\x18\x03 \x01(\r\x12\x11\n\tmax_queue\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x07 \x01(\r\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\r\x12\x1a\n\x12\x61llreduce_strategy\x18\t \x01(\t\x12\r\n\x05ready\x18\n \x01(\x08\x12\x14\n\x0c\x61\x63tive_slots\x18\x0b \x01(\r\x12\x13\n\x0bqueue_depth\x18\x0c \x01(\r\x12\x11\n\tkv_tokens\x18\r \x01(\r\x12\x15\n\rkv_block_size\x18\x0e \x01(\r\x12\x13\n\x0bstep_tokens\x18\x0f \x01(\r\x12\x16\n\x0ekv_blocks_held\x18\x10 \x01(\r\x12\x0f\n\x07startup\x18\x11 \x01(\t\x12\x14\n\x0cstartup_done\x18\x12 \x01(\r\x12\x15\n\rstartup_total\x18\x13 \x01(\r\x12\x15\n\rcompile_cache\x18\x14 \x01(\t\x12\x0f\n\x07weights\x18\x15 \x01(\t\x12\x10\n\x08kv_cache\x18\x16 \x01(\t\"5\n\x10GetTracesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"\x8b\x03\n\x0cRequestTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\x0fstart_unix_nano\x18\x05 \x01(\x06\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\x08 \x01(\x01\x12\x15\n\rtoken_seconds\x18\t \x03(\x01\x12\x13\n\x0btoken_steps\x18\n \x03(\x03\x12\x19\n\x11token_batch_sizes\x18\x0b \x03(\r\x12\x12\n\nmax_tokens\x18\x0c \x01(\r\x12\x15\n\rchunk_seconds\x18\r \x03(\x01\x12\x13\n\x0b\x63hunk_steps\x18\x0e \x03(\x03\x12\x14\n\x0c\x63hunk_tokens\x18\x0f \x03(\r\x12\x15\n\rcached_tokens\x18\x10 \x01(\r\x12\x13\n\x0bpreemptions\x18\x11 \x01(\r\"@\n\x11GetTracesResponse\x12+\n\x06traces\x18\x01 \x03(\x0b\x32\x1b.switchyard.v1.RequestTrace*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x9b\x03\n\x06\x44\x65\x63ode\x12M\n\x08Generate\x12\x1e.switchyard.v1.GenerateRequest\x1a\x1f.switchyard.v1.GenerateResponse0\x01\x12U\n\rGenerateUnary\x12\x1e.switchyard.v1.GenerateRequest\x1a$.switchyard.v1.GenerateUnaryResponse\x12K\n\x08Tokenize\x12\x1e.switchyard.v1.TokenizeRequest\x1a\x1f.switchyard.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.switchyard.v1.ModelInfoRequest\x1a .switchyard.v1.ModelInfoResponse\x12N\n\tGetTraces\x12\x1f.switchyard.v1.GetTracesRequest\x1a .switchyard.v1.GetTracesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%switchyard/service/proto/decode.proto\x12\rswitchyard.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.switchyard.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.switchyard.v1.SamplingParams\x12\x14\n\x0cstop_strings\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x17\n\x0fno_prefix_cache\x18\x08 \x01(\x08\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\rB\x08\n\x06prompt\"4\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.switchyard.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.switchyard.v1.Usage\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x12\n\nbatch_size\x18\x08 \x01(\r\"\xa5\x01\n\x15GenerateUnaryResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.switchyard.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.switchyard.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x12\n\x10ModelInfoRequest\"\xe9\x03\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x02 \x01(\r\x12\x13\n\x0b\x62\x61tch_slots\x18\x03 \x01(\r\x12\x11\n\tmax_queue\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x07 \x01(\r\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\r\x12\x1a\n\x12\x61llreduce_strategy\x18\t \x01(\t\x12\r\n\x05ready\x18\n \x01(\x08\x12\x14\n\x0c\x61\x63tive_slots\x18\x0b \x01(\r\x12\x13\n\x0bqueue_depth\x18\x0c \x01(\r\x12\x11\n\tkv_tokens\x18\r \x01(\r\x12\x15\n\rkv_block_size\x18\x0e \x01(\r\x12\x13\n\x0bstep_tokens\x18\x0f \x01(\r\x12\x16\n\x0ekv_blocks_held\x18\x10 \x01(\r\x12\x0f\n\x07startup\x18\x11 \x01(\t\x12\x14\n\x0cstartup_done\x18\x12 \x01(\r\x12\x15\n\rstartup_total\x18\x13 \x01(\r\x12\x15\n\rcompile_cache\x18\x14 \x01(\t\x12\x0f\n\x07weights\x18\x15 \x01(\t\x12\x10\n\x08kv_cache\x18\x16 \x01(\t\"5\n\x10GetTracesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"\x8b\x03\n\x0cRequestTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\x0fstart_unix_nano\x18\x05 \x01(\x06\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\x08 \x01(\x01\x12\x15\n\rtoken_seconds\x18\t \x03(\x01\x12\x13\n\x0btoken_steps\x18\n \x03(\x03\x12\x19\n\x11token_batch_sizes\x18\x0b \x03(\r\x12\x12\n\nmax_tokens\x18\x0c \x01(\r\x12\x15\n\rchunk_seconds\x18\r \x03(\x01\x12\x13\n\x0b\x63hunk_steps\x18\x0e \x03(\x03\x12\x14\n\x0c\x63hunk_tokens\x18\x0f \x03(\r\x12\x15\n\rcached_tokens\x18\x10 \x01(\r\x12\x13\n\x0bpreemptions\x18\x11 \x01(\r\"@\n\x11GetTracesResponse\x12+\n\x06traces\x18\x01 \x03(\x0b\x32\x1b.switchyard.v1.RequestTrace*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x9b\x03\n\x06\x44\x65\x63ode\x12M\n\x08Generate\x12\x1e.switchyard.v1.GenerateRequest\x1a\x1f.switchyard.v1.GenerateResponse0\x01\x12U\n\rGenerateUnary\x12\x1e.switchyard.v1.GenerateRequest\x1a$.switchyard.v1.GenerateUnaryResponse\x12K\n\x08Tokenize\x12\x1e.switchyard.v1.TokenizeRequest\x1a\x1f.switchyard.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.switchyard.v1.ModelInfoRequest\x1a .switchyard.v1.ModelInfoResponse\x12N\n\tGetTraces\x12\x1f.switchyard.v1.GetTracesRequest\x1a .switchyard.v1.GetTracesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'switchyard.service.proto.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2019
-  _globals['_FINISHREASON']._serialized_end=2114
+  _globals['_FINISHREASON']._serialized_start=2059
+  _globals['_FINISHREASON']._serialized_end=2154
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
   _globals['_SAMPLINGPARAMS']._serialized_start=82
   _globals['_SAMPLINGPARAMS']._serialized_end=228
   _globals['_GENERATEREQUEST']._serialized_start=231
-  _globals['_GENERATEREQUEST']._serialized_end=480
-  _globals['_USAGE']._serialized_start=482
-  _globals['_USAGE']._serialized_end=534
-  _globals['_GENERATERESPONSE']._serialized_start=537
-  _globals['_GENERATERESPONSE']._serialized_end=746
-  _globals['_GENERATEUNARYRESPONSE']._serialized_start=749
-  _globals['_GENERATEUNARYRESPONSE']._serialized_end=914
-  _globals['_TOKENIZEREQUEST']._serialized_start=916
-  _globals['_TOKENIZEREQUEST']._serialized_end=947
-  _globals['_TOKENIZERESPONSE']._serialized_start=949
-  _globals['_TOKENIZERESPONSE']._serialized_end=986
-  _globals['_MODELINFOREQUEST']._serialized_start=988
-  _globals['_MODELINFOREQUEST']._serialized_end=1006
-  _globals['_MODELINFORESPONSE']._serialized_start=1009
-  _globals['_MODELINFORESPONSE']._serialized_end=1498
-  _globals['_GETTRACESREQUEST']._serialized_start=1500
-  _globals['_GETTRACESREQUEST']._serialized_end=1553
-  _globals['_REQUESTTRACE']._serialized_start=1556
-  _globals['_REQUESTTRACE']._serialized_end=1951
-  _globals['_GETTRACESRESPONSE']._serialized_start=1953
-  _globals['_GETTRACESRESPONSE']._serialized_end=2017
-  _globals['_DECODE']._serialized_start=2117
-  _globals['_DECODE']._serialized_end=2528
+  _globals['_GENERATEREQUEST']._serialized_end=520
+  _globals['_USAGE']._serialized_start=522
+  _globals['_USAGE']._serialized_end=574
+  _globals['_GENERATERESPONSE']._serialized_start=577
+  _globals['_GENERATERESPONSE']._serialized_end=786
+  _globals['_GENERATEUNARYRESPONSE']._serialized_start=789
+  _globals['_GENERATEUNARYRESPONSE']._serialized_end=954
+  _globals['_TOKENIZEREQUEST']._serialized_start=956
+  _globals['_TOKENIZEREQUEST']._serialized_end=987
+  _globals['_TOKENIZERESPONSE']._serialized_start=989
+  _globals['_TOKENIZERESPONSE']._serialized_end=1026
+  _globals['_MODELINFOREQUEST']._serialized_start=1028
+  _globals['_MODELINFOREQUEST']._serialized_end=1046
+  _globals['_MODELINFORESPONSE']._serialized_start=1049
+  _globals['_MODELINFORESPONSE']._serialized_end=1538
+  _globals['_GETTRACESREQUEST']._serialized_start=1540
+  _globals['_GETTRACESREQUEST']._serialized_end=1593
+  _globals['_REQUESTTRACE']._serialized_start=1596
+  _globals['_REQUESTTRACE']._serialized_end=1991
+  _globals['_GETTRACESRESPONSE']._serialized_start=1993
+  _globals['_GETTRACESRESPONSE']._serialized_end=2057
+  _globals['_DECODE']._serialized_start=2157
+  _globals['_DECODE']._serialized_end=2568
 # @@protoc_insertion_point(module_scope)

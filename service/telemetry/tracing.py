@@ -324,9 +324,20 @@ class RequestRecorder:
         self._idle.set()
         self._pending = 0
         self._lock = threading.Lock()
+        self._sinks: list[Callable[[Any], None]] = []
         if telemetry is not None:
+            self._start()
+
+    def _start(self) -> None:
+        if self._worker is None:
             self._worker = threading.Thread(target=self._run, name="switchyard-telemetry", daemon=True)
             self._worker.start()
+
+    def add_sink(self, sink: Callable[[Any], None]) -> None:
+        """``sink(record)`` for every finished request, on the background thread (Prometheus metrics:
+        the scheduler's thread only appends)."""
+        self._sinks.append(sink)
+        self._start()
 
     def set_parent(self, request_id: str, parent: Any) -> None:
         """Remember the caller's trace context so the request span joins the caller's trace."""
@@ -351,10 +362,12 @@ class RequestRecorder:
             if record is None:
                 return
             try:
-                trace = T.RequestTrace.from_record(record, self.wall_offset_ns)
-                parent = self._parents.pop(trace.request_id, None)
-                assert self.telemetry is not None
-                self.telemetry.record(trace, {**_sampling_attributes(record.sampling), **self.served}, parent)
+                for sink in self._sinks:
+                    sink(record)
+                if self.telemetry is not None:
+                    trace = T.RequestTrace.from_record(record, self.wall_offset_ns)
+                    parent = self._parents.pop(trace.request_id, None)
+                    self.telemetry.record(trace, {**_sampling_attributes(record.sampling), **self.served}, parent)
             except Exception:  # a broken record must not stop telemetry for every later request
                 log.exception("could not export the trace of request %s", getattr(record, "request_id", "?"))
             finally:

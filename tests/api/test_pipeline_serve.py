@@ -59,7 +59,8 @@ def _serving_group(tmp_path, checkpoint, **layout: Any) -> Iterator[tuple[list[s
                    JAX_PLATFORMS="cpu")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "switchyard.cli.main", "serve", "--layout", str(tmp_path / "layout.json"),
-             "--model-path", str(checkpoint), "--host", "127.0.0.1", "--port", str(port)],
+             "--model-path", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
+             "--http-port", str(_free_port())],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         deadline = time.monotonic() + 180
@@ -100,7 +101,7 @@ def _run_lone_stage(tmp_path, stage: int, coordinator: str,
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--layout", str(tmp_path / "layout.json"),
-         "--host", "127.0.0.1", "--port", str(_free_port())],
+         "--host", "127.0.0.1", "--port", str(_free_port()), "--http-port", str(_free_port())],
         env=env, capture_output=True, text=True, timeout=timeout)
     return done, time.monotonic() - started
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 
 import numpy as np
@@ -77,9 +78,9 @@ def test_sampling_inputs_are_honoured(triton) -> None:
 
 
 def test_bad_inputs_are_reported(triton) -> None:
-    only_text = [_inputs("hi", 4)[0]]
-    with pytest.raises(InferenceServerException, match="max_tokens"):
-        triton.infer("tiny", only_text)
+    only_max_tokens = [_inputs("hi", 4)[1]]
+    with pytest.raises(InferenceServerException, match=r"missing required input.*text_input"):
+        triton.infer("tiny", only_max_tokens)
     with pytest.raises(InferenceServerException, match="temperature"):
         triton.infer("tiny", _inputs("hi", 4, temperature=("FP32", np.array([[-2.0]], dtype=np.float32))))
     with pytest.raises(InferenceServerException, match="beam_width"):
@@ -170,3 +171,69 @@ def test_exclude_input_in_output_false_puts_the_prompt_first(triton) -> None:
     streamed = _stream(triton, [("e", _inputs("Hello world", 6, stream=("BOOL", np.array([[True]], dtype=bool)),
                                                 **flag))], empty_final=False)["e"]
     assert "".join(_text(r) for r in streamed) == "Hello world" + plain
+
+
+def test_model_config_is_decoupled_and_lists_every_input(triton) -> None:
+    config = triton.get_model_config("tiny").config
+    assert config.name == "tiny" and config.model_transaction_policy.decoupled
+    meta = triton.get_model_metadata("tiny")
+    assert [i.name for i in config.input] == [i.name for i in meta.inputs]
+    optional = {i.name: i.optional for i in config.input}
+    assert optional.pop("text_input") is False and all(optional.values())
+    assert {i.name for i in config.input} >= {"sampling_parameters", "min_length", "ignore_eos", "max_tokens"}
+    assert [(o.name, o.dims) for o in config.output] == [("text_output", [-1])]
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        triton.get_model_config("nope")
+
+
+def test_statistics_count_finished_requests_and_the_index_lists_the_model(triton, served) -> None:
+    def successes() -> int:
+        served.recorder.flush()
+        (stats,) = triton.get_inference_statistics("tiny").model_stats
+        return stats.inference_stats.success.count
+
+    before = successes()
+    for n in range(3):
+        triton.infer("tiny", _inputs(f"count {n}", 4))
+    assert successes() == before + 3
+    (stats,) = triton.get_inference_statistics("tiny").model_stats
+    assert stats.inference_stats.success.ns > 0 and stats.last_inference > 0
+    assert [(m.name, m.state) for m in triton.get_model_repository_index().models] == [("tiny", "READY")]
+
+
+def _sampling(**params) -> tuple[str, np.ndarray]:
+    return ("BYTES", np.array([[json.dumps(params).encode()]], dtype=object))
+
+
+def test_vllm_backend_inputs_with_numbers_as_strings(triton, served) -> None:
+    """genai-perf --backend vllm: text_input, stream, exclude_input_in_output and sampling_parameters,
+    whose numbers are strings; no max_tokens tensor."""
+    text_input = _inputs("Once upon a time", 1)[0]
+    rest = _inputs("x", 1, sampling_parameters=_sampling(max_tokens="24", min_tokens="24", ignore_eos="true",
+                                                         temperature="0"),
+                   exclude_input_in_output=("BOOL", np.array([[True]], dtype=bool)))[2:]
+    inputs = [text_input, *rest]
+    text = triton.infer("tiny", inputs).as_numpy("text_output").reshape(-1)[0].decode()
+    with DecodeClient(served.target) as client:
+        same = client.generate(make_request("Once upon a time", max_tokens=24, ignore_eos=True), timeout=60)
+    assert text == same.text and len(same.token_ids) == 24
+    for bad, match in (({"temperature": "hot"}, "temperature"), ({"best_of": 3}, "best_of"),
+                       ({"frobnicate": 1}, "frobnicate")):
+        with pytest.raises(InferenceServerException, match=match):
+            triton.infer("tiny", [inputs[0], *_inputs("x", 1, sampling_parameters=_sampling(**bad))[2:]])
+
+
+def test_trtllm_inputs_with_min_length_and_empty_word_lists(triton, served) -> None:
+    """genai-perf --output-tokens-mean-deterministic: min_length beside max_tokens; empty word lists."""
+    empty = ("BYTES", np.array([[b""]], dtype=object))
+    inputs = _inputs("Once upon a time", 20, min_length=("INT32", np.array([[20]], dtype=np.int32)),
+                     bad_words=empty, stop_words=empty, ignore_eos=("BOOL", np.array([[True]], dtype=bool)))
+    text = triton.infer("tiny", inputs).as_numpy("text_output").reshape(-1)[0].decode()
+    with DecodeClient(served.target) as client:
+        same = client.generate(make_request("Once upon a time", max_tokens=20, min_tokens=20, ignore_eos=True),
+                               timeout=60)
+    assert text == same.text and len(same.token_ids) == 20
+    with pytest.raises(InferenceServerException, match="bad_words"):
+        triton.infer("tiny", _inputs("hi", 4, bad_words=("BYTES", np.array([[b"no"]], dtype=object))))
+    with pytest.raises(InferenceServerException, match="min_tokens"):
+        triton.infer("tiny", _inputs("hi", 4, min_length=("INT32", np.array([[9]], dtype=np.int32))))

@@ -36,21 +36,32 @@ def _fields(message) -> dict[str, tuple]:
     }
 
 
-def _compare(ours, theirs, path: str) -> None:
-    assert _fields(ours) == _fields(theirs), path
+def _compare(ours, theirs, path: str, *, subset: bool = False) -> None:
+    if subset:  # every field we state is theirs, with its number and type; theirs may have more
+        mine, other = _fields(ours), _fields(theirs)
+        assert {name: other.get(name) for name in mine} == mine, path
+    else:
+        assert _fields(ours) == _fields(theirs), path
     for nested in ours.nested_types:
-        _compare(nested, theirs.nested_types_by_name[nested.name], f"{path}.{nested.name}")
+        _compare(nested, theirs.nested_types_by_name[nested.name], f"{path}.{nested.name}", subset=subset)
 
 
 def test_kserve_messages_match_the_triton_client_wire_format() -> None:
     """Every message and RPC we define has the field numbers, types and shapes of the protocol as
     shipped in tritonclient, so the real client can talk to us."""
     service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
     theirs = service_pb2.DESCRIPTOR
     ours = kserve.FILE
     assert ours.package == theirs.package == "inference"
     for name, message in ours.message_types_by_name.items():
-        _compare(message, theirs.message_types_by_name[name], name)
+        if name in theirs.message_types_by_name:
+            _compare(message, theirs.message_types_by_name[name], name)
+        else:  # model_config.proto's messages: we state the part that describes a model to clients
+            _compare(message, model_config_pb2.DESCRIPTOR.message_types_by_name[name], name, subset=True)
+    their_types = model_config_pb2.DESCRIPTOR.enum_types_by_name["DataType"]
+    assert {v.name: v.number for v in ours.enum_types_by_name["DataType"].values} == {
+        v.name: v.number for v in their_types.values}
     our_service = ours.services_by_name["GRPCInferenceService"]
     their_service = theirs.services_by_name["GRPCInferenceService"]
     for method in our_service.methods:
@@ -59,7 +70,7 @@ def test_kserve_messages_match_the_triton_client_wire_format() -> None:
             other.input_type.full_name, other.output_type.full_name), method.name
     assert {m.name for m in our_service.methods} >= {
         "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
-        "ModelStreamInfer",
+        "ModelStreamInfer", "ModelConfig", "ModelStatistics", "RepositoryIndex",
     }
 
 

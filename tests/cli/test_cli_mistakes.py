@@ -121,6 +121,16 @@ def test_a_port_in_use_is_one_line_before_anything_loads(host: str | None) -> No
         assert time.monotonic() - started < 60
 
 
+def test_an_http_port_in_use_is_one_line_before_anything_loads() -> None:
+    held, port = _busy_port()
+    with held:
+        started = time.monotonic()
+        done = switchyard("serve", "--tiny", "--host", "127.0.0.1", "--port", "0", "--http-port", str(port),
+                          env={"JAX_PLATFORMS": "cpu"})
+        assert_one_line(done, "cannot listen", f":{port}", "--http-port", "in use")
+        assert time.monotonic() - started < 60
+
+
 def test_generate_against_no_server_is_one_line_and_no_output() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -215,7 +225,8 @@ def test_ctrl_c_during_warm_up_stops_at_once() -> None:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     environment.update(XLA_FLAGS="", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--host", "127.0.0.1",
-                             "--port", str(port)], stderr=subprocess.PIPE, text=True, env=environment)
+                             "--port", str(port), "--http-port", "0"], stderr=subprocess.PIPE, text=True,
+                            env=environment)
     log = []
     try:
         for line in proc.stderr:

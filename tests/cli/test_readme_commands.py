@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import itertools
+import json
 import os
 import re
 import shlex
@@ -26,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers import HELPERS, ROOT
-from helpers.serving_harness import serving
+from helpers.serving_harness import serving, tiny_dir
 
 pytestmark = pytest.mark.timeout(300)
 README = (ROOT / "README.md").read_text()
@@ -181,14 +183,16 @@ def checkpoint_size_first(command: Command, tmp_path: Path, monkeypatch: pytest.
 
 
 def serve_until_listening(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run as written in the reader's environment, on a free port (the README's is 8001): it gets past
+    """Run as written in the reader's environment, on free ports (the README's are 8001 and 8000): it gets past
     its start-up checks (the devices it asks for included) to listening, then Ctrl-C stops it. Its log
     up to then holds no warning and none of JAX's notices that a TPU is missing."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = switchyard_process([*command.argv[1:], "--host", "127.0.0.1", "--port", str(port)], command,
-                              stderr=subprocess.PIPE)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    proc = switchyard_process([*command.argv[1:], "--host", "127.0.0.1", "--port", str(ports[0]),
+                               "--http-port", str(ports[1])], command, stderr=subprocess.PIPE)
     log = []
     try:
         for line in proc.stderr:
@@ -311,11 +315,12 @@ def kubectl_names(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPa
             example_decode_service(name)
     elif verb == "port-forward":
         kind, _, name = rest[0].partition("/")
-        assert kind in ("service", "svc"), command.text
-        remote = int(rest[1].rpartition(":")[2])
+        assert kind in ("service", "svc") and rest[1:], command.text
         services = [o for o in rendered_objects(example_decode_service(name)) if o["kind"] == "Service"]
-        assert any(o["metadata"]["name"] == name and remote in [p["port"] for p in o["spec"]["ports"]]
-                   for o in services), f"the operator renders no Service {name} with port {remote}"
+        for mapping in rest[1:]:
+            remote = int(mapping.rpartition(":")[2])
+            assert any(o["metadata"]["name"] == name and remote in [p["port"] for p in o["spec"]["ports"]]
+                       for o in services), f"the operator renders no Service {name} with port {remote}"
     else:
         raise AssertionError(f"no check for `kubectl {verb}`")
 
@@ -365,6 +370,19 @@ def switchyard_plan(command: Command, tmp_path: Path, monkeypatch: pytest.Monkey
     assert "Planned" in out and "TP" in out, out
 
 
+def benchmark_parsed(command: Command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU benchmark: the script exists and its own parser takes the words (a GPU run is what it is for;
+    tests/benchmarks runs it on CPU)."""
+    from helpers import scripts
+
+    script = repo_path(command.argv[1], "benchmark script")
+    module = scripts.load(script.stem)
+    try:
+        module.parse_args(command.argv[2:])
+    except SystemExit as err:
+        pytest.fail(f"`{command.text}` does not parse (exit {err.code})")
+
+
 # ---- the table ---------------------------------------------------------------------------------------
 
 SERVED = "run against a served tiny model (one server for all)"
@@ -377,6 +395,9 @@ CHECKS: list[tuple[str, str, Callable[..., None] | None]] = [
     (r"switchyard serve (?!--tiny).+", "GPU/size/ports: parsed, start-up checks run", parsed_cli),
     (r"switchyard (generate|trace)( .+)?", SERVED, None),
     (r"grpcurl .+", SERVED, None),
+    (r"curl .+", SERVED, None),
+    (r"guidellm run .+", SERVED, None),
+    (r"python benchmarks/\S+\.py .+", "GPU: the script's own parser takes the words", benchmark_parsed),
     (ECHO, "run in a scratch folder; the layout it writes is valid", written_layout),
     (r"docker build .+", "Dockerfile and context exist; tag as the chart expects", docker_build),
     (r"helm install .+", "helm template with the same arguments", helm_install),
@@ -467,6 +488,71 @@ def grpcurl(argv: list[str], target: str) -> str:
     return "\n".join(json_format.MessageToJson(r) for r in replies)
 
 
+def curl(argv: list[str]) -> str:
+    """The curl command, run: with curl where it is installed, else as curl does it for the flags the
+    README uses (-N, -H, -d: a POST of that body)."""
+    if shutil.which("curl"):
+        done = subprocess.run([*argv[:1], "--silent", "--show-error", *argv[1:]], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+    from helpers.http_raw import call
+
+    words, headers, data = argv[1:], {}, None
+    url = next(w for w in words if not w.startswith("-") and "localhost" not in w and ":" in w and "/" in w)
+    while words:
+        word = words.pop(0)
+        if word == "-H":
+            name, _, value = words.pop(0).partition(":")
+            headers[name.strip()] = value.strip()
+        elif word == "-d":
+            data = words.pop(0).encode()
+        else:
+            assert word == "-N" or word == url, f"no emulation of curl {word}"
+    status, _, body = call("http://" + url, "POST" if data is not None else "GET", raw=data, headers=headers)
+    assert status == 200, body[:2000]
+    return body.decode()
+
+
+def check_http_answer(url: str, data: str | None, out: str) -> None:
+    """What the README's curl command printed is what its route answers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    route = url.partition("/")[2]
+    if route == "v1/models":
+        assert [m["id"] for m in json.loads(out)["data"]] == ["tiny"], out
+    elif route == "metrics":
+        names = {family.name for family in text_string_to_metric_families(out)}
+        assert {"switchyard_requests", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= names, names
+    elif json.loads(data or "{}").get("stream"):
+        events = [line for line in out.splitlines() if line]
+        assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events), out[-2000:]
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        assert chunks and {c["object"] for c in chunks} == {"chat.completion.chunk"}, out[-2000:]
+    else:
+        answer = json.loads(out)
+        assert answer["object"] == "text_completion" and answer["choices"][0]["text"], out
+        assert answer["usage"]["completion_tokens"] == json.loads(data)["max_tokens"], out
+
+
+def guidellm_run(argv: list[str], cwd: Path) -> None:
+    """guidellm as written (from beside this Python); its report counts every request it was told to send
+    as answered, each with the output length asked for."""
+    binary = Path(sys.executable).with_name("guidellm")
+    assert binary.exists(), "guidellm is not installed beside this Python: pip install -e '.[dev]'"
+    done = subprocess.run([str(binary), *argv[1:], "--disable-console-interactive"], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    options = {word.partition("=")[0]: word.partition("=")[2]
+               for flag, value in itertools.pairwise(argv) if flag.startswith("--")
+               for word in value.split(",")}
+    (bench,) = json.loads((cwd / options["path"]).read_text())["benchmarks"]
+    totals = bench["metrics"]["request_totals"]
+    assert totals["successful"] == totals["total"] == int(options["count"]), totals
+    outputs = {r["output_tokens"] for r in bench["requests"]["successful"]}
+    assert outputs == {int(options["output_tokens"])}, outputs
+
+
 def test_readme_client_commands_run_against_a_served_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture) -> None:
     from switchyard.cli.main import main
@@ -474,19 +560,39 @@ def test_readme_client_commands_run_against_a_served_model(tmp_path: Path, monke
 
     commands = [c for c in COMMANDS if row(c)[1] == SERVED]
     programs = {" ".join(c.argv[:2]) for c in commands}
-    assert {"switchyard generate", "switchyard trace"} <= programs, programs
+    assert {"switchyard generate", "switchyard trace", "guidellm run"} <= programs, programs
+    routes = {w.partition("/")[2] for c in commands if c.argv[0] == "curl" for w in c.argv if w.startswith("localhost")}
+    assert routes >= {"v1/models", "v1/completions", "v1/chat/completions", "metrics"}, routes
     monkeypatch.chdir(tmp_path)  # where a stray file would land
     trace_file = tmp_path / "traces.jsonl"
     telemetry = Telemetry.from_env(str(trace_file))
     request_ids: list[str] = []
-    with serving(telemetry=telemetry) as served:
+    with serving(telemetry=telemetry, http=True) as served:
+        http_address = served.http_url.removeprefix("http://")
+        # The README's model names (a checkpoint folder's, a DecodeService's) and its model folder.
+        names = {'"llama3-8b"': '"tiny"', '"llama-3-8b"': '"tiny"', "model=llama3-8b": "model=tiny",
+                 "model=/models/llama3-8b": f"model={tiny_dir()}", "localhost:8000": http_address}
+
+        def local(word: str) -> str:
+            for old, new in names.items():
+                word = word.replace(old, new)
+            return word
+
         for command in commands:
             values = {"localhost:8001": served.target, "/tmp/traces.jsonl": str(trace_file),
                       "trace.png": str(tmp_path / "trace.png"), "ID": request_ids[-1] if request_ids else "ID"}
-            argv = [values.get(w, w) for w in command.argv]
+            argv = [values.get(w, local(w)) for w in command.argv]
             if argv[0] == "grpcurl":
                 out = grpcurl(argv, served.target)
                 assert out.strip() and "{" in out, out
+                continue
+            if argv[0] == "curl":
+                url = next(w for w in argv[1:] if w.startswith(http_address))
+                data = argv[argv.index("-d") + 1] if "-d" in argv else None
+                check_http_answer(url, data, curl(argv))
+                continue
+            if argv[0] == "guidellm":
+                guidellm_run(argv, tmp_path)
                 continue
             if argv[1] == "trace":
                 assert request_ids, f"`{command.line}` comes before any generate"

@@ -144,6 +144,12 @@ async def until_http_ok(url: str, proc: subprocess.Popen, log: Path, timeout: fl
     raise AssertionError(f"{url} never answered:\n{log.read_text()[-3000:]}")
 
 
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
 async def until_serving(target: str, proc: subprocess.Popen, log: Path, timeout: float = 90) -> None:
     """What the StatefulSet's grpc readiness probe does: grpc.health.v1 Check of the server ("")."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -259,12 +265,16 @@ async def serve_like_the_pod(c: Cluster, tmp_path: Path, sts: dict[str, Any], na
         local = tmp_path / "pod" / mount["mountPath"].strip("/").replace("/", "_")
         local.mkdir(parents=True)
         mounts[mount["mountPath"]] = local
+    # Each port of the DecodeService's Service → the container port it targets → a free host port.
     service = next(s for s in c.objects("Service", ns) if s["metadata"]["name"] == name)
-    (svc_port,) = service["spec"]["ports"]
-    container_port = next(p["containerPort"] for p in container["ports"]
-                          if svc_port["targetPort"] in (p["containerPort"], p["name"]))
-    host_port = free_port()
-    local = Localizer(mounts, {container_port: host_port})
+    host_ports: dict[int, int] = {}
+    by_name: dict[str, int] = {}
+    for svc_port in service["spec"]["ports"]:
+        container_port = next(p["containerPort"] for p in container["ports"]
+                              if svc_port["targetPort"] in (p["containerPort"], p["name"]))
+        host_ports[container_port] = by_name[svc_port["name"]] = free_port()
+    assert set(by_name) == {"grpc", "http"}, by_name
+    local = Localizer(mounts, host_ports)
     for mount in container["volumeMounts"]:
         volume = volumes[mount["name"]]
         if "emptyDir" in volume:
@@ -288,9 +298,13 @@ async def serve_like_the_pod(c: Cluster, tmp_path: Path, sts: dict[str, Any], na
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://127.0.0.1:")  # the chart's otel.endpoint
     argv = local.argv(container["command"] + container.get("args", []))
     assert argv[:2] == ["switchyard", "serve"] and argv != container["command"]  # only paths/port differ
-    target = f"127.0.0.1:{host_port}"
+    target, http = f"127.0.0.1:{by_name['grpc']}", f"http://127.0.0.1:{by_name['http']}"
     log = tmp_path / "serve.log"
     async with process(argv, env, log) as proc:
+        # What the kubelet's probes ask before the pod is Ready, then gRPC health as clients see it.
+        probe = container["readinessProbe"]["httpGet"]
+        assert container["startupProbe"]["httpGet"] == container["livenessProbe"]["httpGet"] == probe
+        await until_http_ok(f"http://127.0.0.1:{host_ports[probe['port']]}{probe['path']}", proc, log, timeout=90)
         await until_serving(target, proc, log)
         # The StatefulSet controller reports the ready pod; the DecodeService follows.
         status = {"status": {"replicas": sts["spec"]["replicas"], "readyReplicas": sts["spec"]["replicas"]}}
@@ -309,6 +323,13 @@ async def serve_like_the_pod(c: Cluster, tmp_path: Path, sts: dict[str, Any], na
         (tmp_path / "trace.out").write_text(out)
         assert "chain-1" in out, out
         assert png.stat().st_size > 0
+        # The OpenAI-compatible API and /metrics through the Service's HTTP port.
+        answer = await asyncio.to_thread(post_json, http + "/v1/completions",
+                                         {"prompt": "Hello from the chain", "max_tokens": 4})
+        assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] >= 1, answer
+        with urllib.request.urlopen(http + "/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        assert "vllm:num_requests_waiting" in metrics and "switchyard_time_to_first_token_seconds" in metrics
     # SIGTERM flushed the exporter: the span reached the collector, named as the pod's env says.
     spans = [(rs.resource, s) for r in spans_received for rs in r.resource_spans for ss in rs.scope_spans
              for s in ss.spans]

@@ -29,10 +29,12 @@ def test_container_env_resolves_field_refs_in_order():
 
 
 def test_localizer_rewrites_each_path_once():
-    local = Localizer({"/models/tiny": Path("/tmp/x/models"), "/etc/switchyard": Path("/tmp/x/etc")}, {8001: 40000})
+    local = Localizer({"/models/tiny": Path("/tmp/x/models"), "/etc/switchyard": Path("/tmp/x/etc")},
+                      {8001: 40000, 8000: 40001})
     assert local.argv(["serve", "--layout", "/etc/switchyard/layout.json", "--port", "8001", "--model-path",
-                       "/models/tiny"]) == ["serve", "--layout", "/tmp/x/etc/layout.json", "--port", "40000",
-                                            "--model-path", "/tmp/x/models"]
+                       "/models/tiny", "--http-port", "8000", "--max-tokens", "8000"]) == [
+        "serve", "--layout", "/tmp/x/etc/layout.json", "--port", "40000", "--model-path", "/tmp/x/models",
+        "--http-port", "40001", "--max-tokens", "8000"]
     assert local.path("/models/tinyish") == "/models/tinyish"  # a prefix of a name is not a mount
     text = '{"model_path": "/models/tiny", "other": "/models/tinyish"}'
     assert local.text(text) == '{"model_path": "/tmp/x/models", "other": "/models/tinyish"}'

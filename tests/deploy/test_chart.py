@@ -29,7 +29,10 @@ def test_lint_strict_with_every_option_set():
                     "--set", "otel.endpoint=http://otel-collector.observability.svc:4317",
                     "--set", "serviceAccount.create=false", "--set", "serviceAccount.name=existing",
                     "--set", "operator.nodeSelector.role=system",
-                    "--set", "operator.imagePullSecrets[0].name=registry")
+                    "--set", "operator.imagePullSecrets[0].name=registry",
+                    "--set", "metrics.podMonitor.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
+                    "--set", "inferencePool.enabled=true", "--set", "inferencePool.decodeService=llama",
+                    "--set", "inferencePool.endpointPicker.service=llama-epp")
     assert "0 chart(s) failed" in proc.stdout, proc.stdout
 
 
@@ -211,3 +214,108 @@ def test_chart_metadata():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert chart["appVersion"] == project["version"], "the chart's appVersion is the images' tag"
     assert chart["apiVersion"] == "v2" and Path(CHART / "templates" / "NOTES.txt").exists()
+
+
+def operator_objects(**spec) -> list[dict]:
+    """What the operator renders for a DecodeService named llama in namespace models."""
+    from helpers.kube.harness import decode_service, gpu_node
+    from switchyard.operator import inventory, planner, render
+    from switchyard.operator import spec as specmod
+
+    body = decode_service(**spec)
+    body["metadata"].update(name="llama", namespace="models", uid="uid")
+    normal = specmod.normalized(body["spec"])
+    plan = planner.plan(specmod.model_spec(normal), inventory.build([gpu_node("h200-0")], []),
+                        specmod.request(normal))
+    return render.render(body, normal, plan, specmod.model_source(normal))
+
+
+def selected(match_labels: dict, objs: list[dict], kind: str) -> list[str]:
+    """Names of the objects of ``kind`` (pod templates for "Pod") whose labels the selector matches."""
+    found = []
+    for obj in objs:
+        if kind == "Pod" and obj["kind"] == "StatefulSet":
+            meta = {**obj["spec"]["template"]["metadata"], "name": obj["metadata"]["name"]}
+        elif obj["kind"] == kind:
+            meta = obj["metadata"]
+        else:
+            continue
+        if match_labels.items() <= meta["labels"].items():
+            found.append(meta["name"])
+    return found
+
+
+def test_monitors_scrape_the_serving_pods_metrics_port():
+    objs = template("metrics.podMonitor.enabled=true", "metrics.serviceMonitor.enabled=true",
+                    "metrics.podMonitor.labels.release=prometheus", "metrics.serviceMonitor.namespaces[0]=models",
+                    include_crds=False)
+    pod_monitor, service_monitor = one(objs, "PodMonitor"), one(objs, "ServiceMonitor")
+    assert pod_monitor["apiVersion"] == service_monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pod_monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert pod_monitor["metadata"]["labels"]["app.kubernetes.io/component"] == "monitoring"
+    assert "release" not in service_monitor["metadata"]["labels"]
+    assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert service_monitor["spec"]["namespaceSelector"] == {"matchNames": ["models"]}
+    assert pod_monitor["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert service_monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    # What they select is what the operator renders: switchyard's pods, whose "http" port serves
+    # /metrics, and only the Service clients use (the headless one would be a second target per pod);
+    # trtllm-serve's JSON /metrics is left out.
+    served = operator_objects()
+    pods, services = pod_monitor["spec"]["selector"]["matchLabels"], service_monitor["spec"]["selector"]["matchLabels"]
+    assert selected(pods, served, "Pod") == ["llama"]
+    assert selected(services, served, "Service") == ["llama"]
+    sts = one(served, "StatefulSet")
+    assert "http" in [p["name"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]]
+    assert "http" in [p["name"] for p in one([o for o in served if o["metadata"]["name"] == "llama"],
+                                             "Service")["spec"]["ports"]]
+    trt = operator_objects(engine="tensorrt-llm", model={"name": "llama-3-8b", "preset": "llama3-8b",
+                                                         "source": {"image": {"path": "/opt/model"}}})
+    assert one(trt, "StatefulSet") and selected(pods, trt, "Pod") == selected(services, trt, "Service") == []
+    assert not [o for o in template(include_crds=False) if o["kind"] in ("PodMonitor", "ServiceMonitor")]
+
+
+def test_inference_pool_routes_to_a_decode_services_http_port():
+    from switchyard.operator import render
+
+    assert not [o for o in template(include_crds=False) if o["kind"] == "InferencePool"]
+    objs = template("inferencePool.enabled=true", "inferencePool.decodeService=llama",
+                    "inferencePool.namespace=models", "inferencePool.endpointPicker.service=llama-epp",
+                    include_crds=False)
+    pool = one(objs, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert (pool["metadata"]["name"], pool["metadata"]["namespace"]) == ("llama", "models")
+    assert pool["metadata"]["labels"]["app.kubernetes.io/component"] == "inference-pool"
+    served = operator_objects()
+    assert selected(pool["spec"]["selector"]["matchLabels"], served, "Pod") == ["llama"]
+    # The pool's port is the one the operator's pods serve the OpenAI API on.
+    container = one(served, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    http_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    assert http_port == render.RenderConfig().http_port
+    assert pool["spec"]["targetPorts"] == [{"number": http_port}]
+    assert pool["spec"]["endpointPickerRef"] == {"name": "llama-epp", "port": {"number": 9002},
+                                                 "failureMode": "FailClose"}
+    named = one(template("inferencePool.enabled=true", "inferencePool.decodeService=llama",
+                         "inferencePool.name=llama-pool", "inferencePool.endpointPicker.service=epp",
+                         "inferencePool.endpointPicker.port=9010", "inferencePool.endpointPicker.failureMode=FailOpen",
+                         include_crds=False), "InferencePool")
+    assert (named["metadata"]["name"], named["metadata"]["namespace"]) == ("llama-pool", "switchyard-system")
+    assert named["spec"]["endpointPickerRef"] == {"name": "epp", "port": {"number": 9010}, "failureMode": "FailOpen"}
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["inferencePool.enabled=true"], "inferencePool.decodeService is required"),
+    (["inferencePool.enabled=true", "inferencePool.decodeService=llama"],
+     "inferencePool.endpointPicker.service is required"),
+    (["inferencePool.endpointPicker.failureMode=Maybe"], "failureMode"),
+    (["inferencePool.decodeService=Not_A_Name"], "decodeService"),
+    (["inferencePool.endpointPicker.port=70000"], "port"),
+    (["metrics.podMonitor.interval=soon"], "interval"),
+    (["metrics.serviceMonitor.enabeld=true"], "enabeld"),
+])
+def test_monitor_and_pool_values_are_checked(sets, message):
+    args = ["template", "x", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    proc = run_helm(*args, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr

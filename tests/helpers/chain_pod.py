@@ -10,7 +10,8 @@ substituted in one documented way each:
   still finds it); emptyDir mounts (``/tmp``, ``/dev/shm``) are scratch space that every machine
   has, and stay as they are;
 * the pod's own network namespace → a free localhost port: a container port is rewritten to a host
-  port wherever it appears as the value of ``--port`` (what kube-proxy's Service → pod hop does);
+  port wherever it appears as the value of ``--port`` or ``--http-port`` (what kube-proxy's Service →
+  pod hop does);
 * ``fieldRef`` env → the values the kubelet would put there for the pod ``POD_NAME``.
 """
 
@@ -21,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+PORT_FLAGS = ("--port", "--http-port")
 _REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
 
@@ -94,7 +96,7 @@ class Localizer:
     def argv(self, argv: Sequence[str]) -> list[str]:
         out: list[str] = []
         for i, arg in enumerate(argv):
-            if i > 0 and argv[i - 1] == "--port" and int(arg) in self.ports:
+            if i > 0 and argv[i - 1] in PORT_FLAGS and int(arg) in self.ports:
                 out.append(str(self.ports[int(arg)]))
             else:
                 out.append(self.path(arg))

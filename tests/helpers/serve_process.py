@@ -38,15 +38,16 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 @contextlib.contextmanager
 def serve_tiny(tmp_path: Path, *, slots: int, grace: float = 60, max_seq_len: int = 256,
                extra: tuple[str, ...] = (), warmup: bool = False, log_name: str = "serve.log",
-               **popen) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+               http_port: int | None = None, **popen) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     """``switchyard serve --tiny`` as a subprocess (steps compiled on first use unless ``warmup``):
-    (process, target, log); killed on the way out if still running."""
+    (process, target, log); killed on the way out if still running. Its HTTP API on ``http_port`` (a
+    free port unless given)."""
     port = free_port()
     log = tmp_path / log_name
     cmd = [sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", *(() if warmup else ("--no-warmup",)),
            "--host", "127.0.0.1",
            "--port", str(port), "--batch-slots", str(slots), "--max-seq-len", str(max_seq_len),
-           "--grace-period", str(grace), *extra]
+           "--grace-period", str(grace), "--http-port", str(http_port or free_port()), *extra]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ), **popen)
     try:

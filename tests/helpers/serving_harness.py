@@ -61,6 +61,12 @@ class Served:
     app: Any
     server: Any
 
+    @property
+    def http_url(self) -> str:
+        """The HTTP front end's base URL (``serving(http=True)``)."""
+        assert self.server.http_port, "served without http=True"
+        return f"http://127.0.0.1:{self.server.http_port}"
+
     def wait_idle(self, timeout: float = 20.0) -> None:
         """Until no request is queued, generating, or known to the scheduler (or fail)."""
         end = time.monotonic() + timeout
@@ -95,8 +101,13 @@ class Served:
 
 @contextlib.contextmanager
 def serving(
-    *, max_queue: int = 64, telemetry: Any = None, limits: Any = None, keep: int = 256
+    *, max_queue: int = 64, telemetry: Any = None, limits: Any = None, keep: int = 256, http: bool = False,
+    chat_template: Any = None, eos_token_ids: tuple[int, ...] | None = None,
 ) -> Iterator[Served]:
+    """``http``: the OpenAI-compatible HTTP front end too (``Served.http_url``); ``chat_template``: the
+    tiny checkpoint's unless given; ``eos_token_ids``: the model's end-of-sequence ids, unless the
+    checkpoint's."""
+    from switchyard.service.api.http.chat_template import ChatTemplate
     from switchyard.service.api.server import DecodeApp, ServerThread
     from switchyard.service.api.wire import Limits
     from switchyard.service.engine.scheduler import Scheduler
@@ -104,12 +115,13 @@ def serving(
 
     engine, tokenizer = tiny_engine(), tiny_tokenizer()
     recorder = RequestRecorder(telemetry, keep=keep)
-    scheduler = Scheduler(engine, max_queue=max_queue, model_name="tiny")
+    scheduler = Scheduler(engine, max_queue=max_queue, model_name="tiny", eos_token_ids=eos_token_ids)
     app = DecodeApp(
         model_name="tiny", limits=limits or Limits(default_max_tokens=16), recorder=recorder,
         info={"tensor_parallel": 1, "allreduce_strategy": "xla", "max_queue": max_queue},
+        chat_template=chat_template or ChatTemplate.from_dir(tiny_dir()),
     )
-    server = ServerThread(app, scheduler, tokenizer)
+    server = ServerThread(app, scheduler, tokenizer, http=http)
     try:
         yield Served(server.target, scheduler, recorder, app, server)
     finally:

@@ -54,10 +54,11 @@ def test_latency_llama3_8b_renders_valid_objects_with_the_service_command():
     pod = sts["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"] == ["switchyard", "serve", "--layout", "/etc/switchyard/layout.json",
-                            "--model-path", "/models/llama-3-8b", "--port", "8001"]
+                            "--model-path", "/models/llama-3-8b", "--port", "8001", "--http-port", "8000"]
     assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "8"
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert c[probe]["grpc"] == {"port": 8001}
+        assert c[probe]["httpGet"] == {"path": "/health", "port": 8000}
+    assert {(p["name"], p["containerPort"]) for p in c["ports"]} == {("grpc", 8001), ("http", 8000)}
     assert pod["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["allowPrivilegeEscalation"] is False
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
@@ -83,8 +84,16 @@ def test_latency_llama3_8b_renders_valid_objects_with_the_service_command():
     assert (status["kvTokens"], status["stepTokens"], status["kvMemoryFraction"]) == (layout.kv_tokens, 256, 0.9)
     assert status["kvBytesPerGPU"] == layout.kv_tokens * 2 * 32 * 1 * 128 * 2  # one KV head per GPU at TP8
     svc = next(o for o in objs if o["metadata"]["name"] == "llama" and o["kind"] == "Service")
-    assert svc["spec"]["ports"][0]["appProtocol"] == "grpc"
+    assert [(p["name"], p["port"], p["appProtocol"]) for p in svc["spec"]["ports"]] == [
+        ("grpc", 8001, "grpc"), ("http", 8000, "http")]
     assert svc["spec"]["selector"] == {"switchyard.dev/service": "llama"}
+    # Prometheus (the chart's monitors) scrapes the pods and the clients' Service, not the headless
+    # one as well (each pod twice).
+    metrics = {render.METRICS_LABEL: render.METRICS_FORMAT}
+    assert metrics.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    assert metrics.items() <= svc["metadata"]["labels"].items()
+    (headless,) = [o for o in by_kind(objs, "Service") if o["metadata"]["name"] == "llama-headless"]
+    assert render.METRICS_LABEL not in headless["metadata"]["labels"]
 
 
 def test_throughput_renders_one_statefulset_with_dp_pods():
@@ -151,6 +160,9 @@ def test_tensorrt_llm_engine_renders_trtllm_serve_with_the_same_layout():
     assert args["--max_batch_size"] == str(p.layout.batch_slots)
     assert c["image"].startswith("nvcr.io/nvidia/tensorrt-llm/")
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8001}
+    # trtllm-serve's /metrics is JSON: the chart's Prometheus monitors leave its pods and Service out.
+    for obj in (sts["spec"]["template"]["metadata"], *(o["metadata"] for o in by_kind(objs, "Service"))):
+        assert render.METRICS_LABEL not in obj["labels"]
     (cm,) = by_kind(objs, "ConfigMap")
     options = yaml.safe_load(cm["data"]["trtllm-options.yaml"])
     assert options["allreduce_strategy"] == "ONESHOT"

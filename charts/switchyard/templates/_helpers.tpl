@@ -19,10 +19,19 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{- define "switchyard.labels" -}}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
-{{ include "switchyard.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{ include "switchyard.componentLabels" (dict "ctx" . "component" "operator") }}
+{{- end -}}
+
+{{- /* The chart's labels for an object of one component: (dict "ctx" . "component" NAME). The
+monitors and the InferencePool are about the serving pods, not the operator. */ -}}
+{{- define "switchyard.componentLabels" -}}
+{{- $ctx := .ctx -}}
+helm.sh/chart: {{ printf "%s-%s" $ctx.Chart.Name $ctx.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ $ctx.Chart.Name }}
+app.kubernetes.io/instance: {{ $ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/version: {{ $ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $ctx.Release.Service }}
 app.kubernetes.io/part-of: switchyard
 {{- end -}}
 
