@@ -318,11 +318,7 @@ def measure(path: str, rate: float, wire: list[tuple[float, str, int]], server: 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="llama3-8b", help="make-checkpoint preset (random weights)")
-    parser.add_argument("--model-path", type=Path, help="a checkpoint folder instead of a preset")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--batch-slots", type=int, default=64)
-    parser.add_argument("--max-seq-len", type=int, default=4352)
+    startup.add_model_arguments(parser)
     parser.add_argument("--serve-args", default="", help="more `switchyard serve` flags, as one shell string")
     parser.add_argument("--rates", type=float, nargs="+", default=[TARGET_RATE_RPS], help="requests/s")
     parser.add_argument("--duration", type=float, default=20, help="seconds of arrivals per rate")

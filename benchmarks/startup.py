@@ -144,13 +144,18 @@ def device_name() -> str:
         return "cpu"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint ``serve`` runs on (a folder, or a preset written first) and its layout."""
     parser.add_argument("--preset", default="llama3-8b", help="make-checkpoint preset (random weights)")
     parser.add_argument("--model-path", type=Path, help="a checkpoint folder instead of a preset")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--batch-slots", type=int, default=64)
     parser.add_argument("--max-seq-len", type=int, default=4352)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
     parser.add_argument("--work", type=Path, default=Path("/tmp/switchyard-startup"),
                         help="folder for the checkpoint, the compile cache and the logs")
     parser.add_argument("--timeout", type=float, default=420, help="seconds one start may take")

@@ -213,7 +213,7 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     else:
         env += [{"name": "OTEL_TRACES_EXPORTER", "value": "none"},
                 {"name": "OTEL_METRICS_EXPORTER", "value": "none"}]
-    if config.compile_cache_path and not trt:
+    if keeps_compile_cache(spec, config):
         env.append({"name": COMPILE_CACHE_ENV, "value": COMPILE_CACHE_MOUNT})
     if lay.pp > 1:
         env.append({"name": STAGE_ENV,
@@ -229,7 +229,7 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     mounts = [{"name": "layout", "mountPath": LAYOUT_DIR, "readOnly": True},
               {"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "tmp", "mountPath": "/tmp"}]
-    if config.compile_cache_path and not trt:
+    if keeps_compile_cache(spec, config):
         mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_MOUNT})
     if source.kind != "image":
         mount: dict[str, Any] = {"name": "model", "mountPath": source.path, "readOnly": True}
@@ -257,6 +257,12 @@ def _container(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: ModelS
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
     return container
+
+
+def keeps_compile_cache(spec: Mapping[str, Any], config: RenderConfig) -> bool:
+    """Whether the pods keep their compile cache on the node: a folder is configured, and the engine
+    is ours (TensorRT-LLM keeps no such cache)."""
+    return bool(config.compile_cache_path) and spec.get("engine") != "tensorrt-llm"
 
 
 def _compile_cache_owner(spec: Mapping[str, Any], config: RenderConfig) -> dict[str, Any]:
@@ -293,7 +299,7 @@ def _statefulset(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mode
     elif source.kind == "hostPath":
         volumes.append({"name": "model", "hostPath": {"path": source.host_path, "type": "Directory"}})
     init_containers = []
-    if config.compile_cache_path and spec.get("engine") != "tensorrt-llm":
+    if keeps_compile_cache(spec, config):
         volumes.append({"name": "compile-cache",
                         "hostPath": {"path": config.compile_cache_path, "type": "DirectoryOrCreate"}})
         init_containers.append(_compile_cache_owner(spec, config))

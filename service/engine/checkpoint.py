@@ -198,13 +198,14 @@ def load_params(
             fetchers["k_norm"] = whole(n["k_norm"], tensor_shape("k_norm", s))
         return fetchers
 
-    def stage_fetch(j: int, leaf: int) -> Callable[[tuple[slice, ...]], np.ndarray]:
-        """Leaf ``leaf`` of entry j of the stage-stacked layers: stage s's block is layer s * per_stage + j."""
+    def stage_fetch(j: int, leaf: int, transposed: bool) -> Callable[[tuple[slice, ...]], np.ndarray] | Transposed:
+        """Leaf ``leaf`` of entry j of the stage-stacked layers: stage s's block is layer s * per_stage + j
+        (``transposed``: that leaf's fetcher is a :class:`Transposed`, as it is for every stage)."""
         def fetch(idx: tuple[slice, ...]) -> np.ndarray:
             stage = idx[0].start or 0
             inner = jax.tree.leaves(layer_fetchers(stage * per_stage + j))[leaf]
-            return (inner.fetch if isinstance(inner, Transposed) else inner)(idx[1:])[None]
-        return Transposed(fetch) if isinstance(jax.tree.leaves(layer_fetchers(j))[leaf], Transposed) else fetch
+            return (inner.fetch if transposed else inner)(idx[1:])[None]
+        return Transposed(fetch) if transposed else fetch
 
     rep = P()
     itemsize = np.dtype(np_dtype).itemsize
@@ -223,8 +224,9 @@ def load_params(
         else:
             lshape, lspec = stage_stacked(lshape, lspec, stages, "pp")
             leaves, treedef = jax.tree.flatten(lshape, is_leaf=is_shape)
-            layer = jax.tree.unflatten(treedef, [put(shp, ps, stage_fetch(j, k)) for k, (shp, ps) in enumerate(
-                zip(leaves, jax.tree.leaves(lspec), strict=True))])
+            transposed = [isinstance(f, Transposed) for f in jax.tree.leaves(layer_fetchers(j))]
+            layer = jax.tree.unflatten(treedef, [put(shp, ps, stage_fetch(j, k, transposed[k])) for k, (shp, ps) in
+                                                 enumerate(zip(leaves, jax.tree.leaves(lspec), strict=True))])
         params["layers"].append(layer)
         bar.update(sum(leaf.nbytes for leaf in jax.tree.leaves(layer)))
     params["final_norm"] = put(shapes["final_norm"], rep, whole(FINAL_NORM, (s.hidden_size,)))

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import cli_process
+from helpers.cli_process import assert_one_line
 from helpers.serve_process import serve_tiny, serving, wait_for
 from safetensors import safe_open
 from switchyard.cli import serve as serve_cli
@@ -24,18 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def switchyard(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-    environment.update({"XLA_FLAGS": "", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "switchyard.cli.main", *argv], capture_output=True, text=True,
-                          timeout=300, env=environment)
-
-
-def assert_one_line(done: subprocess.CompletedProcess, *words: str) -> None:
-    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    for word in words:
-        assert word in lines[0], lines[0]
+    return cli_process.switchyard(*argv, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")

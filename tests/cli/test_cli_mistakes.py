@@ -13,25 +13,11 @@ from pathlib import Path
 
 import pytest
 from helpers import HELPERS
+from helpers.cli_process import assert_one_line, switchyard
+from helpers.serve_process import free_port
 
 pytestmark = pytest.mark.timeout(300)
 NODES = HELPERS / "kube" / "nodes-hgx.yaml"
-
-
-def switchyard(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-    environment["XLA_FLAGS"] = ""  # one CPU device, not the test session's four
-    environment.update(env or {})
-    return subprocess.run([sys.executable, "-m", "switchyard.cli.main", *argv], capture_output=True, text=True,
-                          timeout=timeout, env=environment)
-
-
-def assert_one_line(done: subprocess.CompletedProcess, *words: str) -> None:
-    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +118,7 @@ def test_an_http_port_in_use_is_one_line_before_anything_loads() -> None:
 
 
 def test_generate_against_no_server_is_one_line_and_no_output() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens there once the socket is closed
+    port = free_port()  # nothing listens there once the socket is closed
     done = switchyard("generate", "--target", f"127.0.0.1:{port}", "hello")
     assert done.returncode == 1 and done.stdout == "", (done.returncode, done.stdout)
     lines = done.stderr.strip().splitlines()
@@ -219,9 +203,7 @@ def test_plan_takes_the_manifests_model_names() -> None:
 
 
 def test_ctrl_c_during_warm_up_stops_at_once() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     environment.update(XLA_FLAGS="", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-m", "switchyard.cli.main", "serve", "--tiny", "--host", "127.0.0.1",

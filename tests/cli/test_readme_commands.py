@@ -18,7 +18,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers import HELPERS, ROOT
+from helpers.serve_process import free_port
 from helpers.serving_harness import serving, tiny_dir
 
 pytestmark = pytest.mark.timeout(300)
@@ -186,11 +186,7 @@ def serve_until_listening(command: Command, tmp_path: Path, monkeypatch: pytest.
     """Run as written in the reader's environment, on free ports (the README's are 8001 and 8000): it gets past
     its start-up checks (the devices it asks for included) to listening, then Ctrl-C stops it. Its log
     up to then holds no warning and none of JAX's notices that a TPU is missing."""
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port(), free_port()]
     proc = switchyard_process([*command.argv[1:], "--host", "127.0.0.1", "--port", str(ports[0]),
                                "--http-port", str(ports[1])], command, stderr=subprocess.PIPE)
     log = []
