@@ -29,7 +29,16 @@ if TYPE_CHECKING:
         row_parallel_residual_rmsnorm,
         split_product,
     )
-    from switchyard.kernels.native import KernelError, check_errors, device_memory, init, reset, set_timeout, status
+    from switchyard.kernels.native import (
+        KernelError,
+        attention_ready,
+        check_errors,
+        device_memory,
+        init,
+        reset,
+        set_timeout,
+        status,
+    )
     from switchyard.kernels.weights import DenseWeight, Fp8Weight, Weight, as_weight
 
 # Public name -> the module that defines it (a module's own name: the module itself).
@@ -52,6 +61,7 @@ _LAZY = {
     "Weight": "weights",
     "as_weight": "weights",
     "KernelError": "native",
+    "attention_ready": "native",
     "check_errors": "native",
     "device_memory": "native",
     "init": "native",
@@ -71,6 +81,7 @@ __all__ = [
     "all_reduce_residual_rmsnorm",
     "as_weight",
     "attention",
+    "attention_ready",
     "check_errors",
     "device_memory",
     "fp8",

@@ -47,6 +47,9 @@ XLA_UNSTATED_LIMIT_FRACTION = 0.8
 # A step's parameters beside the weights and the KV pool (slot state, inputs and tokens) and a little
 # room for its temporaries, inside that share.
 STEP_PARAMETER_MARGIN = 256 << 20
+# What the GPU runtime takes beside the weights (CUDA context, library workspaces, the kernels'
+# buffers): the planner's ``runtime_reserve_bytes`` (operator/calibration.json; a test holds them equal).
+RUNTIME_RESERVE_BYTES = 2 << 30
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Bounds of a model's shape, by config.json name: the largest models served, with room to spare

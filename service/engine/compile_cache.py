@@ -6,7 +6,9 @@ Two layers, one folder (``serve --compile-cache DIR``, a node-local volume in a 
   compiles is looked up by its HLO, compile options, XLA flags, jax and jaxlib versions, platform and
   devices, so a different model shape, layout, jax or GPU never loads another's program. Our kernels'
   custom calls are named in the HLO but implemented by the kernels library, which JAX cannot see: each
-  build of the library gets a folder of its own.
+  build of the library gets a folder of its own.  It is trimmed to :data:`XLA_CACHE_MAX_BYTES` at each start. JAX
+  writes its entries in place: a pod that reads one while another pod of the node is still writing
+  it logs JAX's warning and compiles that program itself.
 - The step programs as loaded executables under ``DIR/programs`` (:class:`ProgramStore`). XLA's cache
   saves the compile but not the tracing and lowering in front of it, which for a 32-layer model is
   most of a warm start; an executable kept whole skips both. Its key is everything a step program is
@@ -34,8 +36,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ENV = "SWITCHYARD_COMPILE_CACHE"
-# What XLA's cache may hold before JAX evicts its least recently used entries (a Llama-3-8B layout's
-# programs take a few hundred MB; several models and versions fit).
+# What XLA's cache may hold: at each start, entries beyond it go, least recently written first (a
+# Llama-3-8B layout's programs take a few hundred MB; several models and versions fit). JAX's own
+# eviction is off: it takes a file lock for every read and write that the compile threads wait on
+# for more than its 10 s timeout, and each timeout is a warning and a program not cached.
 XLA_CACHE_MAX_BYTES = 16 << 30
 STORE_FORMAT = 1
 # The code a step program is traced from (relative to the package root): a change to any of it is a
@@ -195,8 +199,29 @@ def open_cache(root: str | os.PathLike[str], kernels_library: Path | None) -> Co
     jax.config.update("jax_compilation_cache_dir", str(cache.xla_folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", XLA_CACHE_MAX_BYTES)
+    jax.config.update("jax_compilation_cache_max_size", -1)
+    trim(cache.xla_folder, XLA_CACHE_MAX_BYTES)
     return cache
+
+
+def trim(folder: Path, max_bytes: int) -> int:
+    """Remove the oldest files of ``folder`` (by modification time) until the rest take at most
+    ``max_bytes``; the bytes removed. A file another process removes first is skipped."""
+    files = []
+    for path in folder.iterdir():
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        if path.is_file():
+            files.append((stat.st_mtime, stat.st_size, path))
+    total, removed = sum(size for _, size, _ in files), 0
+    for _, size, path in sorted(files):
+        if total - removed <= max_bytes:
+            break
+        path.unlink(missing_ok=True)
+        removed += size
+    return removed
 
 
 def environment_facts(environ: Mapping[str, str], names: Iterable[str]) -> dict[str, str]:

@@ -23,6 +23,7 @@ processes it sends each plan to the others (``pipeline_group.py``), which launch
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -336,6 +337,10 @@ class Engine:
         self._vocab_axes = AXIS if self.pp == 1 else VOCAB_AXES
         if config.strategy != "xla" and self.tp > 1 and self.pp == 1:
             kernels.init(list(mesh.devices.flat))
+        if mesh.devices.flat[0].platform == "gpu":
+            # Loads the decode-attention kernels on the GPUs now: tracing a step would, but a step
+            # program loaded from the compile cache is never traced.
+            kernels.attention_ready()
         self.kv_tokens = self._pool_tokens()
         self.num_blocks = self.kv_tokens // self.kv_block_size + 1  # and the null block
         self._state = self._new_state()
@@ -382,8 +387,13 @@ class Engine:
 
     def _pool_tokens(self) -> int:
         devices = list(self.mesh.devices.flat)
-        free = free_device_memory(devices, kernels.device_memory, memory_fraction())
-        room = compiler_room(devices, kernels.device_memory)
+        held = collections.Counter()
+        for leaf in jax.tree_util.tree_leaves(self.params):
+            for shard in leaf.addressable_shards:
+                held[shard.device] += shard.data.nbytes
+        weights = max(held.values(), default=0)  # the GPU holding the most
+        free = free_device_memory(devices, kernels.device_memory, memory_fraction(), weights)
+        room = compiler_room(devices, kernels.device_memory, weights)
         return pool_tokens(self.spec, self.config, self.tp, self.pp, self.dtype, free, room)
 
     @property

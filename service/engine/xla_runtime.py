@@ -15,7 +15,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from switchyard.service.modelspec import STEP_PARAMETER_MARGIN, XLA_UNSTATED_LIMIT_FRACTION, ModelSpecError
+from switchyard.service.modelspec import (
+    RUNTIME_RESERVE_BYTES,
+    STEP_PARAMETER_MARGIN,
+    XLA_UNSTATED_LIMIT_FRACTION,
+    ModelSpecError,
+)
 
 ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
 # The share of a GPU's memory XLA may take, as JAX reads it (the second name is the older one).
@@ -93,28 +98,32 @@ def step_compiler_options(chunk_tokens: int, step_tokens: int, platform: str,
     return options or None
 
 
-def compiler_room(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None]) -> int | None:
+def compiler_room(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None],
+                  weights_per_gpu: int) -> int | None:
     """Bytes the KV pool may take so that XLA's compiler, where the allocator states no limit, sees a
-    step's parameters inside the share of memory it assumes usable (:data:`XLA_UNSTATED_LIMIT_FRACTION`,
-    less what is in use, the weights among it, and :data:`STEP_PARAMETER_MARGIN`); None where the
-    allocator states its limit (XLA then plans with it) or on host devices."""
+    step's parameters inside the share of memory it assumes usable: :data:`XLA_UNSTATED_LIMIT_FRACTION`
+    of the GPU less ``weights_per_gpu``, :data:`RUNTIME_RESERVE_BYTES` and
+    :data:`STEP_PARAMETER_MARGIN` (as the planner counts it); None where the allocator states its limit
+    (XLA then plans with it) or on host devices."""
     if devices[0].platform != "gpu" or all((d.memory_stats() or {}).get("bytes_limit") for d in devices):
         return None
     counts = [driver_count(d) for d in devices]
     if any(c is None for c in counts):
         return None
-    return min(max(0, int(XLA_UNSTATED_LIMIT_FRACTION * total) - (total - free) - STEP_PARAMETER_MARGIN)
-               for free, total in counts)
+    return min(max(0, int(XLA_UNSTATED_LIMIT_FRACTION * total) - STEP_PARAMETER_MARGIN
+                   - weights_per_gpu - RUNTIME_RESERVE_BYTES) for _, total in counts)
 
 
 def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None],
-                       fraction: float) -> int | None:
+                       fraction: float, weights_per_gpu: int) -> int | None:
     """Bytes XLA may still allocate on the fullest of ``devices`` (JAX devices), for the KV pool; None
     on host devices, which have no device memory to fill. From XLA's allocator statistics where it
     keeps them (its arena less what is in use); under the virtual-memory allocator, which keeps none,
-    from ``driver_count(device)`` ((free, total) bytes as the CUDA driver counts them, or None where
-    it cannot tell): what is free, at most ``fraction`` of the total less what is in use (every
-    allocation on the GPU counted as XLA's, so never more than XLA may take)."""
+    ``fraction`` of the GPU less ``weights_per_gpu`` and :data:`RUNTIME_RESERVE_BYTES` (as the planner
+    counts it), at most what ``driver_count(device)`` ((free, total) bytes as the CUDA driver counts
+    them, or None where it cannot tell) says is free. Not the driver's count of what is in use: it
+    holds memory XLA's allocator keeps for reuse and moves by hundreds of MB from one start to the
+    next, and another pool size is another set of step programs for the compile cache."""
     if devices[0].platform != "gpu":
         return None
     stats = [d.memory_stats() for d in devices]
@@ -125,4 +134,5 @@ def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tup
         raise ModelSpecError("cannot size the KV pool: XLA's allocator keeps no memory statistics here and the "
                              "kernels library cannot read the GPUs' free memory (not built, or its query failed); "
                              "set layout.kv_tokens")
-    return min(max(0, min(free, int(fraction * total) - (total - free))) for free, total in counts)
+    in_use = weights_per_gpu + RUNTIME_RESERVE_BYTES
+    return min(max(0, min(free, int(fraction * total) - in_use)) for free, total in counts)

@@ -5,6 +5,7 @@ compiled again."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from switchyard.service.engine.compile_cache import (
     program_key,
     source_digest,
     stable_repr,
+    trim,
 )
 from switchyard.service.engine.engine import EngineConfig
 
@@ -46,6 +48,17 @@ def test_the_source_digest_follows_the_code(tmp_path: Path) -> None:
     assert source_digest(tmp_path, ("service/engine",)) == before
     step.write_text("x = 2\n")
     assert source_digest(tmp_path, ("service/engine",)) != before
+
+
+def test_trimming_removes_the_oldest_entries_until_the_rest_fit(tmp_path: Path) -> None:
+    for age, name in enumerate(("newest", "middle", "oldest")):
+        path = tmp_path / name
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (1000 - age, 1000 - age))
+    assert trim(tmp_path, 250) == 100
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["middle", "newest"]
+    assert trim(tmp_path, 200) == 0
+    assert trim(tmp_path, 0) == 200 and not list(tmp_path.iterdir())
 
 
 def test_a_configuration_reads_the_same_in_every_process() -> None:

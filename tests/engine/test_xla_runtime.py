@@ -15,7 +15,7 @@ from switchyard.service.engine.xla_runtime import (
     memory_fraction,
     step_compiler_options,
 )
-from switchyard.service.modelspec import ModelSpecError
+from switchyard.service.modelspec import RUNTIME_RESERVE_BYTES, ModelSpecError
 
 VMM = {ALLOCATOR_ENV: "vmm"}
 UPDATE_MODE = "xla_gpu_command_buffer_update_mode"
@@ -93,27 +93,32 @@ def _driver(device: _Device) -> tuple[int, int] | None:
     return device.driver
 
 
-def test_free_memory_comes_from_the_allocator_where_it_counts_and_the_driver_where_it_does_not():
+def test_free_memory_comes_from_the_allocator_where_it_counts_and_the_planners_count_where_it_does_not():
     gib = 2**30
-    assert free_device_memory([_Device("cpu", None)], _driver, 0.9) is None
+    assert free_device_memory([_Device("cpu", None)], _driver, 0.9, 0) is None
     arenas = [_Device("gpu", {"bytes_limit": 60 * gib, "bytes_in_use": 16 * gib}, (70 * gib, 80 * gib)),
               _Device("gpu", {"bytes_limit": 60 * gib, "bytes_in_use": 18 * gib}, (70 * gib, 80 * gib))]
-    assert free_device_memory(arenas, _driver, 0.9) == 42 * gib  # the fullest GPU's arena, not the driver's count
-    # No statistics: free memory, at most the fraction XLA may take less everything in use.
+    assert free_device_memory(arenas, _driver, 0.9, 0) == 42 * gib  # the fullest GPU's arena, not the driver's count
+    # No statistics: the fraction XLA may take less the weights and the runtime's reserve, at most what
+    # the driver says is free; what the driver says is in use (18-19 GiB here) does not count.
     vmm = [_Device("gpu", None, (63 * gib, 80 * gib)), _Device("gpu", {}, (61 * gib, 80 * gib))]
-    assert free_device_memory(vmm, _driver, 1.0) == 61 * gib
-    assert free_device_memory(vmm, _driver, 0.9) == 72 * gib - 19 * gib
-    assert free_device_memory(vmm, _driver, 0.2) == 0  # already past the share
+    reserve = RUNTIME_RESERVE_BYTES
+    assert free_device_memory(vmm, _driver, 0.9, 15 * gib) == 72 * gib - 15 * gib - reserve
+    assert free_device_memory(vmm, _driver, 1.0, 15 * gib) == 61 * gib  # the driver's free memory caps it
+    assert free_device_memory(vmm, _driver, 0.2, 15 * gib) == 0  # already past the share
     with pytest.raises(ModelSpecError, match=r"^cannot size the KV pool: .* set layout\.kv_tokens$"):
-        free_device_memory([_Device("gpu", None, None)], _driver, 0.9)
+        free_device_memory([_Device("gpu", None, None)], _driver, 0.9, 0)
 
 
 def test_the_compiler_room_is_what_xla_assumes_usable_only_where_the_allocator_states_no_limit():
     gib = 2**30
-    assert compiler_room([_Device("cpu", None)], _driver) is None
+    assert compiler_room([_Device("cpu", None)], _driver, 0) is None
     arena = _Device("gpu", {"bytes_limit": 72 * gib, "bytes_in_use": 16 * gib}, (64 * gib, 80 * gib))
-    assert compiler_room([arena], _driver) is None  # XLA plans with the arena's limit
+    assert compiler_room([arena], _driver, 0) is None  # XLA plans with the arena's limit
     vmm = [_Device("gpu", None, (63 * gib, 80 * gib)), _Device("gpu", {}, (62 * gib, 80 * gib))]
-    assert compiler_room(vmm, _driver) == 64 * gib - 18 * gib - STEP_PARAMETER_MARGIN  # 80% less the most in use
-    assert compiler_room([_Device("gpu", None, (10 * gib, 80 * gib))], _driver) == 0
-    assert compiler_room([_Device("gpu", None, None)], _driver) is None
+    # 80% less the weights, the runtime's reserve and the step's margin, whatever the driver counts in use.
+    want = 64 * gib - 15 * gib - RUNTIME_RESERVE_BYTES - STEP_PARAMETER_MARGIN
+    assert compiler_room(vmm, _driver, 15 * gib) == want
+    assert compiler_room([_Device("gpu", None, (10 * gib, 80 * gib))], _driver, 15 * gib) == want
+    assert compiler_room([_Device("gpu", None, (10 * gib, 80 * gib))], _driver, 70 * gib) == 0
+    assert compiler_room([_Device("gpu", None, None)], _driver, 0) is None

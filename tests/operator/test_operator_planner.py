@@ -311,6 +311,12 @@ def test_kv_budget_is_a_share_of_the_memory_after_the_weights(fraction):
     assert not any("slots x" in r for r in p.reasons)
 
 
+def test_the_engine_counts_the_runtime_reserve_the_planner_counts():
+    from switchyard.service.modelspec import RUNTIME_RESERVE_BYTES
+
+    assert int(calibration.load().models["runtime_reserve_bytes"]) == RUNTIME_RESERVE_BYTES
+
+
 def test_a_one_gpu_pool_stays_inside_what_xla_assumes_usable():
     """One GPU runs XLA's virtual-memory allocator, whose limit XLA's compiler is not told (it assumes
     80% of the GPU): the pool the planner counts on is the engine's, inside that share."""
