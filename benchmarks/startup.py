@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# A C++ (absl) log line: severity letter, MMDD, time; Python's: the level name as a word.
+# A C++ (absl) log line: severity letter, MMDD, time.
 CPP_LINE = re.compile(r"^([WEF])\d{4} \d\d:\d\d:\d\d")
-PY_LEVEL = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b")
+# Python's: a logger's level name as a word, or a warnings-module line ("...: UserWarning: ...").
+PY_LEVEL = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|\b[A-Z]\w*Warning: ")
 NUMBER = re.compile(r"[0-9]+(\.[0-9]+)?")
 WEIGHTS_LOADED = re.compile(r"loading \S+: done, .* in [0-9.]+ s")
 PROMPT = "The compile cache keeps every step program of"
@@ -71,7 +72,7 @@ def classify(log: str) -> dict[str, Any]:
         py = None if cpp else PY_LEVEL.search(line)
         if not cpp and not py:
             continue
-        level = {"W": "WARNING", "E": "ERROR", "F": "FATAL"}[cpp[1]] if cpp else py[1]
+        level = {"W": "WARNING", "E": "ERROR", "F": "FATAL"}[cpp[1]] if cpp else py[1] or "WARNING"
         levels[level] += 1
         message = line.split("] ", 1)[-1] if cpp else line[py.start():]
         groups[f"{level}: {NUMBER.sub('N', message)[:160]}"] += 1
@@ -167,7 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = make_checkpoint(args.preset, model) if args.model_path is None else {"path": str(model)}
     cache = args.work / "compile-cache"
     shutil.rmtree(cache, ignore_errors=True)
-    runs = []
+    device = device_name()
+    commit = os.environ.get("SWITCHYARD_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    suffix = "" if args.tp == 1 else f"-tp{args.tp}"
+    name = f"startup-{device.lower().replace(' ', '-')}{suffix}.json"
+    out = args.out or ROOT / "benchmarks" / "results" / "current" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    same = False
     for label in ("cold", "warm"):
         row = start(label, model, cache, args, args.work)
         runs.append(row)
@@ -175,21 +184,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['weights']}; {row.get('compile_cache', '')}; log {row['log']['by_level']}", flush=True)
         for message, count in row["log"]["messages"].items():
             print(f"   {count:4d}  {message}", flush=True)
-    same = len(runs) == 2 and runs[0].get("tokens") is not None and runs[0].get("tokens") == runs[1].get("tokens")
+        same = len(runs) == 2 and runs[0].get("tokens") is not None and runs[0].get("tokens") == runs[1].get("tokens")
+        # Written after each start, so a run cut short keeps what it measured.
+        result = {"command": "python benchmarks/startup.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "device": device, "date": datetime.date.today().isoformat(), "commit": commit,
+                  "complete": len(runs) == 2,
+                  "layout": {"tp": args.tp, "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len},
+                  "checkpoint": checkpoint, "runs": runs, "tokens_identical": same,
+                  "targets": {"warm_serving_s": 30 if args.tp == 1 else 45, "warning_lines": 0}}
+        out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"greedy tokens identical cold and warm: {same}")
-    device = device_name()
-    commit = os.environ.get("SWITCHYARD_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    result = {"command": "python benchmarks/startup.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "device": device, "date": datetime.date.today().isoformat(), "commit": commit,
-              "layout": {"tp": args.tp, "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len},
-              "checkpoint": checkpoint, "runs": runs, "tokens_identical": same,
-              "targets": {"warm_serving_s": 30 if args.tp == 1 else 45, "warning_lines": 0}}
-    suffix = "" if args.tp == 1 else f"-tp{args.tp}"
-    name = f"startup-{device.lower().replace(' ', '-')}{suffix}.json"
-    out = args.out or ROOT / "benchmarks" / "results" / "current" / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0 if all(r["serving_s"] is not None for r in runs) and same else 1
 
