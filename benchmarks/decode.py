@@ -18,7 +18,8 @@ its ``kv_cache_dtype``. ``--hlo-dir`` writes the optimised HLO
 of each configuration's decode step (at the first batch and context) as XLA dumps it.
 ``--peer torch-compile`` also times ``benchmarks/torch_peer.py`` (a gpt-fast-style PyTorch decoder
 under ``torch.compile``) at the same batches and contexts in the same run, in a subprocess that ends
-before JAX takes the GPU, and writes its rows beside ours.
+before JAX takes the GPU, and writes its rows beside ours. Several ``--tp`` sizes run one after the
+other, each in a process of its own (the kernels serve one device list per process), into one result.
 
     python benchmarks/decode.py --model llama3-8b --tp 1 --batch 1 8 32 --context 1024 \
         --peer torch-compile --out benchmarks/results/current/decode-tp1-h200.json
@@ -36,6 +37,7 @@ import os
 import platform
 import runpy
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -328,8 +330,50 @@ def measure(engine: Engine, args: argparse.Namespace, batch: int, context: int, 
     return out
 
 
+def with_tp(argv: list[str], tp: int, out: Path) -> list[str]:
+    """``argv`` with its ``--tp`` sizes replaced by ``tp`` and its ``--out`` by ``out``."""
+    kept, skipping = [], False
+    for arg in argv:
+        if arg in ("--tp", "--out"):
+            skipping = True
+            continue
+        if skipping and not arg.startswith("--"):
+            continue
+        skipping = False
+        kept.append(arg)
+    return [*kept, "--tp", str(tp), "--out", str(out)]
+
+
+def run_each_tp(args: argparse.Namespace, argv: list[str]) -> int:
+    """Several TP sizes: each in a process of its own (the kernels serve one device list per process),
+    one after the other, their rows in one result as one process would have written it."""
+    merged: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="switchyard-decode-") as scratch:
+        for tp in args.tp:
+            out = Path(scratch, f"tp{tp}.json")
+            if subprocess.run([sys.executable, __file__, *with_tp(argv, tp, out)]).returncode != 0:
+                print(f"decode.py: the TP={tp} run failed", file=sys.stderr)
+                return 1
+            result = json.loads(out.read_text())
+            if merged is None:
+                merged = result
+            else:
+                merged["rows"] += result["rows"]
+                if "peer" in result and "peer" not in merged:
+                    merged["peer"] = result["peer"]
+    assert merged is not None
+    merged["command"] = "python " + " ".join([sys.argv[0], *argv])
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(merged, indent=2) + "\n")
+    print(json.dumps(merged["rows"]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if len(args.tp) > 1:
+        return run_each_tp(args, list(argv if argv is not None else sys.argv[1:]))
     apply_process_defaults(max(args.tp))  # as serve's engine process (one allocator for every run here)
     xla_flags = os.environ.get("XLA_FLAGS", "")
     scratch = tempfile.TemporaryDirectory(prefix="switchyard-hlo-") if args.hlo_dir else None

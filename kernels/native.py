@@ -32,7 +32,8 @@ DIAGNOSTIC_TARGETS = {"switchyard_timestamp": "SyTimestamp"}
 
 
 class KernelError(RuntimeError):
-    """A custom all-reduce failed on the device (e.g. a peer never reached a barrier)."""
+    """A custom all-reduce failed on the device (e.g. a peer never reached a barrier), or the kernels
+    were asked for a group they cannot serve in this process."""
 
 
 @dataclass
@@ -43,6 +44,7 @@ class _State:
     capability: Capability = field(default_factory=lambda: Capability.unavailable("not initialised"))
     init_tried: bool = False
     attention: bool | None = None  # decode-attention kernel usable (None: not checked yet)
+    ordinals: list[int] | None = None  # the GPUs the kernels were initialised for
 
 
 _state = _State()
@@ -137,7 +139,8 @@ def init(
 
     ``devices``: the GPUs of the tensor-parallel group in rank order (default: all local GPUs).
     Idempotent. Returns the resulting capability; never raises for a missing library or GPU (the
-    reference path is used instead, with the reason in ``status()``).
+    reference path is used instead, with the reason in ``status()``). Raises :class:`KernelError` for
+    a group on other GPUs than the first one initialised in this process.
     """
     with _lock:
         _state.init_tried = True
@@ -150,6 +153,11 @@ def init(
         cap = Capability.unavailable(_state.load_error or "library not loaded")
     else:
         ordinals = [int(d.local_hardware_id) for d in devs]
+        if _state.ordinals is not None and _state.ordinals != ordinals:
+            # The workspaces and peer mappings stay with the first group for the process's life; a
+            # silent fall back to psum would time or serve something other than what was asked for.
+            raise KernelError(f"the kernels serve GPUs {_state.ordinals} in this process; a tensor-parallel "
+                              f"group on GPUs {ordinals} needs a process of its own")
         arr = (ctypes.c_int * len(ordinals))(*ordinals)
         # Make sure JAX's backend (and its CUDA contexts) exist before we allocate on them.
         with _lock:
@@ -158,6 +166,7 @@ def init(
                 cap = Capability.unavailable(f"init failed: {lib.sy_last_error().decode()}")
             else:
                 _register(lib)
+                _state.ordinals = ordinals
                 cap = Capability(
                     available=True,
                     world=len(ordinals),

@@ -322,6 +322,23 @@ def test_init_without_gpu_is_unavailable_not_an_error() -> None:
     assert kernels.status()["available"] is False
 
 
+def test_a_second_device_list_in_one_process_is_refused_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels keep the first group's workspaces for the process's life: a group on other GPUs
+    is an error naming both lists, never a quiet fall back to psum (the library itself is not reached)."""
+
+    class Gpu:
+        platform, process_index = "gpu", 0
+
+        def __init__(self, ordinal: int) -> None:
+            self.local_hardware_id = ordinal
+
+    monkeypatch.setattr(native, "load", lambda: object())
+    monkeypatch.setattr(native._state, "ordinals", [0, 1])
+    with pytest.raises(kernels.KernelError, match=r"^the kernels serve GPUs \[0, 1\] in this process; a "
+                       r"tensor-parallel group on GPUs \[0, 1, 2, 3\] needs a process of its own$"):
+        kernels.init([Gpu(i) for i in range(4)])
+
+
 # ---- the CUDA code compiles ---------------------------------------------------------------------
 CI_GENCODE = ("-gencode=arch=compute_90a,code=sm_90a",)  # one arch, to keep CI fast
 C_API = ("sy_last_error", "sy_init", "sy_error", "sy_reset", "sy_device_calls", "sy_host_calls",
