@@ -9,11 +9,16 @@ upgrading JAX. Without ``nvcc`` nothing is built and every strategy runs the pur
 handlers plus a device timestamp and the phase-timer reader, ``csrc/ffi_diagnostics.cu``) into
 ``kernels/lib/diagnostics/``, which the package never ships; ``--phase-timer -o LIB`` adds the
 per-phase timers of ``csrc/phase_timer.cuh`` to it.
+
+A library whose inputs have not changed since it was built is not built again: beside it,
+``<library>.inputs`` holds a digest of the nvcc command (its output aside), nvcc's version, JAX's
+version (the FFI headers) and every file under ``csrc/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -105,6 +110,12 @@ def build(output: Path | None = None, gencode: tuple[str, ...] = GENCODE, verbos
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_suffix(f".tmp{os.getpid()}.so")
     cmd = nvcc_command(nvcc, tmp, gencode, defines, diagnostics)
+    stamp = output.with_name(output.name + ".inputs")
+    digest = inputs_digest(cmd[:-2], nvcc)
+    if output.is_file() and stamp.is_file() and stamp.read_text() == digest:
+        if verbose:
+            print(f"{output} is up to date", file=sys.stderr)
+        return output
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -112,7 +123,23 @@ def build(output: Path | None = None, gencode: tuple[str, ...] = GENCODE, verbos
         tmp.unlink(missing_ok=True)
         raise BuildError(f"nvcc failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     os.replace(tmp, output)  # atomic: a process loading the old library never sees half a file
+    stamp.write_text(digest)
     return output
+
+
+def inputs_digest(command: list[str], nvcc: str) -> str:
+    """A digest of what a library is built from: ``command`` (the nvcc command without its output),
+    nvcc's version, JAX's version and every file under ``csrc/`` (names and bytes)."""
+    import jax
+
+    digest = hashlib.sha256()
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    for part in (*command, version, jax.__version__):
+        digest.update(part.encode() + b"\0")
+    for path in sorted(CSRC.rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(CSRC).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:

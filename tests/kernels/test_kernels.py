@@ -339,6 +339,37 @@ def test_a_second_device_list_in_one_process_is_refused_loudly(monkeypatch: pyte
         kernels.init([Gpu(i) for i in range(4)])
 
 
+def test_a_library_is_built_again_only_when_what_it_is_built_from_changes(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An nvcc that counts its compiles (CUDA_HOME/bin/nvcc): the same build twice compiles once; other
+    flags, or a library whose record of its inputs is gone, compile again."""
+    bin_dir = tmp_path / "cuda" / "bin"
+    bin_dir.mkdir(parents=True)
+    calls = tmp_path / "calls"
+    nvcc = bin_dir / "nvcc"
+    nvcc.write_text(f"""#!/bin/sh
+[ "$1" = --version ] && {{ echo "nvcc: fake 1.0"; exit 0; }}
+echo compile >> {calls}
+while [ "$1" != -o ]; do shift; done
+echo library > "$2"
+""")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    out = tmp_path / "lib" / build.LIB_NAME
+
+    def compiles() -> int:
+        return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+    assert build.build(out, gencode=CI_GENCODE) == out and out.read_text() == "library\n" and compiles() == 1
+    build.build(out, gencode=CI_GENCODE)
+    assert compiles() == 1  # nothing changed
+    build.build(out)  # the product's two targets
+    assert compiles() == 2
+    out.with_name(out.name + ".inputs").unlink()
+    build.build(out)
+    assert compiles() == 3
+
+
 # ---- the CUDA code compiles ---------------------------------------------------------------------
 CI_GENCODE = ("-gencode=arch=compute_90a,code=sm_90a",)  # one arch, to keep CI fast
 C_API = ("sy_last_error", "sy_init", "sy_error", "sy_reset", "sy_device_calls", "sy_host_calls",
