@@ -6,9 +6,9 @@ Two layers, one folder (``serve --compile-cache DIR``, a node-local volume in a 
   compiles is looked up by its HLO, compile options, XLA flags, jax and jaxlib versions, platform and
   devices, so a different model shape, layout, jax or GPU never loads another's program. Our kernels'
   custom calls are named in the HLO but implemented by the kernels library, which JAX cannot see: each
-  build of the library gets a folder of its own.  It is trimmed to :data:`XLA_CACHE_MAX_BYTES` at each start. JAX
-  writes its entries in place: a pod that reads one while another pod of the node is still writing
-  it logs JAX's warning and compiles that program itself.
+  build of the library gets a folder of its own. It is trimmed to :data:`XLA_CACHE_MAX_BYTES` at each
+  start. JAX writes its entries in place: a pod that reads one while another pod of the node is still
+  writing it logs JAX's warning and compiles that program itself.
 - The step programs as loaded executables under ``DIR/programs`` (:class:`ProgramStore`). XLA's cache
   saves the compile but not the tracing and lowering in front of it, which for a 32-layer model is
   most of a warm start; an executable kept whole skips both. Its key is everything a step program is
@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import pickle
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -210,11 +211,11 @@ def trim(folder: Path, max_bytes: int) -> int:
     files = []
     for path in folder.iterdir():
         try:
-            stat = path.stat()
+            info = path.stat()
         except FileNotFoundError:
             continue
-        if path.is_file():
-            files.append((stat.st_mtime, stat.st_size, path))
+        if stat.S_ISREG(info.st_mode):
+            files.append((info.st_mtime, info.st_size, path))
     total, removed = sum(size for _, size, _ in files), 0
     for _, size, path in sorted(files):
         if total - removed <= max_bytes:
