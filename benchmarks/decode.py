@@ -206,15 +206,20 @@ def profile_steps(engine: Engine, kv: Any, steps: int, out_dir: str) -> dict:
     kernels, host = trace_gpu(run, out_dir)
     busy, span, top = kernel_totals(kernels, name_chars=80, top=20)
     api = {}
+    host_time: dict[str, list[float]] = {}
     for e in host:
         n = e["name"]
         if any(k in n for k in ("Launch", "launch", "Graph", "graph", "Memcpy", "Synchronize")):
             api[n] = api.get(n, 0) + 1
+        host_time.setdefault(n[:80], []).append(e.get("dur", 0))
+    # Host time by event name: a step whose command buffers are updated or re-recorded shows it here.
+    top_host = sorted(host_time.items(), key=lambda kv: -sum(kv[1]))[:25]
     return {
         "steps": steps, "gpu_events": len(kernels), "gpu_events_per_step": len(kernels) / steps,
         "gpu_busy_us_per_step": busy / steps, "gpu_span_us_per_step": span / steps,
         "host_api_calls": dict(sorted(api.items(), key=lambda kv: -kv[1])[:12]),
         "top_kernels": [{"name": n, "count": len(d), "total_us": round(sum(d), 1)} for n, d in top],
+        "top_host_events": [{"name": n, "count": len(d), "total_us": round(sum(d), 1)} for n, d in top_host],
     }
 
 

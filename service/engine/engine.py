@@ -663,12 +663,19 @@ class Engine:
                 report(ready, len(shapes))
 
         with ThreadPoolExecutor(compile_workers()) as pool:
-            for shape in shapes:
-                program = store.load(keys[shape], devices) if store is not None else None
+            # Stored programs load side by side (deserializing and loading onto the GPUs releases the
+            # GIL); only those the store lacks are traced and compiled after.
+            loading = {pool.submit(store.load, keys[shape], devices): shape for shape in shapes} if store else {}
+            from_store: set[StepShape] = set()
+            for done in as_completed(loading):
+                program = done.result()
                 if program is not None:
-                    self._programs[("step", shape)] = program
+                    self._programs[("step", loading[done])] = program
+                    from_store.add(loading[done])
                     ready, loaded = ready + 1, loaded + 1
                     report(ready, len(shapes))
+            for shape in shapes:
+                if shape in from_store:
                     continue
                 lowered = self._program("step", shape).lower(self.params, self._state, self._io)
                 compiling[pool.submit(lowered.compile)] = shape
