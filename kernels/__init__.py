@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from switchyard.kernels import attention, fp8, kv_cache
     from switchyard.kernels.collectives import (
         K_SPLITS,
+        SPLIT_MIN_ROWS,
         all_reduce,
         all_reduce_residual_rmsnorm,
         plan,
@@ -53,6 +54,7 @@ _LAZY = {
     "split_product": "collectives",
     # The row-parallel product + all-reduce (+ residual add, + RMSNorm) of a tensor-parallel layer.
     "K_SPLITS": "collectives",
+    "SPLIT_MIN_ROWS": "collectives",
     "row_parallel_residual": "collectives",
     "row_parallel_residual_rmsnorm": "collectives",
     # The weight type the model's products and the row-parallel calls take.
@@ -72,6 +74,7 @@ _LAZY = {
 
 __all__ = [
     "K_SPLITS",
+    "SPLIT_MIN_ROWS",
     "STRATEGIES",
     "DenseWeight",
     "Fp8Weight",

@@ -11,6 +11,8 @@ the reference path runs, with identical semantics.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,6 +147,10 @@ def all_reduce_residual_rmsnorm(
 # Partial products per row-parallel product for the fused kernel: 4 and 8 were equally fast, and 4
 # keeps the kernel's loads per pack fewer (benchmarks/NOTES.md).
 K_SPLITS = 4
+# Rows from which the product is written as partial products. For one row XLA (jax 0.11.2, H100) runs
+# the batched product as a float32 conversion and transpose of the whole weight shard plus a
+# reduction: 61 + 48 us a layer at TP=2, where the plain product's GEMM took 39 (benchmarks/NOTES.md).
+SPLIT_MIN_ROWS = 2
 
 
 def row_parallel_residual_rmsnorm(
@@ -157,12 +163,15 @@ def row_parallel_residual_rmsnorm(
     holds rows of the weight). Where
     the fused kernel runs, the product is written as ``k_splits`` float32 partial products over
     slices of K (``split_product``, default ``K_SPLITS``), which the kernel sums as it loads them; with
-    ``k_splits=1``, a K that does not divide, or no fused kernel, it is a plain dot.
+    ``k_splits=1``, fewer than ``SPLIT_MIN_ROWS`` rows, a K that does not divide, or no fused kernel, it
+    is a plain dot.
     """
     splits = K_SPLITS if k_splits is None else k_splits
     if not 1 <= splits <= MAX_PARTIALS:
         raise ValueError(f"k_splits must be 1..{MAX_PARTIALS}, got {splits}")
-    if splits > 1 and a.shape[-1] % splits == 0 and plan("fused", strategy, residual, axis) == "fused":
+    rows = math.prod(a.shape[:-1])
+    if (splits > 1 and rows >= SPLIT_MIN_ROWS and a.shape[-1] % splits == 0
+            and plan("fused", strategy, residual, axis) == "fused"):
         return all_reduce_residual_rmsnorm(split_product(a, w, splits), residual, weight, eps, axis, strategy)
     return all_reduce_residual_rmsnorm(a @ w, residual, weight, eps, axis, strategy)
 
@@ -174,4 +183,4 @@ def row_parallel_residual(
     return residual + all_reduce(a @ w, axis, strategy).astype(residual.dtype)
 
 
-__all__ += ["K_SPLITS", "row_parallel_residual", "row_parallel_residual_rmsnorm"]
+__all__ += ["K_SPLITS", "SPLIT_MIN_ROWS", "row_parallel_residual", "row_parallel_residual_rmsnorm"]

@@ -108,18 +108,22 @@ def stable_repr(value: Any, omit: frozenset[str] = frozenset()) -> str:
 @dataclasses.dataclass(frozen=True)
 class WarmUp:
     """An engine's warm-up: ``seconds`` to make ``programs`` step programs ready, of which ``loaded``
-    came from the store at ``folder`` (None: no store); the others were compiled (and kept there)."""
+    came from the store at ``folder`` (None: no store); the others were compiled (and kept there).
+    ``first_runs``: the seconds of those ``seconds`` spent running each program once (a program's first
+    launch loads its GPU code and builds its command buffers)."""
 
     seconds: float
     programs: int
     loaded: int = 0
     folder: Path | None = None
+    first_runs: float = 0.0
 
     def describe(self) -> str:
+        runs = f"; first runs {self.first_runs:.1f} s"
         if self.folder is None:
-            return f"{self.programs} step programs compiled in {self.seconds:.1f} s (no compile cache)"
+            return f"{self.programs} step programs compiled in {self.seconds:.1f} s (no compile cache{runs})"
         return (f"{self.programs} step programs ready in {self.seconds:.1f} s: {self.loaded} loaded from the "
-                f"compile cache at {self.folder}, {self.programs - self.loaded} compiled and kept there")
+                f"compile cache at {self.folder}, {self.programs - self.loaded} compiled and kept there{runs}")
 
 
 class ProgramStore:

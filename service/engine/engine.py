@@ -681,8 +681,10 @@ class Engine:
                 compiling[pool.submit(lowered.compile)] = shape
                 collect([f for f in compiling if f.done()])
             collect(as_completed(list(compiling)))
+        t_runs = time.perf_counter()
         for shape in shapes:
             self._state, self._io = self._programs[("step", shape)](self.params, self._state, self._io)
         self._read_out_fn(self._io)
         jax.block_until_ready((self._state, self._io))
-        return WarmUp(time.perf_counter() - t0, len(shapes), loaded, None if store is None else store.folder)
+        done = time.perf_counter()
+        return WarmUp(done - t0, len(shapes), loaded, None if store is None else store.folder, done - t_runs)

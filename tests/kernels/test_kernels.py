@@ -194,6 +194,28 @@ def test_cuda_lowering_hands_the_partials_to_the_fused_kernel(fake_gpu_capabilit
     assert "tensor<4x2x64xf32>" in call, call
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_the_row_parallel_product_splits_k_from_two_rows(fake_gpu_capability, rows) -> None:
+    """One row takes the plain product (XLA's batched one-row product copies the weight), two rows on
+    the partial products; both into the fused kernel."""
+    fake_gpu_capability(2)
+    mesh = _mesh(2)
+
+    def body(a, wo, r, g):
+        _, h = kernels.row_parallel_residual_rmsnorm(a, wo, r, g, 1e-5, "tp", "oneshot")
+        return h[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None), P(), P()),
+                               out_specs=P("tp"), check_vma=False))
+    specs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+             for shape, spec in (((rows, 256), P(None, "tp")), ((256, 64), P("tp", None)), ((rows, 64), P()),
+                                 ((64,), P()))]
+    text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(ln for ln in text.splitlines() if "custom_call @switchyard_fused_rmsnorm" in ln)
+    expected = f"tensor<{rows}x64xbf16>" if rows < kernels.SPLIT_MIN_ROWS else f"tensor<4x{rows}x64xf32>"
+    assert call.split("(")[1].startswith("%") and expected in call.split("->")[0], call
+
+
 def test_engine_with_partial_products_decodes_like_xla(fake_gpu_capability) -> None:
     """TP=2 engine whose fused all-reduce takes partial products (staged; the reference runs on CPU):
     float32 logits equal those of the psum engine on the same weights."""
