@@ -117,22 +117,23 @@ def compiler_room(devices: Sequence[Any], driver_count: Callable[[Any], tuple[in
 def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None],
                        fraction: float, weights_per_gpu: int) -> int | None:
     """Bytes XLA may still allocate on the fullest of ``devices`` (JAX devices), for the KV pool; None
-    on host devices, which have no device memory to fill. From XLA's allocator statistics where it
-    keeps them (its arena less what is in use); under the virtual-memory allocator, which keeps none,
-    ``fraction`` of the GPU less ``weights_per_gpu`` and :data:`RUNTIME_RESERVE_BYTES` (as the planner
-    counts it), at most what ``driver_count(device)`` ((free, total) bytes as the CUDA driver counts
-    them, or None where it cannot tell) says is free. Not the driver's count of what is in use: it
-    holds memory XLA's allocator keeps for reuse and moves by hundreds of MB from one start to the
-    next, and another pool size is another set of step programs for the compile cache."""
+    on host devices, which have no device memory to fill. What is in use is counted as the planner
+    counts it, ``weights_per_gpu`` and :data:`RUNTIME_RESERVE_BYTES`, never as measured: a measured
+    count moves from one start to the next (buffers of the load not yet freed, memory an allocator
+    keeps for reuse), and another pool size is another set of step programs for the compile cache.
+    The share is XLA's arena where its allocator keeps statistics, else ``fraction`` of the GPU; at
+    most what is really free: the arena less its bytes in use, or what ``driver_count(device)``
+    ((free, total) bytes as the CUDA driver counts them, or None where it cannot tell) says."""
     if devices[0].platform != "gpu":
         return None
+    in_use = weights_per_gpu + RUNTIME_RESERVE_BYTES
     stats = [d.memory_stats() for d in devices]
     if all(s and "bytes_limit" in s for s in stats):
-        return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+        return min(max(0, min(s["bytes_limit"] - s.get("bytes_in_use", 0), s["bytes_limit"] - in_use))
+                   for s in stats)
     counts = [driver_count(d) for d in devices]
     if any(c is None for c in counts):
         raise ModelSpecError("cannot size the KV pool: XLA's allocator keeps no memory statistics here and the "
                              "kernels library cannot read the GPUs' free memory (not built, or its query failed); "
                              "set layout.kv_tokens")
-    in_use = weights_per_gpu + RUNTIME_RESERVE_BYTES
     return min(max(0, min(free, int(fraction * total) - in_use)) for free, total in counts)

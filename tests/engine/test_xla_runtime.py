@@ -93,12 +93,19 @@ def _driver(device: _Device) -> tuple[int, int] | None:
     return device.driver
 
 
-def test_free_memory_comes_from_the_allocator_where_it_counts_and_the_planners_count_where_it_does_not():
+def test_free_memory_counts_what_is_in_use_as_the_planner_does_at_most_what_is_free():
     gib = 2**30
+    reserve = RUNTIME_RESERVE_BYTES
     assert free_device_memory([_Device("cpu", None)], _driver, 0.9, 0) is None
+    # XLA's arena less the weights and the reserve, whatever the arena counts in use (leftovers of
+    # the load), so that every start sizes the same pool; the arena's free bytes cap it.
     arenas = [_Device("gpu", {"bytes_limit": 60 * gib, "bytes_in_use": 16 * gib}, (70 * gib, 80 * gib)),
-              _Device("gpu", {"bytes_limit": 60 * gib, "bytes_in_use": 18 * gib}, (70 * gib, 80 * gib))]
-    assert free_device_memory(arenas, _driver, 0.9, 0) == 42 * gib  # the fullest GPU's arena, not the driver's count
+              _Device("gpu", {"bytes_limit": 60 * gib, "bytes_in_use": 17 * gib}, (70 * gib, 80 * gib))]
+    assert free_device_memory(arenas, _driver, 0.9, 15 * gib) == 45 * gib - reserve
+    arenas[1] = _Device("gpu", {"bytes_limit": 60 * gib, "bytes_in_use": 15 * gib + gib // 2}, (70 * gib, 80 * gib))
+    assert free_device_memory(arenas, _driver, 0.9, 15 * gib) == 45 * gib - reserve
+    full = [_Device("gpu", {"bytes_limit": 60 * gib, "bytes_in_use": 50 * gib}, (70 * gib, 80 * gib))]
+    assert free_device_memory(full, _driver, 0.9, 15 * gib) == 10 * gib  # the arena's free bytes cap it
     # No statistics: the fraction XLA may take less the weights and the runtime's reserve, at most what
     # the driver says is free; what the driver says is in use (18-19 GiB here) does not count.
     vmm = [_Device("gpu", None, (63 * gib, 80 * gib)), _Device("gpu", {}, (61 * gib, 80 * gib))]
