@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,3 +52,56 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+FP8_MAX = 448.0
+
+
+def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to e4m3 with a float32 scale per slice of its last dimension, and back (the
+    engine's ``kernels.fp8.quantize_rows`` then ``dequantize``)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+@contextlib.contextmanager
+def fp8_rounding(model: PreTrainedModel, activations: bool = False, kv_cache: bool = False) -> Iterator[None]:
+    """Run ``model`` with the engine's FP8 roundings applied to its float values: with ``activations``
+    every layer matrix's input per token (the FP8 x FP8 products; the LM head stays as it is), with
+    ``kv_cache`` the keys (after RoPE) and values per position and KV head (an FP8 KV pool).
+    A reference for FP8 paths whose differences from the 16-bit model are their roundings."""
+    hooks = []
+    patched: list[tuple[Any, Any]] = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if activations:
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                           mlp.down_proj):
+                hooks.append(linear.register_forward_pre_hook(lambda _, args: (_fp8_round_trip(args[0]),)))
+        if kv_cache:
+            head_dim = attn.head_dim
+
+            def round_heads(_, __, out, head_dim=head_dim):
+                shape = out.shape
+                return _fp8_round_trip(out.reshape(*shape[:-1], -1, head_dim)).reshape(shape)
+
+            hooks.append(attn.v_proj.register_forward_hook(round_heads))
+            module = sys.modules[type(attn).__module__]
+            if not any(m is module for m, _ in patched):
+                rope = module.apply_rotary_pos_emb
+                patched.append((module, rope))
+
+                def rounded_rope(q, k, *args, rope=rope, **kwargs):
+                    q, k = rope(q, k, *args, **kwargs)
+                    return q, _fp8_round_trip(k)  # [batch, kv heads, positions, head_dim]
+
+                module.apply_rotary_pos_emb = rounded_rope
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, rope in patched:
+            module.apply_rotary_pos_emb = rope
