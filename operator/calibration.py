@@ -1,4 +1,4 @@
-"""Calibration data for the planner: HBM bandwidth per device, decode efficiency, all-reduce tables.
+"""Calibration data for the planner: HBM bandwidth per device, per-layer decode cost, all-reduce tables.
 
 The numbers live in ``calibration.json`` next to this file, each with its provenance ("measured" on
 which device by which benchmark, or "stated model"). :func:`from_results` rebuilds that file from the
@@ -43,6 +43,10 @@ STAND_INS = {"xla": "torch_nccl", "oneshot": "symm_mem_oneshot", "twoshot": "sym
 SHIPPED_ATTENTION = "kernel"
 # ... and the step without communication (``none``) beside the engine's all-reduce strategies
 # (selection.STRATEGIES). Baselines are no checks.
+# The engine's narrowest decode width (service/engine/step_policy.MIN_BATCH_WIDTH, which imports
+# numpy: the operator does not): a row that ran one sequence as one row ran a program the engine
+# never runs (``min_batch_bucket`` 1).
+ENGINE_MIN_WIDTH = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +79,11 @@ class Calibration:
         return Device(name, float(d["hbm_bytes_per_s"]), d["kind"], d["source"])
 
     @functools.cached_property
-    def _efficiencies(self) -> dict[int, float]:
-        """Decode efficiency per TP size, derived from the measured decode checks: the HBM roofline
-        per GPU over the measured step time less the all-reduce time this table predicts."""
+    def _layer_costs(self) -> dict[int, float]:
+        """Per TP size, the fixed time a decode step spends per layer beyond reading its bytes and its
+        all-reduces (launch gaps, norms, RoPE, the KV write, latency-bound attention), in µs: from
+        each measured decode check, its step time less the HBM roofline of its bytes per GPU and the
+        all-reduce time this table predicts, over the model's layers; the median per TP size."""
         from switchyard.service.modelspec import PRESETS  # the only service module we may use
 
         by_tp: dict[int, list[float]] = {}
@@ -91,25 +97,35 @@ class Calibration:
             ar = self.engine_allreduce(spec.allreduce_bytes(batch), tp, nvswitch=True,
                                        strategy=check.get("strategy", "xla"), dtype=spec.dtype)
             ar_ms = 2 * spec.num_layers * (ar[1] if ar else 0.0) / 1e3
-            by_tp.setdefault(tp, []).append(roofline_ms / (float(check["ms_per_token"]) - ar_ms))
+            beyond_ms = float(check["ms_per_token"]) - roofline_ms - ar_ms
+            by_tp.setdefault(tp, []).append(beyond_ms * 1e3 / spec.num_layers)
         if not by_tp:
             raise ValueError("the calibration has no usable decode check")
-        return {tp: statistics.median(v) for tp, v in sorted(by_tp.items())}
+        return {tp: max(statistics.median(v), 0.0) for tp, v in sorted(by_tp.items())}
 
-    def decode_efficiency(self, tp: int) -> tuple[float, str]:
-        """(efficiency, provenance) for a TP size: measured where a check exists, else the stated
-        per-doubling extrapolation."""
-        eff = self._efficiencies
-        if tp in eff:
-            return eff[tp], f"measured at TP={tp}"
-        measured = sorted(eff)
-        ratio = 1.0
+    def layer_cost_us(self, tp: int) -> tuple[float, str]:
+        """(µs per layer, provenance) of a decode step's fixed cost at a TP size: measured where checks
+        exist. Stated model around them: the cost never falls as the group grows (more GPUs add
+        synchronisation and remove no per-layer work; a lower figure at a larger TP size is the spread
+        of the checks), and beyond the largest measured TP size it grows linearly in log2(TP) as it
+        did between the two largest, if it grew."""
+        cost = self._layer_costs
+        measured = sorted(cost)
+        floor = {t: max(cost[u] for u in measured if u <= t) for t in measured}
+        if tp in cost:
+            if floor[tp] == cost[tp]:
+                return cost[tp], f"measured at TP={tp}"
+            below = max(u for u in measured if u < tp and cost[u] == floor[tp])
+            return floor[tp], (f"TP={tp} measured {cost[tp]:.1f} us, held at TP={below}'s (stated model: no "
+                               f"fall with TP)")
+        slope = 0.0
         if len(measured) >= 2:
-            t1, t2 = measured[0], measured[1]
-            ratio = (eff[t2] / eff[t1]) ** (1.0 / math.log2(t2 / t1))
+            t1, t2 = measured[-2], measured[-1]
+            slope = max((floor[t2] - floor[t1]) / math.log2(t2 / t1), 0.0)
         base = max((t for t in measured if t <= tp), default=measured[0])
-        value = eff[base] * ratio ** math.log2(tp / base)
-        return value, f"TP={tp} extrapolated from TP={base} by x{ratio:.3f} per doubling (stated model)"
+        value = floor[base] + slope * math.log2(tp / base)
+        return value, (f"TP={tp} extrapolated from TP={base} by {slope:+.1f} us per doubling of TP "
+                       f"(stated model)")
 
     @property
     def models(self) -> Mapping[str, Any]:
@@ -118,12 +134,12 @@ class Calibration:
     def stage_ms(self, spec: Any, micro_batch: int, context: int, tp: int, pp: int, device: Device,
                  strategy: str = "auto") -> float:
         """Predicted time of one pipeline stage's share of a decode step (its layers' weights and KV,
-        its tensor-parallel all-reduces), without the hop to the next stage."""
-        eff, _ = self.decode_efficiency(tp)
-        mem_ms = spec.decode_bytes_per_step(micro_batch, context) / (tp * pp) / (device.hbm_bytes_per_s * eff) * 1e3
+        their fixed cost, its tensor-parallel all-reduces), without the hop to the next stage."""
+        mem_ms = spec.decode_bytes_per_step(micro_batch, context) / (tp * pp) / device.hbm_bytes_per_s * 1e3
         ar = self.engine_allreduce(spec.allreduce_bytes(micro_batch), tp, nvswitch=True, strategy=strategy,
                                    dtype=spec.dtype)
-        return mem_ms + 2 * (spec.num_layers / pp) * (ar[1] if ar else 0.0) / 1e3
+        layers = spec.num_layers / pp
+        return mem_ms + layers * (self.layer_cost_us(tp)[0] + 2 * (ar[1] if ar else 0.0)) / 1e3
 
     @functools.cached_property
     def pipeline_hop(self) -> tuple[float, str]:
@@ -250,8 +266,10 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
       (``xla`` = JAX psum, ``oneshot``, ``twoshot``) by name, median per size; where one of them was
       not measured, its stand-in (``torch_nccl``, ``symm_mem_oneshot``, ``symm_mem_twoshot``),
       labelled as such; other rows (fused, norm variants, auto) are not planner inputs;
-    * decode rows (``model,tp,batch,context,strategy,ms_per_token,...``) become the decode checks the
-      planner derives its efficiency from; for each configuration and GPU (as ``devices`` names it)
+    * decode rows (``model,tp,batch,context,strategy,ms_per_token,...``) of the engine's configuration
+      (its attention kernel, a strategy it ships, no narrower than its narrowest width, 16-bit weights and
+      KV) become the decode checks the
+      planner derives its per-layer cost from; for each configuration and GPU (as ``devices`` names it)
       the newest result file wins (an older engine's figures are superseded), rows of that file are kept;
     * ``copy_bandwidth_bytes_per_s`` of the newest result on a device sets that device's HBM figure.
 
@@ -297,6 +315,10 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                 if (row.get("attention", "xla") != SHIPPED_ATTENTION
                         or row.get("strategy", "xla") not in selection.STRATEGIES):
                     continue  # a baseline: XLA's attention ops or no communication
+                if max(int(row.get("batch", 1)), int(row.get("min_batch_bucket", ENGINE_MIN_WIDTH))) < ENGINE_MIN_WIDTH:
+                    continue  # narrower than the engine runs
+                if row.get("weights", "bf16") != "bf16" or row.get("kv_cache", "auto") != "auto":
+                    continue  # FP8 weights or KV: the planner prices a model's 16-bit bytes
                 gpu = device_name(device, out["devices"]) or device
                 key = (*(row.get(k) for k in ("model", "tp", "batch", "context", "strategy")), gpu)
                 check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")

@@ -5,8 +5,10 @@ The model of one decode step (every term is a measurement from ``calibration.jso
 whose statement is printed in the reasons):
 
 * a pipeline stage reads its share of the weights and of the batch's KV cache from HBM:
-  ``bytes / (tp * pp) / (HBM bandwidth * decode efficiency(tp))``, or computes
-  ``2 * parameters * batch / (tp * pp * flops)``, whichever is longer;
+  ``bytes / (tp * pp) / HBM bandwidth``, or computes ``2 * parameters * batch / (tp * pp * flops)``,
+  whichever is longer;
+* plus, per layer, a fixed cost that depends on tp (launch gaps, norms, RoPE, the KV write,
+  latency-bound attention): measured at each TP size the decode checks cover, extrapolated beyond;
 * plus ``2 * layers / pp`` tensor-parallel all-reduces of the batch's hidden state, each fused with
   the residual add and RMSNorm as the engine runs them: the implementation the kernels' chooser
   picks for the strategy (``switchyard.kernels.selection``), timed by the calibrated table of its
@@ -204,7 +206,7 @@ class _Candidate:
     slo_note: str
     groups_free: int
     replicas_wanted: int
-    efficiency_note: str
+    layer_cost_note: str
     ar_us: float
     ar_bytes: int
     usable_bytes: int
@@ -309,7 +311,7 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         message = (f"placed {lay.dp} of {chosen.replicas_wanted} replicas of {lay.summary}; "
                    f"no partial pipeline groups are created")
 
-    eff = cal.decode_efficiency(lay.tp)[0]
+    layer_us = cal.layer_cost_us(lay.tp)[0]
     device = cal.device(lay.product)
     reasons += [
         f"objective {request.objective}: chose {lay.summary} with {lay.dp} replica(s) of {lay.tp}x{lay.pp} GPUs: "
@@ -328,8 +330,7 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         f"{lay.step_tokens} prompt tokens next to one token per decoding sequence (twice that while a burst of "
         f"prompts waits)",
         f"HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s ({device.kind}: {device.source.split(': ', 1)[0]}); "
-        f"decode efficiency "
-        f"{eff:.3f} ({chosen.efficiency_note})",
+        f"fixed cost {layer_us:.1f} us per layer ({chosen.layer_cost_note})",
     ]
     if lay.tp > 1:
         reasons.append(
@@ -433,8 +434,8 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
                               f"a group of {pp} pod(s) x {tp} GPUs does not fit these nodes even when empty")
     max_slots = min(mem_slots, int(m["max_batch_slots"]))
 
-    eff, eff_note = cal.decode_efficiency(tp)
-    bw = device.hbm_bytes_per_s * eff
+    layer_us, layer_note = cal.layer_cost_us(tp)
+    bw = device.hbm_bytes_per_s
     flops = cal.prefill_flops(device)
     hop_us, hop_bw = cal.pipeline_hop[0], float(m["pipeline_hop_bytes_per_s"])
 
@@ -446,9 +447,10 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
         ar = cal.engine_allreduce(nbytes, tp, pool.nvswitch, request.strategy, model.dtype)
         if ar is None:
             return None
-        ar_ms = 2 * (model.num_layers / pp) * ar[1] / 1e3
+        layers = model.num_layers / pp
+        fixed_ms = layers * (layer_us + 2 * ar[1]) / 1e3
         hop_ms = 0.0 if pp == 1 else (hop_us + nbytes / hop_bw * 1e6) / 1e3
-        return pp * (max(mem_ms, comp_ms) + ar_ms + hop_ms), ar[0], ar[1], nbytes
+        return pp * (max(mem_ms, comp_ms) + fixed_ms + hop_ms), ar[0], ar[1], nbytes
 
     groups_free = len(place(pool.nodes, tp, pp, MAX_REPLICAS))
     first = step(1)
@@ -527,7 +529,7 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
         ms_per_token=max(round(ms, 3), MIN_MS_PER_TOKEN), tokens_per_s=round(group_tps * len(placed), 1),
         ttft_ms=round(ttft, 1), placement=tuple(placed),
     )
-    return _Candidate(layout, slo_ok, slo_note, groups_free, dp, eff_note, ar_us, ar_bytes, usable,
+    return _Candidate(layout, slo_ok, slo_note, groups_free, dp, layer_note, ar_us, ar_bytes, usable,
                       expected, mem_slots, max_slots), None
 
 

@@ -68,7 +68,8 @@ SCENARIOS = [
          {"tp": 2, "pp": 4}, {"pp": 2}])],
     *[(m, nodes, req) for m, nodes, req in itertools.product(
         ["llama3-8b", "llama3-70b", "llama3.1-405b"], [h200(1), h200(2), h100(1)],
-        [{}, {"objective": "latency"}, {"max_tpot_ms": 5}, {"target_tokens_per_s": 1e7}, {"pp": 2}])],
+        [{}, {"objective": "latency"}, {"max_tpot_ms": 5}, {"max_tpot_ms": 3}, {"target_tokens_per_s": 1e7},
+         {"pp": 2}])],
     (MHA, h100(1, gpus=4), LONG),
     (MHA, h200(1), {**LONG, "tp": 2, "pp": 2}),
 ]
