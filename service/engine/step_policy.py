@@ -37,6 +37,11 @@ NARROW_CHUNK_MIN_ROWS = 32
 # more prompt tokens) at the cost of a longer gap, in the few steps of a burst, for the decoding
 # streams. At 40 budgets the load mix's inter-token p99 stays where it was (benchmarks/NOTES.md).
 SURGE_BACKLOG_BUDGETS = 40
+# A context bucket within this factor of the whole table is not compiled: the table's bucket serves its
+# chunks, at most this much longer attention for them, one program fewer per chunk size and width
+# (a 4352-token context would compile 4096 beside 4352: 14 of 86 programs, each loaded and run at
+# every start).
+KV_BUCKET_MERGE = 1.25
 
 
 def doubling_buckets(limit: int, start: int) -> list[int]:
@@ -104,13 +109,16 @@ class StepPolicy:
 
     def _kv_buckets(self, limit: int) -> list[int]:
         """Context lengths a chunk's attention is compiled for: doubling from the chunk size, each a
-        whole number of blocks, up to the whole table."""
+        whole number of blocks, up to the whole table (a doubling within :data:`KV_BUCKET_MERGE` of it
+        left out)."""
         bs = self.block_size
         out: list[int] = []
         for b in doubling_buckets(limit, min(limit, -(-self.step_tokens // bs) * bs)):
             b = min(-(-b // bs) * bs, limit)
             if b not in out:
                 out.append(b)
+        if len(out) >= 3 and out[-1] <= KV_BUCKET_MERGE * out[-2]:
+            del out[-2]
         return out
 
     # ---- planning one step -----------------------------------------------------------------------
