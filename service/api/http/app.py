@@ -126,6 +126,12 @@ class HttpFrontEnd:
                                     code="not_found" if err.status == 404 else None))
         except asyncio.CancelledError:
             raise
+        except ConnectionResetError:
+            # The client left while its answer was written: its request is cancelled already (the
+            # stream's events closed), so there is nothing to log; aiohttp drops what is returned
+            # (raised, it would log the disconnect as an error).
+            status = CLIENT_GONE
+            return web.Response(status=CLIENT_GONE)
         except Exception as err:
             answer = http_error(err)
             status = answer.status
