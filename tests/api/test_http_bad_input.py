@@ -12,6 +12,7 @@ import socket
 import pytest
 from helpers.http_raw import call, error
 from helpers.serving_harness import serving
+from prometheus_client.parser import text_string_to_metric_families
 from switchyard.service.api.wire import Limits
 
 openai = pytest.importorskip("openai")
@@ -195,3 +196,10 @@ def test_ten_thousand_disconnects_free_every_kv_block(served, caplog) -> None:
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-2000:]
+    # The clients that left mid-answer are counted as gone (499), not as failures (500).
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(call(served.http_url + "/metrics")[2].decode()):
+        for sample in family.samples:
+            if sample.name == "switchyard_http_requests_total" and sample.labels["route"] == "/v1/completions":
+                counts[sample.labels["status"]] = counts.get(sample.labels["status"], 0) + sample.value
+    assert counts.get("499", 0) > 0 and "500" not in counts, counts
