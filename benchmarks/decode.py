@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from switchyard.kernels import K_SPLITS
 from switchyard.kernels.selection import STRATEGIES
 from switchyard.service.engine.engine import Engine
+from switchyard.service.engine.step_policy import MIN_BATCH_WIDTH
 from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_allocator
 from switchyard.service.modelspec import preset
 
@@ -294,8 +295,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", help="result JSON path")
     parser.add_argument("--hlo-dir", help="write the optimised decode-step HLO of each configuration here (at the "
                                           "first batch and context)")
-    parser.add_argument("--min-batch-bucket", type=int, nargs="+", default=[1],
-                        help="narrowest decode width the engine compiles (compare 1 and 2)")
+    parser.add_argument("--min-batch-bucket", type=int, nargs="+", default=[MIN_BATCH_WIDTH],
+                        help="narrowest decode width the engine compiles (default: the engine's; 1 runs one "
+                             "sequence as one row, which the engine never does)")
     parser.add_argument("--profile-dir", help="trace a few steps of the first config of each tp here")
     parser.add_argument("--copy-gib", type=float, default=4.0, help="size of the bandwidth-probe copy")
     parser.add_argument("--peer", choices=["torch-compile"],
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         engine = drive().engine_on(weights, config)
                     name = (f"tp{tp}-b{batch}-{strategy}-{attn}" + ("" if k_splits == K_SPLITS else f"-k{k_splits}")
-                            + ("" if min_bucket == 1 else f"-w{min_bucket}")
+                            + ("" if min_bucket == MIN_BATCH_WIDTH else f"-w{min_bucket}")
                             + ("" if weights_kind == "bf16" else f"-{weights_kind}")
                             + ("" if kv_cache == "auto" else "-kvfp8"))
                     first = batch == args.batch[0] and context == args.context[0]

@@ -27,7 +27,7 @@ def test_decode_benchmark_rows_and_each_configurations_step_hlo(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["tp"], r["strategy"], r["attention"], r["min_batch_bucket"]) for r in rows] == [
-        (1, "xla", "kernel", 1), (2, "xla", "kernel", 1)]
+        (1, "xla", "kernel", 2), (2, "xla", "kernel", 2)]  # the engine's narrowest width by default
     assert result["xla_flags"] == "--xla_force_host_platform_device_count=2"  # the run's, not the HLO dump's
     spec = preset("tiny")
     for row in rows:
