@@ -79,15 +79,17 @@ def classify(log: str) -> dict[str, Any]:
     return {"lines": len(log.splitlines()), "by_level": dict(levels), "messages": dict(groups.most_common(20))}
 
 
-def start(label: str, model: Path, cache: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """One start of ``serve`` to SERVING, a greedy request, a SIGTERM stop; what it took and logged."""
+def start(label: str, model: Path, cache: Path, args: argparse.Namespace, work: Path,
+          env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One start of ``serve`` to SERVING, a greedy request, a SIGTERM stop; what it took and logged.
+    ``env``: variables set for this start only."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from switchyard.service.api.client import DecodeClient
     from switchyard.service.proto import decode_pb2
 
     port = free_port()
-    log_path = work / f"serve-{label}.log"
+    log_path = work / f"serve-{label.replace(' ', '-')}.log"
     cmd = switchyard("serve", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
                      "--http-port", str(free_port()),
                      "--tp", str(args.tp), "--batch-slots", str(args.batch_slots), "--max-seq-len",
@@ -95,7 +97,7 @@ def start(label: str, model: Path, cache: Path, args: argparse.Namespace, work: 
     target = f"127.0.0.1:{port}"
     with open(log_path, "w") as out:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     phases: dict[str, float] = {}
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
     client = DecodeClient(target)
@@ -161,7 +163,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for the checkpoint, the compile cache and the logs")
     parser.add_argument("--timeout", type=float, default=420, help="seconds one start may take")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--warm-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="one more warm start with this variable set (repeat for more starts)")
     args = parser.parse_args(argv)
+    variants: list[tuple[str, dict[str, str]]] = [("cold", {}), ("warm", {})]
+    for item in args.warm_env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            parser.error(f"--warm-env takes NAME=VALUE, got {item!r}")
+        variants.append((f"warm {name}={value}", {name: value}))
 
     args.work.mkdir(parents=True, exist_ok=True)
     model = args.model_path or args.work / f"model-{args.preset}"
@@ -177,23 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     same = False
-    for label in ("cold", "warm"):
-        row = start(label, model, cache, args, args.work)
+    for label, env in variants:
+        row = start(label, model, cache, args, args.work, env)
         runs.append(row)
         print(f"{row['label']}: SERVING after {row['serving_s']} s; phases {row['phases_first_seen_s']}; "
               f"{row['weights']}; {row.get('compile_cache', '')}; log {row['log']['by_level']}", flush=True)
         for message, count in row["log"]["messages"].items():
             print(f"   {count:4d}  {message}", flush=True)
-        same = len(runs) == 2 and runs[0].get("tokens") is not None and runs[0].get("tokens") == runs[1].get("tokens")
+        same = (len(runs) >= 2 and runs[0].get("tokens") is not None
+                and all(r.get("tokens") == runs[0]["tokens"] for r in runs[1:]))
         # Written after each start, so a run cut short keeps what it measured.
         result = {"command": "python benchmarks/startup.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "device": device, "date": datetime.date.today().isoformat(), "commit": commit,
-                  "complete": len(runs) == 2,
+                  "complete": len(runs) == len(variants),
                   "layout": {"tp": args.tp, "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len},
                   "checkpoint": checkpoint, "runs": runs, "tokens_identical": same,
                   "targets": {"warm_serving_s": 30 if args.tp == 1 else 45, "warning_lines": 0}}
         out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"greedy tokens identical cold and warm: {same}")
+    print(f"greedy tokens identical in every start: {same}")
     print(f"wrote {out}")
     return 0 if all(r["serving_s"] is not None for r in runs) and same else 1
 

@@ -110,16 +110,20 @@ class WarmUp:
     """An engine's warm-up: ``seconds`` to make ``programs`` step programs ready, of which ``loaded``
     came from the store at ``folder`` (None: no store); the others were compiled (and kept there).
     ``first_runs``: the seconds of those ``seconds`` spent running each program once (a program's first
-    launch loads its GPU code and builds its command buffers)."""
+    launch loads its GPU code and builds its command buffers), of which ``chunk_first_runs`` for the
+    ``chunk_programs`` programs that take a prompt chunk (their attention differs from decode's)."""
 
     seconds: float
     programs: int
     loaded: int = 0
     folder: Path | None = None
     first_runs: float = 0.0
+    chunk_programs: int = 0
+    chunk_first_runs: float = 0.0
 
     def describe(self) -> str:
-        runs = f"; first runs {self.first_runs:.1f} s"
+        runs = (f"; first runs {self.first_runs:.1f} s, {self.chunk_first_runs:.1f} s of them for the "
+                f"{self.chunk_programs} with a prompt chunk")
         if self.folder is None:
             return f"{self.programs} step programs compiled in {self.seconds:.1f} s (no compile cache{runs})"
         return (f"{self.programs} step programs ready in {self.seconds:.1f} s: {self.loaded} loaded from the "

@@ -35,3 +35,12 @@ def test_the_log_reading_counts_warnings_and_errors_by_message():
 def test_a_loaded_weights_line_is_found():
     line = "2026-11-27 INFO switchyard.progress: loading ck8b: done, 16.1 GB of 16.1 GB (100%), 751.6 MB/s in 21.4 s"
     assert startup.WEIGHTS_LOADED.search(line).group(0).endswith("in 21.4 s")
+
+
+def test_a_warm_env_without_a_value_is_refused_in_one_line(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as stop:
+        startup.main(["--warm-env", "CUDA_MODULE_LOADING", "--work", "/nonexistent/never-made"])
+    assert stop.value.code == 2
+    assert "--warm-env takes NAME=VALUE, got 'CUDA_MODULE_LOADING'" in capsys.readouterr().err
