@@ -323,7 +323,7 @@ def measure(engine: Engine, args: argparse.Namespace, batch: int, context: int, 
     drive().seat(engine, kv, batch, context)
     before = dumped_step_programs(dump)
     timed = drive().time_decode(engine, kv, args.steps, args.warmup)  # its first step compiles the decode program
-    out: dict[str, Any] = {"times": timed.times}
+    out: dict[str, Any] = {"times": timed.times, "launch_ms": timed.launch_ms}
     if dump is not None and first:
         Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
         text = new_step_program(dump, before)
@@ -437,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
                            "roofline_all_weights_ms": round(all_weights_ms, 4),
                            "fraction_of_roofline_all_weights": round(all_weights_ms / ms, 4),
                            "p90_ms": round(1000 * sorted(times)[int(0.9 * len(times))], 4),
-                           "synchronous_ms_per_token": round(sync_ms, 4)}
+                           "synchronous_ms_per_token": round(sync_ms, 4),
+                           # The host's part: a step launched in about its own time is host-bound.
+                           "host_launch_ms": round(statistics.median(got["launch_ms"]), 4)}
                     if "profile" in got:
                         row["profile"] = got["profile"]
                     rows.append(row)

@@ -213,6 +213,7 @@ def seat(engine: Any, kv: KVManager, batch: int, context: int, seed: int = 0,
 class Timed(NamedTuple):
     times: list[float]  # seconds of each timed step
     tokens: int  # decode tokens the timed steps brought to the host
+    launch_ms: list[float]  # host milliseconds of each timed step's launch call (near its step time: host-bound)
 
 
 def time_decode(engine: Any, kv: KVManager, steps: int, warmup: int) -> Timed:
@@ -221,17 +222,20 @@ def time_decode(engine: Any, kv: KVManager, steps: int, warmup: int) -> Timed:
     device's. The first ``warmup`` of the timed loop's iterations are not counted."""
     pending = launch_step(engine, kv)
     times: list[float] = []
+    launch_ms: list[float] = []
     tokens = 0
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        following = launch_step(engine, kv)
+        following = launch_step(engine, kv, launch_ms=launch_ms)
         got = engine.collect(pending)
         pending = following
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             tokens += int(got.tokens.size)
+        else:
+            launch_ms.pop()
     engine.collect(pending)
-    return Timed(times, tokens)
+    return Timed(times, tokens, launch_ms)
 
 
 def time_synchronous(engine: Any, kv: KVManager, steps: int, warmup: int) -> list[float]:

@@ -32,6 +32,7 @@ def test_decode_benchmark_rows_and_each_configurations_step_hlo(tmp_path):
     spec = preset("tiny")
     for row in rows:
         assert row["ms_per_token"] > 0 and row["fraction_of_roofline"] > 0 and row["synchronous_ms_per_token"] > 0
+        assert row["host_launch_ms"] > 0
         # every parameter byte (the embedding table whole) + KV, against the bytes a step must read
         want = (spec.param_bytes + 2 * 16 * spec.kv_bytes_per_token) / spec.decode_bytes_per_step(2, 16)
         assert want > 1 and abs(row["roofline_all_weights_ms"] / row["roofline_ms"] - want) < 0.02  # 4-decimal rounding

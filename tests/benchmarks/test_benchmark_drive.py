@@ -52,6 +52,9 @@ def test_the_decode_loop_times_each_step_and_counts_its_tokens(engine):
     drive.seat(engine, kv, 3, 20)
     timed = drive.time_decode(engine, kv, steps=4, warmup=2)
     assert len(timed.times) == 4 and all(t > 0 for t in timed.times)
+    # each timed step's launch call, a part of its step
+    launches = zip(timed.launch_ms, timed.times, strict=True)
+    assert len(timed.launch_ms) == 4 and all(0 < ms < 1e3 * t for ms, t in launches)
     assert timed.tokens == 3 * 4
     # 1 step launched ahead, 2 warm-up and 4 timed: every sequence 7 positions on
     assert {kv.sequence(s).position for s in range(3)} == {27}

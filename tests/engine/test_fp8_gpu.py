@@ -66,6 +66,27 @@ def test_fp8_products_on_the_gpu_match_float64_and_fp8_x_fp8_is_xlas_fp8_gemm(rn
         assert cos.min() >= 0.9999
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_gpu_rounds_each_token_to_e4m3_as_the_host_does(rng, dtype):
+    """``quantize_rows`` on the GPU against ``quantize_rows_np`` on the host, on the same values (the
+    bf16 ones widened exactly): the same float32 operations, so the same scales and e4m3 values. The
+    references of the FP8 engine tests round as the host does."""
+    x = (rng.standard_normal((512, 4096)) * np.exp(rng.uniform(-4, 4, (512, 1)))).astype(np.float32)
+    xd = jnp.asarray(x, dtype)
+    q, scale = (np.asarray(a, np.float32) for a in jax.jit(quantize_rows)(xd))
+    hq, hscale = quantize_rows_np(np.asarray(xd, np.float32))
+    hq = hq.astype(np.float32)
+    differ = q != hq
+    toward_zero = float((np.abs(q[differ]) < np.abs(hq[differ])).mean()) if differ.any() else 0.0
+    ratio = (np.asarray(xd, np.float32) / hscale)[differ][:4]
+    examples = list(zip(ratio, q[differ][:4], hq[differ][:4], strict=True))
+    print(f"{dtype}: scales differ in {np.mean(scale != hscale):.2e} of the rows; {differ.mean():.2e} of the "
+          f"elements round otherwise on the GPU, {toward_zero:.2f} of them toward zero; examples (value / "
+          f"scale, GPU, host): {examples}")
+    assert np.array_equal(scale, hscale)
+    assert not differ.any()
+
+
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
     spec = kernel_sized_spec()

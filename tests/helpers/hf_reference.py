@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from switchyard.kernels.fp8 import FP8_MAX, MIN_SCALE
+from switchyard.kernels.fp8 import FP8_MAX, INV_FP8_MAX, MIN_SCALE
 from switchyard.service.modelspec import ModelSpec
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -59,8 +59,8 @@ def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to e4m3 with a float32 scale per slice of its last dimension, and back (the
     engine's ``kernels.fp8.quantize_rows`` then ``dequantize``)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * float(INV_FP8_MAX)).clamp_min(MIN_SCALE)
+    q = (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return (q.float() * scale).to(x.dtype)
 
 

@@ -62,6 +62,17 @@ def _weight(rng, k: int, n: int, block_k: int = 0, w8a8_min_rows: int = 0) -> tu
     return Fp8Weight(jnp.asarray(q), jnp.asarray(scale), block_k, w8a8_min_rows), dense
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_device_and_the_host_round_alike(rng, dtype) -> None:
+    """``quantize_rows`` (JAX) and ``quantize_rows_np`` (the checkpoints' and the references' rounding)
+    give the same scales and e4m3 values, bf16 inputs (whose ratios often fall on ties) included."""
+    x = jnp.asarray(rng.standard_normal((256, 1024)) * np.exp(rng.uniform(-4, 4, (256, 1))), dtype)
+    q, scale = jax.jit(quantize_rows)(x)
+    hq, hscale = quantize_rows_np(np.asarray(x, np.float32))
+    np.testing.assert_array_equal(np.asarray(scale), hscale)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), hq.astype(np.float32))
+
+
 @pytest.mark.parametrize("block_k", [0, 32])
 def test_weight_only_products_are_the_dequantized_matrix_product(rng, block_k) -> None:
     k, n = 100, 24  # K not a multiple of the block: the last block is partial
