@@ -19,14 +19,21 @@ from switchyard.kernels.weights import Fp8Weight
 
 pytestmark = pytest.mark.gpu
 PROMPT = [1, *range(3, 150)]
-# A product whose operands are both e4m3: cuBLASLt's FP8 GEMM ("$f8" in its target), or a dot that XLA
-# fused (Triton) on them.
-PRODUCT = re.compile(r"\b(dot|custom-call)\((.*)")
+# A product whose operands are both e4m3: cuBLASLt's FP8 GEMM ("$f8" in its target), or a dot (XLA may
+# fuse one, Triton's) whose operands are declared e4m3 in its computation (the HLO text names a
+# fused dot's operands without their types).
+PRODUCT = re.compile(r"\b(dot|custom-call)\((%[\w.\-]+), (%[\w.\-]+)")
 
 
 def fp8_products(hlo: str) -> list[str]:
-    return [line.strip()[:200] for line in hlo.splitlines()
-            if (m := PRODUCT.search(line)) and m[2].count("f8e4m3fn[") >= 2]
+    found = []
+    for computation in re.split(r"\n\s*\n", hlo):
+        types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", computation))
+        for line in computation.splitlines():
+            m = PRODUCT.search(line)
+            if m and types.get(m[2]) == types.get(m[3]) == "f8e4m3fn":
+                found.append(line.strip()[:200])
+    return found
 
 
 def _weight(rng, k: int, n: int, min_rows: int) -> tuple[Fp8Weight, np.ndarray]:
