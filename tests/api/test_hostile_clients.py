@@ -409,6 +409,7 @@ def _longest_gap_ms(server: Server, during) -> float:
     return 1000 * max(gaps)
 
 
+@pytest.mark.alone
 def test_megabyte_prompts_do_not_stall_the_running_streams(server: Server) -> None:
     sender = subprocess.Popen([sys.executable, "-c", SENDER, server.target], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)

@@ -42,6 +42,7 @@ def test_the_byte_bound_holds_only_for_pipelines_that_keep_every_byte():
     assert max_token_bytes({**vocab, "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}}) is None
 
 
+@pytest.mark.alone
 def test_the_tokenizer_leaves_the_gil_to_other_threads_while_it_works():
     """A thread that wakes every millisecond keeps waking while a megabyte is tokenized (the library's
     plain encode would stop it for the whole encode)."""
