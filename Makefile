@@ -38,7 +38,7 @@ helm:
 
 # Two workers, each taking whole test files (a file's module fixtures, such as an image layer or the
 # kernel build, are made once): on 2 cores 27 minutes instead of 39 one after another. Tests marked
-# `alone` compare the server's timing with itself, which a neighbour's load would skew: they run after.
+# `alone` compare timings of their own, which a neighbour's load would skew: they run after.
 TEST_WORKERS ?= 2
 test: $(DEV) helm
 	$(VENV)/bin/ruff check .

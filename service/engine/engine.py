@@ -682,16 +682,15 @@ class Engine:
                 collect([f for f in compiling if f.done()])
             collect(as_completed(list(compiling)))
         t_runs = time.perf_counter()
-        chunk_runs = 0.0
-        # Decode-only programs first, then those with a chunk, each kind timed to its end.
+        kind_seconds: dict[bool, float] = {}  # by StepShape.with_chunk
         for with_chunk in (False, True):
             t_kind = time.perf_counter()
             for shape in (s for s in shapes if s.with_chunk == with_chunk):
                 self._state, self._io = self._programs[("step", shape)](self.params, self._state, self._io)
             jax.block_until_ready((self._state, self._io))
-            chunk_runs = time.perf_counter() - t_kind
+            kind_seconds[with_chunk] = time.perf_counter() - t_kind
         self._read_out_fn(self._io)
         jax.block_until_ready((self._state, self._io))
         done = time.perf_counter()
         return WarmUp(done - t0, len(shapes), loaded, None if store is None else store.folder, done - t_runs,
-                      sum(s.with_chunk for s in shapes), chunk_runs)
+                      sum(s.with_chunk for s in shapes), kind_seconds[True])

@@ -5,6 +5,7 @@ the serve tests cover a start on CPU.)"""
 
 from __future__ import annotations
 
+import pytest
 from helpers import scripts
 
 startup = scripts.load("startup")
@@ -38,8 +39,6 @@ def test_a_loaded_weights_line_is_found():
 
 
 def test_a_warm_env_without_a_value_is_refused_in_one_line(capsys):
-    import pytest
-
     with pytest.raises(SystemExit) as stop:
         startup.main(["--warm-env", "CUDA_MODULE_LOADING", "--work", "/nonexistent/never-made"])
     assert stop.value.code == 2
