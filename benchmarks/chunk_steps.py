@@ -60,10 +60,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=3072, help="tokens of the prompt computed in chunks")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-steps", type=int, default=40, help="decode-only steps per repeat")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every sequence samples at this temperature (0: greedy; the greedy-only programs)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus (1: off)")
     parser.add_argument("--profile-dir", default=None, help="also profile one prompt's chunk steps per state")
     parser.add_argument("--cpu", action="store_true", help="host devices (JAX_PLATFORMS=cpu): a smoke test of tiny")
     parser.add_argument("--out", default=None, help="result JSON path")
     args = parser.parse_args(argv)
+    from switchyard.service.engine.sampling import SamplingParams
+    from switchyard.service.errors import InvalidRequestError
+
+    args.sampling = SamplingParams(args.temperature, args.top_k, args.top_p, seed=7)
+    try:
+        args.sampling.validate()
+    except InvalidRequestError as e:
+        parser.error(str(e))
     if args.repeats < 1 or args.decode_steps < 2:
         parser.error("--repeats must be at least 1 and --decode-steps at least 2")
     for count, context in args.state:
@@ -92,12 +104,12 @@ def pipelined(engine, launches: Iterator) -> tuple[float, int]:
     return 1e3 * (marks[-1] - marks[0]) / max(len(marks) - 1, 1), len(marks)
 
 
-def chunk_steps(engine, kv, slot: int, prompt: list[int], launch_ms: list[float] | None = None) -> tuple[float, int]:
+def chunk_steps(engine, kv, slot: int, prompt: list[int], sampling, launch_ms: list[float] | None = None
+                ) -> tuple[float, int]:
     """ms per step of ``prompt``'s chunk steps beside the decoding sequences of ``kv``, and how many
-    there were; each launch's host time goes on ``launch_ms``. The prompt's slot is free again after."""
-    from switchyard.service.engine.sampling import SamplingParams
-
-    if kv.begin(slot, prompt, SamplingParams(), reuse_prefix=False) is None:
+    there were; the prompt samples with ``sampling``; each launch's host time goes on ``launch_ms``. The
+    prompt's slot is free again after."""
+    if kv.begin(slot, prompt, sampling, reuse_prefix=False) is None:
         raise RuntimeError("the pool has too few blocks for the prompt")
 
     def launches() -> Iterator:
@@ -135,17 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     for count, context in args.state:
         kv = drive["books"](engine)
         t0 = time.perf_counter()
-        drive["seat"](engine, kv, count, context, seed=count)
+        drive["seat"](engine, kv, count, context, seed=count, sampling=args.sampling)
         seat_s = time.perf_counter() - t0
         prompt = drive["random_prompt"](rng, spec.vocab_size, args.prompt)
         t0 = time.perf_counter()
-        _, chunks = chunk_steps(engine, kv, count, prompt)  # compiles what this state runs
+        _, chunks = chunk_steps(engine, kv, count, prompt, args.sampling)  # compiles what this state runs
         if count:
             decode_steps(engine, kv, 2)
         compile_s = time.perf_counter() - t0
         chunk_launch: list[float] = []
         decode_launch: list[float] = []
-        chunk_ms = statistics.median(chunk_steps(engine, kv, count, prompt, chunk_launch)[0]
+        chunk_ms = statistics.median(chunk_steps(engine, kv, count, prompt, args.sampling, chunk_launch)[0]
                                      for _ in range(args.repeats))
         decode_ms = statistics.median(decode_steps(engine, kv, args.decode_steps, decode_launch)
                                       for _ in range(args.repeats)) if count else None
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['chunk_launch_ms']:.3f}), decode-only step {decode_text}", flush=True)
         if args.profile_dir:
             decode = sibling("decode")
-            kernels, _ = decode["trace_gpu"](functools.partial(chunk_steps, engine, kv, count, prompt),
+            kernels, _ = decode["trace_gpu"](functools.partial(chunk_steps, engine, kv, count, prompt, args.sampling),
                                              f"{args.profile_dir}/{count}-{context}")
             row["profile"] = decode["step_profile"](kernels, chunks)
         rows.append(row)
@@ -172,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         "jax": jax.__version__,
         "xla_allocator": xla_allocator(),
         "config": {"preset": args.preset, "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len,
-                   "step_tokens": args.step_tokens, "kv_block_tokens": KV_BLOCK_TOKENS},
+                   "step_tokens": args.step_tokens, "kv_block_tokens": KV_BLOCK_TOKENS,
+                   "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}},
         "rows": rows,
     }
     if args.out:

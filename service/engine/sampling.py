@@ -19,6 +19,11 @@ from switchyard.service.errors import InvalidRequestError
 # top_p = 1) samples the full vocabulary.
 MAX_TOP_K = 1024
 MAX_SEED = 2**31 - 1
+# The top k of a row lie in the k groups of this many adjacent columns with the largest maxima, so a
+# shard's candidates come from two sorts, of its columns' group maxima and of those groups' columns,
+# instead of one sort of all its columns (XLA sorts for top-k: over 128K columns, 1 ms for 64 rows on
+# an H100; benchmarks/NOTES.md).
+TOP_K_GROUP = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +94,7 @@ def sample_sharded(
 
     # Top-k / top-p over candidates: each shard proposes its best k, then the best k overall.
     k_cap = min(MAX_TOP_K, vocab_size, local_vocab)
-    vals, idx = jax.lax.top_k(scaled, k_cap)
+    vals, idx = top_k_by_groups(scaled, k_cap)
     all_vals = jax.lax.all_gather(vals, axis, axis=1, tiled=True)
     all_idx = jax.lax.all_gather(idx + offset, axis, axis=1, tiled=True)
     k_total = min(MAX_TOP_K, vocab_size)
@@ -108,6 +113,25 @@ def sample_sharded(
     use_full = (top_k == 0) & (top_p >= 1.0)
     tok = jnp.where(use_full, full_tok, cand_tok)
     return jnp.where(temperature == 0.0, greedy_tok, tok).astype(jnp.int32)
+
+
+def top_k_by_groups(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` over the columns of ``x`` [rows, n], the same values and indices (ties
+    to the lower index), found among the columns of the ``k`` groups of :data:`TOP_K_GROUP` with the
+    largest maxima. Exact: at most ``k`` groups hold a value above the k-th largest, and among groups
+    whose maximum ties with it the lower ones come first, as the tied values do."""
+    rows, n = x.shape
+    groups = -(-n // TOP_K_GROUP)
+    if groups <= k:
+        return jax.lax.top_k(x, k)
+    padded = jnp.pad(x, ((0, 0), (0, groups * TOP_K_GROUP - n)), constant_values=-jnp.inf)
+    grouped = padded.reshape(rows, groups, TOP_K_GROUP)
+    _, best = jax.lax.top_k(grouped.max(axis=-1), k)
+    best = jnp.sort(best, axis=-1)  # the candidates in column order, so that ties still go to the lower index
+    candidates = jnp.take_along_axis(grouped, best[:, :, None], axis=1).reshape(rows, k * TOP_K_GROUP)
+    columns = (best[:, :, None] * TOP_K_GROUP + jnp.arange(TOP_K_GROUP)).reshape(rows, k * TOP_K_GROUP)
+    vals, pos = jax.lax.top_k(candidates, k)
+    return vals, jnp.take_along_axis(columns, pos, axis=1)
 
 
 def _global_argmax(values: jax.Array, offset: jax.Array, axis: str) -> jax.Array:
