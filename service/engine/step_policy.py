@@ -8,11 +8,12 @@ prompt with at least ``idle_step_tokens`` left goes in a chunk of that many. Und
 ``SURGE_BACKLOG_BUDGETS`` budgets of prompt tokens not yet computed) a step carries up to twice the
 budget, so the burst drains faster.
 
-Programs are compiled per shape: decode-only steps per batch width; steps with a chunk per chunk size
-and per bucket of the context the chunk attends to; each greedy-only or sampled. A greedy twin of each
-chunk program costs start-up time (a chunk program's first launch takes about 0.4 s on an H100, mostly
-setting up cuDNN's attention calls) but pays for it: sampling costs a chunk step about 1 ms of its 11
-(benchmarks/NOTES.md).
+Programs are compiled per shape: decode-only steps per batch width, each greedy-only or sampled; steps
+with a chunk per chunk size and per bucket of the context the chunk attends to, sampled only (a greedy
+row takes the same argmax in a sampled program). A chunk program's first launch costs about 0.4 s on
+an H100, mostly cuDNN's attention calls (two per layer) being set up, so a greedy twin of each would
+double that start-up cost; with the sampler's candidates found by groups (``sampling.py``) sampling
+is a small part of a chunk step (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class StepPolicy:
             return StepShape(next(w for w in self.batch_widths if w >= decoding), greedy=greedy)
         width = next(w for w in self.chunk_widths if w >= decoding)
         kv_len = next(b for b in self.kv_buckets if b >= chunk_end)
-        return StepShape(width, self.chunk_size_for(chunk_length), kv_len, greedy)
+        return StepShape(width, self.chunk_size_for(chunk_length), kv_len, greedy=False)
 
     def plan(self, kv: KVManager, chunk_slot: int | None, backlog: int = 0) -> StepPlan | None:
         """The next step over ``kv``'s books: a token for every decoding sequence (their blocks must
@@ -178,12 +179,12 @@ class StepPolicy:
         """Every step program serving can run: decode-only steps at each width; a chunk of up to
         step_tokens, which may end anywhere, beside either chunk width; a surge chunk longer than
         step_tokens, which ends past step_tokens; an idle-step chunk, which is whole and so ends at
-        idle_step_tokens or later, with nothing decoding beside it (the narrower width). Greedy and
-        sampled."""
+        idle_step_tokens or later, with nothing decoding beside it (the narrower width). Decode-only
+        steps greedy and sampled; those with a chunk sampled (module docstring)."""
         chunked = [(w, size, kv) for w in self.chunk_widths for size in self.chunk_sizes for kv in self.kv_buckets
                    if size <= self.step_tokens or kv > self.step_tokens]
         if self.idle_step_tokens not in self.chunk_sizes:
             chunked += [(self.chunk_widths[0], self.idle_step_tokens, kv) for kv in self.kv_buckets
                         if kv >= self.idle_step_tokens]
-        return [StepShape(w, c, kv, greedy) for greedy in (True, False)
-                for w, c, kv in [(w, 0, 0) for w in self.batch_widths] + chunked]
+        return ([StepShape(w, greedy=greedy) for greedy in (True, False) for w in self.batch_widths]
+                + [StepShape(w, c, kv, greedy=False) for w, c, kv in chunked])

@@ -85,13 +85,17 @@ def test_policy_sizes_and_the_shapes_it_compiles(monkeypatch):
     assert policy.kv_buckets == [64, 128]
     assert policy.shape(3, None, 0, True) == StepShape(4, greedy=True)
     assert policy.shape(1, 70, 6, False) == StepShape(4, BLOCK, 128, False)
+    # A chunk runs in a sampled program even when every row is greedy (greedy rows take the argmax).
+    assert policy.shape(1, 70, 6, True) == StepShape(4, BLOCK, 128, False)
     shapes = policy.shapes()
-    assert len(shapes) == len(set(shapes)) and StepShape(2) in shapes and StepShape(4, 8 * BLOCK, 128) in shapes
+    assert len(shapes) == len(set(shapes)) and StepShape(2) in shapes and StepShape(4, 8 * BLOCK, 128, False) in shapes
+    assert not any(s.with_chunk and s.greedy for s in shapes)
+    assert {s for s in shapes if not s.with_chunk} == {StepShape(w, greedy=g) for w in (2, 4) for g in (True, False)}
     # A doubling just short of the table is left to the table's bucket: 4096 beside 4352 is not compiled.
     serving = StepPolicy(max_slots=64, max_seq_len=4352, block_size=64, step_tokens=256)
     assert serving.kv_buckets == [256, 512, 1024, 2048, 4352]
     assert serving.shape(4, 4000, 256, True).kv_len == 4352 and serving.shape(4, 2000, 256, True).kv_len == 2048
-    assert len(serving.shapes()) == 72
+    assert len(serving.shapes()) == 42  # 12 decode-only, 30 with a chunk
     assert StepPolicy(max_slots=4, max_seq_len=6144, block_size=64, step_tokens=256).kv_buckets[-2:] == [4096, 6144]
     monkeypatch.setattr(step_policy, "NARROW_CHUNK_MIN_ROWS", 2)
     assert StepPolicy(max_slots=4, max_seq_len=128, block_size=BLOCK).chunk_widths == [2, 4]
