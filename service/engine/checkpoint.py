@@ -214,6 +214,10 @@ def load_params(
     itemsize = np.dtype(np_dtype).itemsize
     total = stages * sum(_held_bytes(layer, itemsize) for layer in shapes["layers"][:per_stage]) + itemsize * sum(
         int(np.prod(shapes[name])) for name in ("embed", "final_norm", "lm_head"))
+    # Before any tensor is read: a checkpoint without its LM head fails at once, not after every layer.
+    head_name = EMBED if s.tie_word_embeddings else LM_HEAD
+    if not s.tie_word_embeddings and head_name not in src:
+        raise CheckpointError("checkpoint has no lm_head.weight and the config does not tie word embeddings")
     bar = progress_bar(progress, total=total, desc=f"loading {folder.name}")
     params: dict[str, Any] = {"layers": []}
     params["embed"] = put(shapes["embed"], rep, whole(EMBED, (s.vocab_size, s.hidden_size)))
@@ -239,9 +243,6 @@ def load_params(
             bar.update(sum(leaf.nbytes for leaf in jax.tree.leaves(layer)))
     params["final_norm"] = put(shapes["final_norm"], rep, whole(FINAL_NORM, (s.hidden_size,)))
     bar.update(params["final_norm"].nbytes)
-    head_name = EMBED if s.tie_word_embeddings else LM_HEAD
-    if not s.tie_word_embeddings and head_name not in src:
-        raise CheckpointError("checkpoint has no lm_head.weight and the config does not tie word embeddings")
     local_vocab = shape.padded_vocab // (tp * stages)
 
     def head(idx: tuple[slice, ...]) -> np.ndarray:

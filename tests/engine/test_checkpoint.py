@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from helpers.engine_fixtures import greedy_and_logits, tiny_engine
 from helpers.hf_reference import hf_logits
@@ -65,6 +66,11 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
     untied = dataclasses.replace(spec, tie_word_embeddings=False)
     config = untied.to_config()
     (folder / "config.json").write_text(json.dumps(config))
+    tensors = safetensors.torch.load_file(folder / "model.safetensors")
+    del tensors["lm_head.weight"]
+    safetensors.torch.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"no lm_head\.weight and the config does not tie word embeddings"):
+        tiny_engine(folder)
     (folder / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"no \*.safetensors files"):
         tiny_engine(folder)
