@@ -10,7 +10,8 @@ launch overlaps the device's work. Reported per state: the median over ``--repea
 a chunk and per decode-only step, and the median host time of launching each kind (the call that
 enqueues the step: when it nears the step's own time, the device waits for the host); with
 ``--profile-dir``, a profiler summary of one prompt's chunk steps (GPU busy time and span per step, top
-kernels): where a chunk step's time goes.
+kernels): where a chunk step's time goes. Every sequence is greedy unless ``--temperature`` (with
+``--top-k``, ``--top-p``) makes them sample: greedy traffic against sampled traffic.
 
     python benchmarks/chunk_steps.py --state 20:1536 8:1024 --prompt 3072 --profile-dir /tmp/prof \\
         --out benchmarks/results/current/chunk-steps-h200.json
