@@ -3,13 +3,15 @@
 
 ``switchyard serve`` runs as a pod runs it (a subprocess on a checkpoint folder, gRPC and the
 OpenAI-compatible HTTP API on their ports). For each rate (``--rates``, requests/s), the same requests
-(seeded: prompt texts of drawn token lengths, output lengths; load.py's length-mix syntax) go:
+(seeded: arrival times, prompt lengths and output lengths; load.py's length-mix syntax) go each path,
+with prompt texts of their own (random tokens of the drawn lengths): a path that sent the texts
+another path had sent would find their KV in the server's prefix cache and skip their prefill.
 
 - ``grpc``: through ``switchyard.v1.Decode/Generate`` with ``ignore_eos``, from this process
   (load.py's client: open-loop Poisson arrivals, one stream per request, the text as the prompt);
 - ``http``: through ``POST /v1/completions`` with ``stream``, from guidellm (``guidellm run``, a
-  process of its own: Poisson arrivals at the same rate, as many requests, the same prompts in the
-  same order from a JSON-lines file, ``max_tokens`` = the output length and ``ignore_eos``, as
+  process of its own: Poisson arrivals at the same rate, as many requests, prompts of the same
+  lengths in the same order from a JSON-lines file, ``max_tokens`` = the output length and ``ignore_eos``, as
   guidellm sends them for fixed-length outputs).
 
 Both paths' figures are computed alike from their per-request records, as guidellm defines them:
@@ -73,27 +75,35 @@ startup = sibling("startup.py")
 
 def prompt_texts(tokenizer_file: Path, lengths: Sequence[int], rng: Any) -> list[str]:
     """Texts of random ordinary tokens, ``lengths[i]`` of them for text i (the server's tokenizer may
-    count a few more or fewer once the text is encoded again; both paths send the same texts)."""
+    count a few more or fewer once the text is encoded again; both paths send the same texts).
+    Ordinary: not special, and encoded again as itself; a random checkpoint's reserved filler ids
+    decode to markup such as ``<|reserved_7|>``, which encodes again as a dozen tokens."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     special = set(tokenizer.get_added_tokens_decoder())
     vocab = tokenizer.get_vocab_size(with_added_tokens=False)
-    ordinary = [i for i in range(3, vocab) if i not in special]
+    candidates = [i for i in range(3, vocab) if i not in special]
+    alone = tokenizer.decode_batch([[i] for i in candidates], skip_special_tokens=True)
+    again = tokenizer.encode_batch(alone, add_special_tokens=False)
+    ordinary = [i for i, encoded in zip(candidates, again, strict=True) if encoded.ids == [i]]
+    if not ordinary:
+        raise SystemExit(f"{tokenizer_file}: no token encodes again as itself")
     return [tokenizer.decode([ordinary[j] for j in rng.integers(0, len(ordinary), n)], skip_special_tokens=True)
             for n in lengths]
 
 
 def plan(rate: float, duration: float, args: argparse.Namespace, tokenizer_file: Path,
-         seed: int) -> list[tuple[float, str, int]]:
-    """(arrival offset, prompt text, output tokens) of one rate's requests."""
+         seed: int, path: str) -> list[tuple[float, str, int]]:
+    """(arrival offset, prompt text, output tokens) of one rate's requests on ``path``: arrivals and
+    lengths from ``seed`` alone, the same on every path; the texts drawn for the path."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     offsets = load.poisson_arrivals(rate, duration, rng)
     prompts = args.prompt_mix.draw(rng, len(offsets))
     outputs = args.output_mix.draw(rng, len(offsets))
-    texts = prompt_texts(tokenizer_file, prompts, rng)
+    texts = prompt_texts(tokenizer_file, prompts, np.random.default_rng([seed, PATHS.index(path)]))
     return list(zip(offsets, texts, outputs, strict=True))
 
 
@@ -359,10 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     with serving(model, args) as server:
         print(f"serving {server.model} at {server.target} (gRPC) and {server.url} (HTTP)", flush=True)
         for index, rate in enumerate(args.rates):
-            wire = plan(rate, args.duration, args, model / "tokenizer.json", args.seed + index)
-            if not wire:
-                raise SystemExit(f"no arrivals at {rate:g} req/s in {args.duration:g} s: raise --duration")
             for path in args.path:
+                wire = plan(rate, args.duration, args, model / "tokenizer.json", args.seed + index, path)
+                if not wire:
+                    raise SystemExit(f"no arrivals at {rate:g} req/s in {args.duration:g} s: raise --duration")
                 row = measure(path, rate, wire, server, args, model, binary)
                 rows.append(row)
                 print(f"{path:5} {rate:>6g}/s  sent {row['sent']:>4}  done {row['finished']:>4}  "

@@ -85,6 +85,37 @@ def run_script(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def test_prompt_texts_encode_again_to_about_their_drawn_lengths(tmp_path: Path) -> None:
+    """On the 8B preset's tokenizer, whose ids past the few learned ones are reserved fillers (each
+    decodes to markup that encodes as a dozen tokens), a text of n drawn tokens is still about n
+    tokens to the server."""
+    import numpy as np
+    from switchyard.service.engine.tokenizer import build_tokenizer
+    from switchyard.service.modelspec import preset
+
+    path = tmp_path / "tokenizer.json"
+    build_tokenizer(preset("llama3-8b")).save(str(path))
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    lengths = [128, 1024, 3072]
+    texts = http_load.prompt_texts(path, lengths, np.random.default_rng(0))
+    for n, text in zip(lengths, texts, strict=True):
+        assert 0.8 * n <= len(tokenizer.encode(text, add_special_tokens=False).ids) <= 1.2 * n
+
+
+def test_each_path_gets_the_same_arrivals_and_lengths_with_texts_of_its_own(tiny_checkpoint_dir: Path) -> None:
+    """A path must not find its prompts in the prefix cache the path before it filled."""
+    args = http_load.parse_args(["--preset", "tiny", "--max-seq-len", "128", "--prompt-lengths", "8", "32",
+                                 "--output-lengths", "4", "8"])
+    tokenizer = tiny_checkpoint_dir / "tokenizer.json"
+    grpc, http = (http_load.plan(6, 3, args, tokenizer, 5, path) for path in ("grpc", "http"))
+    assert len(grpc) == len(http) > 3
+    assert [(offset, out) for offset, _, out in grpc] == [(offset, out) for offset, _, out in http]
+    assert all(a != b for (_, a, _), (_, b, _) in zip(grpc, http, strict=True))
+    assert grpc == http_load.plan(6, 3, args, tokenizer, 5, "grpc")
+
+
 def test_mistakes_are_one_line_before_anything_starts(tmp_path: Path) -> None:
     done = run_script("--guidellm", str(tmp_path / "no-guidellm"), "--work", str(tmp_path))
     assert done.returncode != 0 and "cannot run guidellm" in done.stderr and "Traceback" not in done.stderr
