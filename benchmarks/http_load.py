@@ -10,8 +10,9 @@ another path had sent would find their KV in the server's prefix cache and skip 
 - ``grpc``: through ``switchyard.v1.Decode/Generate`` with ``ignore_eos``, from this process
   (load.py's client: open-loop Poisson arrivals, one stream per request, the text as the prompt);
 - ``http``: through ``POST /v1/completions`` with ``stream``, from guidellm (``guidellm run``, a
-  process of its own: Poisson arrivals at the same rate, as many requests, prompts of the same
-  lengths in the same order from a JSON-lines file, ``max_tokens`` = the output length and ``ignore_eos``, as
+  process of its own, replaying the same arrival times: its ``replay`` profile over a JSON-lines file
+  of prompts of the same lengths in the same order, each with its ``relative_timestamp``;
+  ``max_tokens`` = the output length and ``ignore_eos``, as
   guidellm sends them for fixed-length outputs).
 
 Both paths' figures are computed alike from their per-request records, as guidellm defines them:
@@ -58,6 +59,7 @@ PATHS = ("grpc", "http")
 TARGET_RATE_RPS = 8.0
 TARGET_TTFT_MS_P50_ADDED = 10.0
 TARGET_ITL_P50_ADDED_FRACTION = 0.05
+ARRIVAL_SLACK_S = 0.001  # guidellm's targeted start times against the planned offsets
 
 
 def sibling(name: str) -> SimpleNamespace:
@@ -149,19 +151,26 @@ def grpc_records(measured: Sequence[dict[str, Any]], wire: Sequence[tuple[float,
 def guidellm_records(report: dict[str, Any], wire: Sequence[tuple[float, str, int]]
                      ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """guidellm's successful requests as records (its own per-request figures; the output length
-    asked is the one planned for the request's prompt), and its request counts."""
+    asked is the one planned for the request's prompt), and its request counts. SystemExit when it
+    sent a prompt not planned, without its max_tokens or ignore_eos, or not on the planned schedule
+    (its targeted start times apart by other than the planned offsets, within ARRIVAL_SLACK_S)."""
     (bench,) = report["benchmarks"]
     asked = {text: out for _, text, out in wire}
-    records = []
+    offsets = {text: offset for offset, text, _ in wire}
+    records, origins = [], []
     for request in bench["requests"]["successful"]:
         body = json.loads(request["request_args"])["body"]
         if body.get("max_tokens") != asked.get(body.get("prompt")) or body.get("ignore_eos") is not True:
             raise SystemExit("guidellm did not send a planned prompt with its max_tokens and ignore_eos: "
                              f"{json.dumps(body)[:300]}")
         timings = request["info"]["timings"]
+        origins.append(timings["targeted_start"] - offsets[body["prompt"]])
         records.append({"ttft_ms": request["time_to_first_token_ms"], "itl_ms": request["inter_token_latency_ms"],
                         "tokens": request["output_tokens"], "asked": body["max_tokens"],
                         "start_s": timings["request_start"], "end_s": timings["last_token_iteration"]})
+    if origins and max(origins) - min(origins) > ARRIVAL_SLACK_S:
+        raise SystemExit(f"guidellm did not replay the planned arrivals: its targeted starts are off the plan by "
+                         f"up to {1e3 * (max(origins) - min(origins)):.1f} ms")
     totals = bench["metrics"]["request_totals"]
     return records, {k: int(v) for k, v in totals.items()}
 
@@ -270,11 +279,12 @@ def guidellm_binary(given: str | None) -> str:
     return found
 
 
-def run_guidellm(binary: str, server: SimpleNamespace, wire: Sequence[tuple[float, str, int]], rate: float,
+def run_guidellm(binary: str, server: SimpleNamespace, wire: Sequence[tuple[float, str, int]],
                  args: argparse.Namespace, tokenizer_dir: Path, name: str) -> dict[str, Any]:
-    """One guidellm run of ``wire``'s prompts at ``rate`` (Poisson) through /v1/completions; its report."""
+    """One guidellm run of ``wire``'s prompts, each at its arrival time, through /v1/completions; its report."""
     data = args.work / f"{name}-prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": text, "output_tokens_count": out}) + "\n" for _, text, out in wire))
+    rows = ({"prompt": text, "output_tokens_count": out, "relative_timestamp": offset} for offset, text, out in wire)
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     report = args.work / f"{name}-guidellm.json"
     report.unlink(missing_ok=True)
     last = max(offset for offset, _, _ in wire)
@@ -282,7 +292,7 @@ def run_guidellm(binary: str, server: SimpleNamespace, wire: Sequence[tuple[floa
         "backend": {"kind": "openai_http", "target": server.url, "model": server.model,
                     "request_format": "/v1/completions", "stream": True, "http2": False,
                     "timeout": last + args.timeout},
-        "profile": {"kind": "poisson", "rate": rate},
+        "profile": {"kind": "replay", "schedule_turn": "timestamp"},  # at each request's planned arrival
         "tokenizer": {"kind": "hf_auto", "model": str(tokenizer_dir)},
         "data": [{"kind": "json_file", "path": str(data)}],
         "constraints": [{"kind": "max_requests", "count": len(wire)},
@@ -315,12 +325,45 @@ def measure(path: str, rate: float, wire: list[tuple[float, str, int]], server: 
                "finished": len(records), "failed": failed, "unfinished": len(wire) - len(records) - failed}
     else:
         assert binary is not None
-        report = run_guidellm(binary, server, wire, rate, args, model, f"rate-{rate:g}")
+        report = run_guidellm(binary, server, wire, args, model, f"rate-{rate:g}")
         records, totals = guidellm_records(report, wire)
         row = {"client": f"guidellm {GUIDELLM_VERSION} (openai_http, /v1/completions, stream)",
                "sent": totals["total"], "finished": totals["successful"], "failed": totals["errored"],
                "unfinished": totals["incomplete"], "client_report": client_report(report)}
     return {"path": path, "rate_rps": rate, **row, **request_stats(records)}
+
+
+# The server's own histograms (its /metrics), read before and after each path: their means over the
+# path's requests tell an engine that ran slower from a path that delivered its tokens later.
+SERVER_HISTOGRAMS = {"ttft_ms_mean": "switchyard_time_to_first_token_seconds",
+                     "itl_ms_mean": "switchyard_inter_token_latency_seconds",
+                     "step_ms_mean": "switchyard_engine_step_seconds"}
+
+
+def scrape_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of SERVER_HISTOGRAMS on the server at ``url``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for suffix, at in (("_sum", 0), ("_count", 1)):
+                name = sample.name.removesuffix(suffix)
+                if sample.name.endswith(suffix) and name in SERVER_HISTOGRAMS.values():
+                    found.setdefault(name, [0.0, 0.0])[at] += sample.value
+    return {name: (found.get(name, [0.0, 0.0])[0], found.get(name, [0.0, 0.0])[1])
+            for name in SERVER_HISTOGRAMS.values()}
+
+
+def server_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Each histogram's mean (ms) over what it observed between two scrapes (None: nothing observed)."""
+    out: dict[str, Any] = {}
+    for key, name in SERVER_HISTOGRAMS.items():
+        total, count = (a - b for a, b in zip(after[name], before[name], strict=True))
+        out[key] = round(1e3 * total / count, 3) if count > 0 else None
+    return out
 
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -373,10 +416,13 @@ def main(argv: list[str] | None = None) -> int:
                 wire = plan(rate, args.duration, args, model / "tokenizer.json", args.seed + index, path)
                 if not wire:
                     raise SystemExit(f"no arrivals at {rate:g} req/s in {args.duration:g} s: raise --duration")
+                before = scrape_sums(server.url)
                 row = measure(path, rate, wire, server, args, model, binary)
+                row["server"] = server_means(before, scrape_sums(server.url))
                 rows.append(row)
                 print(f"{path:5} {rate:>6g}/s  sent {row['sent']:>4}  done {row['finished']:>4}  "
-                      f"TTFT p50 {row['ttft_ms_p50']} ms  ITL p50 {row['itl_ms_p50']} ms", flush=True)
+                      f"TTFT p50 {row['ttft_ms_p50']} ms  ITL p50 {row['itl_ms_p50']} ms  server means "
+                      f"{row['server']}", flush=True)
     device = startup.device_name()
     result = {
         "command": "python benchmarks/http_load.py " + shlex.join(sys.argv[1:] if argv is None else argv),
@@ -392,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             "itl_ms": "a request's mean inter-token time: (last token - first token) / (tokens - 1)",
             "percentiles": "over finished requests; linear interpolation between the nearest ranks",
             "client_report": "guidellm's own summary of the same run",
+            "server": "the server's own /metrics histograms over the path's requests: means (ms) of TTFT (arrival "
+                      "in the server to the first token), inter-token time (the engine's tokens of a request) and "
+                      "engine step time",
         },
         "targets": {"rate_rps": TARGET_RATE_RPS, "ttft_ms_p50_added_max": TARGET_TTFT_MS_P50_ADDED,
                     "itl_p50_added_fraction_max": TARGET_ITL_P50_ADDED_FRACTION},

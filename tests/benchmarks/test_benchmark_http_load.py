@@ -45,10 +45,15 @@ def test_grpc_results_become_records_of_finished_requests() -> None:
     assert one["itl_ms"] is None and one["ttft_ms"] == pytest.approx(50)
 
 
-def guidellm_report(bodies: list[dict]) -> dict:
+def guidellm_report(bodies: list[dict], targeted: list[float] | None = None) -> dict:
+    """guidellm's report of ``bodies``, each targeted at 100 s plus its prompt's planned offset unless
+    ``targeted`` says otherwise."""
+    planned = {"one": 100.0, "two": 100.3}
+    targeted = targeted or [planned.get(body["prompt"], 100.0) for body in bodies]
     requests = [{"request_args": json.dumps({"body": body}), "time_to_first_token_ms": 12.0,
                  "inter_token_latency_ms": 3.0, "output_tokens": body["max_tokens"],
-                 "info": {"timings": {"request_start": 5.0, "last_token_iteration": 6.0}}} for body in bodies]
+                 "info": {"timings": {"request_start": 5.0, "last_token_iteration": 6.0, "targeted_start": start}}}
+                for body, start in zip(bodies, targeted, strict=True)]
     return {"benchmarks": [{"requests": {"successful": requests},
                             "metrics": {"request_totals": {"successful": len(bodies), "errored": 0, "incomplete": 1,
                                                            "total": len(bodies) + 1}}}]}
@@ -65,6 +70,8 @@ def test_guidellms_report_is_read_against_the_plan() -> None:
                   {"prompt": "three", "max_tokens": 8, "ignore_eos": True}):
         with pytest.raises(SystemExit, match="did not send a planned prompt"):
             http_load.guidellm_records(guidellm_report([wrong]), wire)
+    with pytest.raises(SystemExit, match="did not replay the planned arrivals"):  # sent 0.3 s apart, planned 0.3 s
+        http_load.guidellm_records(guidellm_report(bodies, targeted=[100.0, 100.3]), wire)
 
 
 def test_the_comparison_holds_http_against_grpc_at_each_rate() -> None:
@@ -116,6 +123,13 @@ def test_each_path_gets_the_same_arrivals_and_lengths_with_texts_of_its_own(tiny
     assert grpc == http_load.plan(6, 3, args, tokenizer, 5, "grpc")
 
 
+def test_server_means_are_taken_over_what_the_histograms_observed_between_scrapes() -> None:
+    names = http_load.SERVER_HISTOGRAMS
+    before = {names["ttft_ms_mean"]: (1.0, 10), names["itl_ms_mean"]: (2.0, 100), names["step_ms_mean"]: (0.0, 0)}
+    after = {names["ttft_ms_mean"]: (1.5, 15), names["itl_ms_mean"]: (2.6, 200), names["step_ms_mean"]: (0.0, 0)}
+    assert http_load.server_means(before, after) == {"ttft_ms_mean": 100.0, "itl_ms_mean": 6.0, "step_ms_mean": None}
+
+
 def test_mistakes_are_one_line_before_anything_starts(tmp_path: Path) -> None:
     done = run_script("--guidellm", str(tmp_path / "no-guidellm"), "--work", str(tmp_path))
     assert done.returncode != 0 and "cannot run guidellm" in done.stderr and "Traceback" not in done.stderr
@@ -141,6 +155,7 @@ def test_a_run_on_the_tiny_preset_through_both_paths(tmp_path: Path) -> None:
         assert row["finished"] == row["sent"] and row["failed"] == row["unfinished"] == 0, row
         assert row["exact_lengths"] and row["output_tokens"] == grpc["output_tokens"]  # ignore_eos on both
         assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"] and 0 < row["itl_ms_p50"] <= row["itl_ms_p99"]
+        assert all(row["server"][key] > 0 for key in http_load.SERVER_HISTOGRAMS), row["server"]
     report = http["client_report"]
     assert report["guidellm_version"] == http_load.GUIDELLM_VERSION and report["ttft_ms_p50"] > 0
     (compared,) = result["comparison"]
