@@ -8,7 +8,7 @@ over every column beside ``top_k_by_groups``, which the sampler runs, each check
 (values and indices) on bf16-rounded logits, whose ties are many. ms per call, the median of
 ``--repeats`` timings of ``--calls`` calls each.
 
-    python benchmarks/sampling.py --batch 1 8 64 --out benchmarks/results/current/sampling-h100.json
+    python benchmarks/sampling.py --batch 1 8 64 --out benchmarks/results/archive/sampling-h100.json
 """
 
 from __future__ import annotations
