@@ -79,7 +79,10 @@ def greedy_and_logits(engine: Engine, prompt: Sequence[int], n: int) -> tuple[li
         assert kv.ensure_decode_blocks()
         seq = kv.sequence(0)
         plan = engine.policy.plan(kv, 0 if seq.left else None)
-        step_logits = engine.logits(plan)
+        # Only steps that make a token have logits to compare: a chunk that does not end its prompt
+        # gets no logits program compiled.
+        makes_token = plan.chunk is None or plan.chunk.completes
+        step_logits = engine.logits(plan) if makes_token else None
         result = engine.collect(engine.launch(plan))
         kv.launched(plan)
         if plan.chunk is not None and plan.chunk.completes:
