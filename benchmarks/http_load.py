@@ -77,8 +77,8 @@ startup = sibling("startup.py")
 
 def prompt_texts(tokenizer_file: Path, lengths: Sequence[int], rng: Any) -> list[str]:
     """Texts of random ordinary tokens, ``lengths[i]`` of them for text i (the server's tokenizer may
-    count a few more or fewer once the text is encoded again; both paths send the same texts).
-    Ordinary: not special, and encoded again as itself; a random checkpoint's reserved filler ids
+    count a few more or fewer once the text is encoded again). Ordinary: not special, and encoded
+    again as itself; a random checkpoint's reserved filler ids
     decode to markup such as ``<|reserved_7|>``, which encodes again as a dozen tokens."""
     from tokenizers import Tokenizer
 
@@ -346,14 +346,9 @@ def scrape_sums(url: str) -> dict[str, tuple[float, float]]:
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
         text = answer.read().decode()
-    found: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            for suffix, at in (("_sum", 0), ("_count", 1)):
-                name = sample.name.removesuffix(suffix)
-                if sample.name.endswith(suffix) and name in SERVER_HISTOGRAMS.values():
-                    found.setdefault(name, [0.0, 0.0])[at] += sample.value
-    return {name: (found.get(name, [0.0, 0.0])[0], found.get(name, [0.0, 0.0])[1])
+    values = {sample.name: sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples if not sample.labels.keys() - {"model_name"}}
+    return {name: (values.get(f"{name}_sum", 0.0), values.get(f"{name}_count", 0.0))
             for name in SERVER_HISTOGRAMS.values()}
 
 
