@@ -79,6 +79,9 @@ class EngineBridge:
         # ended it first (then the record is cut to what the client received).
         self._records: dict[str, Any] = {}
         self._stopped_at: dict[str, int] = {}
+        # Requests whose caller a stop string already answered while the engine's final event (and so
+        # their record) is still a step away: a trace lookup for one waits for it.
+        self._unrecorded: dict[str, threading.Event] = {}
         scheduler.on_finish = self._records_until_final
         self.failed = False
         self.accepting = True
@@ -92,14 +95,26 @@ class EngineBridge:
             self._flush_record(event.request_id)
 
     def _flush_record(self, request_id: str) -> None:
-        record = self._records.pop(request_id, None)
-        if record is None:
-            return
-        stopped_at = self._stopped_at.pop(request_id, None)
-        if stopped_at is not None:
-            record = record.cut(stopped_at, "stop")
-        if self._on_record is not None:
-            self._on_record(record)
+        recorded = self._unrecorded.pop(request_id, None)
+        try:
+            record = self._records.pop(request_id, None)
+            if record is None:
+                return
+            stopped_at = self._stopped_at.pop(request_id, None)
+            if stopped_at is not None:
+                record = record.cut(stopped_at, "stop")
+            if self._on_record is not None:
+                self._on_record(record)
+        finally:
+            if recorded is not None:
+                recorded.set()
+
+    async def recorded(self, request_id: str, timeout: float = 5.0) -> None:
+        """Return once ``request_id``'s record is kept, if its caller was answered before the engine
+        finished it (a stop string); at once for any other id."""
+        pending = self._unrecorded.get(request_id)
+        if pending is not None:
+            await asyncio.to_thread(pending.wait, timeout)
 
     # ---- the scheduler thread --------------------------------------------------------------------
     def start(self) -> None:
@@ -173,6 +188,8 @@ class EngineBridge:
                 self._stopped_at[request_id] = text.stopped_at
             if event.finish_reason is not None:
                 self._flush_record(request_id)  # the trace is there before the caller sees the end
+            elif text.stopped_at is not None:
+                self._unrecorded[request_id] = threading.Event()  # the record comes after the caller's end
             pump.put(events, out)
             # A stop string ended it before the engine did: stop the engine's generating.
             if text.stopped_at is not None and event.finish_reason is None and self.requests.leave(request_id):

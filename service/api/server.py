@@ -302,6 +302,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         return response
 
     async def GetTraces(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request.request_id and self.app.bridge is not None:
+            await self.app.bridge.recorded(request.request_id)
         found = self.app.recorder.recent(request.request_id, request.limit)
         if request.request_id and not found:
             await context.abort(

@@ -64,7 +64,7 @@ def test_model_info_reports_the_limits(client) -> None:
     assert info.ready and info.vocab_size == 512 and list(info.eos_token_ids) == [2]
 
 
-def test_stop_string_ends_generation_without_emitting_it(client) -> None:
+def test_stop_string_ends_generation_without_emitting_it(client, served) -> None:
     free = client.generate(make_request("Once upon a time", max_tokens=40), timeout=60)
     assert len(free.text) > 4
     stop = free.text[len(free.text) // 2 :][:3]
@@ -72,7 +72,14 @@ def test_stop_string_ends_generation_without_emitting_it(client) -> None:
         pytest.skip("generated text has no usable stop string")
     request = make_request("Once upon a time", max_tokens=40, stop=[stop])
     request.request_id = "stopped-by-text"
-    cut = client.generate(request, timeout=60)
+    # The engine takes its time to act on the cancel: its final event for the cut request (and so the
+    # record) comes well after the client has its answer, and the trace lookup below must wait for it.
+    scheduler = served.scheduler
+    scheduler.cancel = lambda request_id: threading.Timer(0.3, type(scheduler).cancel, (scheduler, request_id)).start()
+    try:
+        cut = client.generate(request, timeout=60)
+    finally:
+        del scheduler.cancel
     assert cut.finish_reason == "stop"
     assert stop not in cut.text
     assert free.text.startswith(cut.text)
