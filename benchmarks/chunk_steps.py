@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    apply_process_defaults(1)  # as serve's engine process on one GPU
+    apply_process_defaults()  # as serve's engine process
     import jax
     import numpy as np
     from switchyard.service.modelspec import KV_BLOCK_TOKENS, preset

@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if len(args.tp) > 1:
         return run_each_tp(args, list(argv if argv is not None else sys.argv[1:]))
-    apply_process_defaults(max(args.tp))  # as serve's engine process (one allocator for every run here)
+    apply_process_defaults()  # as serve's engine process
     xla_flags = os.environ.get("XLA_FLAGS", "")
     scratch = tempfile.TemporaryDirectory(prefix="switchyard-hlo-") if args.hlo_dir else None
     dump = Path(scratch.name) if scratch else None

@@ -777,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    apply_process_defaults(args.tp)  # as serve's engine process (the gRPC path's child inherits it)
+    apply_process_defaults()  # as serve's engine process (the gRPC path's child inherits it)
     if args.switch_interval is not None:  # as `switchyard serve --switch-interval` does, without importing gRPC
         sys.setswitchinterval(args.switch_interval)
     spec, tokenizer = drive().serving_tokenizer(args)

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    apply_process_defaults(1)  # as serve's engine process on one GPU
+    apply_process_defaults()  # as serve's engine process
     peer = peer_times(args) if args.peer else None
 
     import jax

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="sys.setswitchinterval, as switchyard serve --switch-interval (default: CPython's)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/current/serve-<device>.json")
     args = parser.parse_args(argv)
-    apply_process_defaults(args.tp)  # as serve's engine process
+    apply_process_defaults()  # as serve's engine process
     from switchyard.service.api.server import tune_interpreter
 
     tune_interpreter(args.switch_interval)

@@ -397,11 +397,11 @@ def build_engine(options: EngineOptions) -> tuple[Any, Any]:
 
 
 def choose_xla_runtime(options: EngineOptions) -> None:
-    """The engine process, before it looks at its devices: the XLA allocator for its layout
+    """The engine process, before it looks at its devices: XLA's allocator and its share of each GPU
     (``service.engine.xla_runtime``)."""
     from switchyard.service.engine.xla_runtime import apply_process_defaults
 
-    apply_process_defaults(options.layout.tp)
+    apply_process_defaults()
 
 
 def join_pipeline_group(options: EngineOptions) -> None:

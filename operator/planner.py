@@ -414,18 +414,21 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
                               f"on {pool.product}")
     fraction = float(request.kv_memory_fraction)
     kv_bytes = int((usable - weights) * fraction)
-    if tp == 1:
-        # A one-GPU engine keeps its pool inside what XLA's compiler assumes usable (it is not told the
-        # allocator's limit there: service/engine/xla_runtime.py).
+    room_note = ""
+    if pp == 1:
+        # An engine in one process keeps its pool inside what XLA's compiler assumes usable (under the
+        # virtual-memory allocator it is not told the limit: service/engine/xla_runtime.py).
         room = (int(XLA_UNSTATED_LIMIT_FRACTION * pool.memory_bytes) - weights - int(m["runtime_reserve_bytes"])
                 - STEP_PARAMETER_MARGIN)
-        kv_bytes = min(kv_bytes, room)
+        if room < kv_bytes:
+            kv_bytes = max(0, room)
+            room_note = f", within the {XLA_UNSTATED_LIMIT_FRACTION:.0%} of each GPU XLA's compiler counts usable"
     kv_tokens = kv_tokens_for_memory(model, tp, pp, kv_bytes)
     if kv_tokens < max_seq:
         return None, Rejected(LayoutRejection.NO_KV_ROOM,
                               f"no room for the KV cache of one {max_seq}-token sequence after the weights: "
-                              f"{fraction:.0%} of the {(usable - weights) / GiB:.1f} GiB left holds {kv_tokens} "
-                              f"tokens")
+                              f"{fraction:.0%} of the {(usable - weights) / GiB:.1f} GiB left{room_note} holds "
+                              f"{kv_tokens} tokens")
     # Sequences are at every point of their decode at once: on average a prompt and half the output.
     expected = -(-ctx_avg // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
     mem_slots = kv_tokens // expected  # >= 1: the pool holds max_seq >= ctx_avg, in whole blocks

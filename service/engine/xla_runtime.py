@@ -52,18 +52,17 @@ NO_REMATERIALIZATION = "rematerialization"
 SHORT_CHUNK_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 
 
-def apply_process_defaults(gpus: int, environ: dict[str, str] | None = None) -> None:
-    """Before JAX starts its GPU client, in an engine's process on ``gpus`` GPUs, unless the user
-    chose: let XLA take :data:`PROCESS_MEMORY_FRACTION` of each GPU's memory, and on one GPU use its
-    virtual-memory allocator. That allocator keeps no memory statistics and maps memory as it
-    allocates, up to the fraction; the paged engine then sizes its KV pool from the driver's
-    free-memory count. Only on one GPU: that is where it was measured (benchmarks/NOTES.md); several
-    GPUs keep XLA's default allocator, preallocating the fraction, and its collectives' memory."""
+def apply_process_defaults(environ: dict[str, str] | None = None) -> None:
+    """Before JAX starts its GPU client, in an engine's process, unless the user chose: let XLA take
+    :data:`PROCESS_MEMORY_FRACTION` of each GPU's memory, through its virtual-memory allocator. That
+    allocator keeps no memory statistics and maps memory as it allocates, up to the fraction; the
+    paged engine then sizes its KV pool from the driver's free-memory count. With XLA's default
+    allocator a step's temporary buffer moves between launches and each launch re-records the step's
+    command buffers on every GPU first: at TP=4 the host then sets the step time (benchmarks/NOTES.md)."""
     env = os.environ if environ is None else environ
     if not any(name in env for name in MEMORY_FRACTION_ENVS):
         env[MEMORY_FRACTION_ENVS[0]] = str(PROCESS_MEMORY_FRACTION)
-    if gpus == 1:
-        env.setdefault(ALLOCATOR_ENV, VMM_ALLOCATOR)
+    env.setdefault(ALLOCATOR_ENV, VMM_ALLOCATOR)
 
 
 def memory_fraction(environ: Mapping[str, str] | None = None) -> float:

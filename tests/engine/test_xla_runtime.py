@@ -21,19 +21,16 @@ VMM = {ALLOCATOR_ENV: "vmm"}
 UPDATE_MODE = "xla_gpu_command_buffer_update_mode"
 
 
-def test_the_process_takes_the_planned_share_of_memory_and_one_gpu_the_virtual_memory_allocator():
+def test_the_process_takes_the_planned_share_of_memory_through_the_virtual_memory_allocator():
     env: dict[str, str] = {}
-    apply_process_defaults(1, env)
+    apply_process_defaults(env)
     assert env == {ALLOCATOR_ENV: "vmm", "XLA_CLIENT_MEM_FRACTION": "0.9"}
     assert memory_fraction(env) == PROCESS_MEMORY_FRACTION == 0.9
-    env = {}
-    apply_process_defaults(2, env)
-    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.9"}
     # The user's choices stand, under either name JAX reads.
     for chosen in ({ALLOCATOR_ENV: "bfc", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"},
                    {ALLOCATOR_ENV: "cuda_async", "XLA_CLIENT_MEM_FRACTION": "0.6"}):
         env = dict(chosen)
-        apply_process_defaults(1, env)
+        apply_process_defaults(env)
         assert env == chosen
     assert memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}) == 0.5
     assert memory_fraction({}) == 0.75  # JAX's own default

@@ -60,22 +60,27 @@ def test_fp8_halves_the_weight_bytes_the_planner_prices():
     assert specmod.model_spec(service("llama3-70b", "none")) == bf16
 
 
-def test_70b_in_fp8_on_two_h100s_leaves_the_kv_cache_nine_times_the_room():
-    """Two H100s hold 70B's bf16 weights with almost nothing beside them; in FP8 the weights take half
-    of each GPU and the KV cache the rest, and the status says which weights it priced."""
+def test_70b_in_fp8_fits_two_h100s_where_bf16_needs_a_second_stage():
+    """70B's bf16 weights take more of two H100s than XLA's compiler counts usable (80%), so at TP=2 bf16
+    needs a second pipeline stage (four GPUs); in FP8 two GPUs hold the weights and a KV cache, and the
+    status says which weights it priced."""
     nodes = inventory.build(h100(1))
     layouts = {}
     for name in ("auto", "fp8"):
         spec = {**service("llama3-70b", name), "parallelism": {"tp": 2}}
         model = specmod.model_spec(spec)
         p = planner.plan(model, nodes, specmod.request(spec))
-        assert p.layout is not None and (p.layout.tp, p.layout.pp) == (2, 1), p.message
-        assert p.layout.weight_bytes_per_gpu == math.ceil(model.param_bytes / 2)
+        assert p.layout is not None and p.layout.tp == 2, p.message
         assert any(f"GiB weights ({model.weights_label})" in r for r in p.reasons), p.reasons
         layouts[name] = p.layout
-    assert layouts["fp8"].weight_bytes_per_gpu < 0.53 * layouts["auto"].weight_bytes_per_gpu
-    assert layouts["fp8"].kv_tokens > 9 * layouts["auto"].kv_tokens
-    # Fewer bytes a token: the estimate is faster too.
+        if name == "auto":
+            assert any(a.layout.startswith("TP2xPP1") and "XLA's compiler counts usable" in a.rejected
+                       for a in p.alternatives), p.alternatives
+    assert (layouts["auto"].pp, layouts["fp8"].pp) == (2, 1)
+    assert layouts["fp8"].weight_bytes_per_gpu == math.ceil(specmod.model_spec(service("llama3-70b", "fp8"))
+                                                            .param_bytes / 2)
+    assert layouts["fp8"].kv_tokens >= 64 * 1024  # a pool for real traffic beside the weights
+    # Fewer bytes a token, and no second stage to cross: the estimate is faster too.
     assert layouts["fp8"].ms_per_token < layouts["auto"].ms_per_token
 
 
