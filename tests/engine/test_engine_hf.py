@@ -21,7 +21,7 @@ CONFIGS = {
         TINY, num_heads=16, num_kv_heads=4, head_dim=8, vocab_size=509, rope_scaling=RopeScaling(),
         rope_theta=500000.0, num_layers=3),
 }
-PROMPT = [1, 5, 17, 99, 3, 250, 7, 42, 300, 11, 8]
+PROMPT = [1, 5, 17, 99, 3, 250, 7]  # two chunks of 4: the second, short, attends to the first one's block
 N_TOKENS = 33
 
 

@@ -25,7 +25,7 @@ CONFIGS = {
     "qwen2": dataclasses.replace(preset("tiny-qwen2"), num_layers=2),  # QKV biases, GQA 4:1, tied embeddings
     "qwen3": dataclasses.replace(preset("tiny-qwen3"), num_layers=2, rope_scaling=RopeScaling("linear", 2.0)),
 }
-PROMPT = [1, 5, 17, 99, 3, 250, 7, 42, 300, 11, 8]
+PROMPT = [1, 5, 17, 99, 3, 250, 7]  # two chunks of 4: the second, short, attends to the first one's block
 N_TOKENS = 32
 CASES = [(name, tp) for name, spec in CONFIGS.items() for tp in (1, 2, 4) if spec.valid_tp(tp)]
 
