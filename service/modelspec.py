@@ -40,7 +40,7 @@ STEP_TOKENS_MULTIPLE = 16
 DEFAULT_KV_MEMORY_FRACTION = 0.9
 MAX_KV_MEMORY_FRACTION = 0.95
 # The share of a GPU's memory XLA's GPU compiler assumes its programs may use when the allocator states
-# no limit (the virtual-memory allocator, which one-GPU engines run, states none). A program whose
+# no limit (the virtual-memory allocator, which engine processes run, states none). A program whose
 # parameters exceed it is scheduled against a limit of zero, with an ERROR line ("exceeds the base
 # limit ... an error in the calculation") for every program compiled; the KV pool stays inside it.
 XLA_UNSTATED_LIMIT_FRACTION = 0.8
