@@ -37,10 +37,10 @@ from switchyard.service.modelspec import (
     DEFAULT_STEP_TOKENS,
     KV_BLOCK_TOKENS,
     MAX_KV_MEMORY_FRACTION,
-    STEP_PARAMETER_MARGIN,
     STEP_TOKENS_MULTIPLE,
     XLA_UNSTATED_LIMIT_FRACTION,
     ModelSpec,
+    compiler_room_bytes,
     is_integer,
     is_number,
     kv_tokens_for_memory,
@@ -418,10 +418,9 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
     if pp == 1:
         # An engine in one process keeps its pool inside what XLA's compiler assumes usable (under the
         # virtual-memory allocator it is not told the limit: service/engine/xla_runtime.py).
-        room = (int(XLA_UNSTATED_LIMIT_FRACTION * pool.memory_bytes) - weights - int(m["runtime_reserve_bytes"])
-                - STEP_PARAMETER_MARGIN)
+        room = compiler_room_bytes(pool.memory_bytes, weights, int(m["runtime_reserve_bytes"]))
         if room < kv_bytes:
-            kv_bytes = max(0, room)
+            kv_bytes = room
             room_note = f", within the {XLA_UNSTATED_LIMIT_FRACTION:.0%} of each GPU XLA's compiler counts usable"
     kv_tokens = kv_tokens_for_memory(model, tp, pp, kv_bytes)
     if kv_tokens < max_seq:

@@ -50,6 +50,14 @@ STEP_PARAMETER_MARGIN = 256 << 20
 # What the GPU runtime takes beside the weights (CUDA context, library workspaces, the kernels'
 # buffers): the planner's ``runtime_reserve_bytes`` (operator/calibration.json; a test holds them equal).
 RUNTIME_RESERVE_BYTES = 2 << 30
+
+
+def compiler_room_bytes(gpu_bytes: int, weights_per_gpu: int, reserve: int = RUNTIME_RESERVE_BYTES) -> int:
+    """What a KV pool may take on a GPU of ``gpu_bytes`` so that a step's parameters stay inside the
+    :data:`XLA_UNSTATED_LIMIT_FRACTION` XLA's compiler assumes usable: that share less the weights,
+    ``reserve`` and :data:`STEP_PARAMETER_MARGIN`; never below zero. The engine and the planner both
+    size one-process pools by it."""
+    return max(0, int(XLA_UNSTATED_LIMIT_FRACTION * gpu_bytes) - STEP_PARAMETER_MARGIN - weights_per_gpu - reserve)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Bounds of a model's shape, by config.json name: the largest models served, with room to spare

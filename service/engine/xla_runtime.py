@@ -17,9 +17,8 @@ from typing import Any
 
 from switchyard.service.modelspec import (
     RUNTIME_RESERVE_BYTES,
-    STEP_PARAMETER_MARGIN,
-    XLA_UNSTATED_LIMIT_FRACTION,
     ModelSpecError,
+    compiler_room_bytes,
 )
 
 ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
@@ -100,17 +99,15 @@ def step_compiler_options(chunk_tokens: int, step_tokens: int, platform: str,
 def compiler_room(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None],
                   weights_per_gpu: int) -> int | None:
     """Bytes the KV pool may take so that XLA's compiler, where the allocator states no limit, sees a
-    step's parameters inside the share of memory it assumes usable: :data:`XLA_UNSTATED_LIMIT_FRACTION`
-    of the GPU less ``weights_per_gpu``, :data:`RUNTIME_RESERVE_BYTES` and
-    :data:`STEP_PARAMETER_MARGIN` (as the planner counts it); None where the allocator states its limit
-    (XLA then plans with it) or on host devices."""
+    step's parameters inside the share of memory it assumes usable, on the fullest GPU
+    (``modelspec.compiler_room_bytes``, as the planner counts it); None where the allocator states its
+    limit (XLA then plans with it) or on host devices."""
     if devices[0].platform != "gpu" or all((d.memory_stats() or {}).get("bytes_limit") for d in devices):
         return None
     counts = [driver_count(d) for d in devices]
     if any(c is None for c in counts):
         return None
-    return min(max(0, int(XLA_UNSTATED_LIMIT_FRACTION * total) - STEP_PARAMETER_MARGIN
-                   - weights_per_gpu - RUNTIME_RESERVE_BYTES) for _, total in counts)
+    return min(compiler_room_bytes(total, weights_per_gpu) for _, total in counts)
 
 
 def free_device_memory(devices: Sequence[Any], driver_count: Callable[[Any], tuple[int, int] | None],

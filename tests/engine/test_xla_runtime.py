@@ -8,14 +8,13 @@ from switchyard.service.engine.xla_runtime import (
     ALLOCATOR_ENV,
     PROCESS_MEMORY_FRACTION,
     SHORT_CHUNK_COMMAND_BUFFER,
-    STEP_PARAMETER_MARGIN,
     apply_process_defaults,
     compiler_room,
     free_device_memory,
     memory_fraction,
     step_compiler_options,
 )
-from switchyard.service.modelspec import RUNTIME_RESERVE_BYTES, ModelSpecError
+from switchyard.service.modelspec import RUNTIME_RESERVE_BYTES, STEP_PARAMETER_MARGIN, ModelSpecError
 
 VMM = {ALLOCATOR_ENV: "vmm"}
 UPDATE_MODE = "xla_gpu_command_buffer_update_mode"

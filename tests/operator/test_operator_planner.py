@@ -298,19 +298,24 @@ def kv_pool_by_hand(mem_mib: int, weights_bytes: float, kv_bytes_per_token_gpu: 
     return int(pool_bytes // (kv_bytes_per_token_gpu * KV_BLOCK_TOKENS)) * KV_BLOCK_TOKENS
 
 
+def compiler_room_by_hand(mem_mib: int, weights_bytes: float, kv_bytes_per_token_gpu: int) -> int:
+    """The tokens a one-process pool may hold inside the 80% XLA's compiler assumes usable, by hand."""
+    from switchyard.service.modelspec import STEP_PARAMETER_MARGIN, XLA_UNSTATED_LIMIT_FRACTION
+
+    room = (int(XLA_UNSTATED_LIMIT_FRACTION * mem_mib * 2**20) - math.ceil(weights_bytes)
+            - int(calibration.load().models["runtime_reserve_bytes"]) - STEP_PARAMETER_MARGIN)
+    return room // (kv_bytes_per_token_gpu * KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+
+
 @pytest.mark.parametrize("fraction", [0.9, 0.5, 0.05])
 def test_kv_budget_is_a_share_of_the_memory_after_the_weights(fraction):
     model = preset("llama3-8b")
     p = plan("llama3-8b", h200(1), objective="latency", tp=8, kv_memory_fraction=fraction)
     lay = p.layout
-    from switchyard.service.modelspec import STEP_PARAMETER_MARGIN, XLA_UNSTATED_LIMIT_FRACTION
-
     per_token = 2 * 32 * (8 // 8) * 128 * 2  # K and V of one KV head per GPU, 32 layers, bfloat16
     # The share, unless it passes what XLA's compiler assumes usable (then that binds: at 0.9).
-    room = (int(XLA_UNSTATED_LIMIT_FRACTION * H200_MIB * 2**20) - math.ceil(model.param_bytes / 8)
-            - int(calibration.load().models["runtime_reserve_bytes"]) - STEP_PARAMETER_MARGIN)
     want = min(kv_pool_by_hand(H200_MIB, model.param_bytes / 8, per_token, fraction),
-               room // (per_token * KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS)
+               compiler_room_by_hand(H200_MIB, model.param_bytes / 8, per_token))
     assert abs(lay.kv_tokens - want) <= KV_BLOCK_TOKENS  # int rounding of the byte counts aside
     assert lay.kv_tokens % KV_BLOCK_TOKENS == 0 and lay.kv_memory_fraction == fraction
     assert lay.kv_bytes_per_gpu == lay.kv_tokens * per_token
@@ -330,15 +335,13 @@ def test_the_engine_counts_the_runtime_reserve_the_planner_counts():
 def test_a_one_process_pool_stays_inside_what_xla_assumes_usable(tp):
     """An engine's process runs XLA's virtual-memory allocator, whose limit XLA's compiler is not told
     (it assumes 80% of the GPU): the pool the planner counts on is the engine's, inside that share."""
-    from switchyard.service.modelspec import STEP_PARAMETER_MARGIN, XLA_UNSTATED_LIMIT_FRACTION
+    from switchyard.service.modelspec import XLA_UNSTATED_LIMIT_FRACTION
 
     model = preset("llama3-8b")
     lay = plan("llama3-8b", h200(1), objective="latency", tp=tp).layout
     per_token = 2 * 32 * (8 // tp) * 128 * 2
     weights = math.ceil(model.param_bytes / tp)
-    reserve = int(calibration.load().models["runtime_reserve_bytes"])
-    room = int(XLA_UNSTATED_LIMIT_FRACTION * H200_MIB * 2**20) - weights - reserve
-    want = (room - STEP_PARAMETER_MARGIN) // (per_token * KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    want = compiler_room_by_hand(H200_MIB, model.param_bytes / tp, per_token)
     assert abs(lay.kv_tokens - want) <= KV_BLOCK_TOKENS
     assert lay.kv_tokens < kv_pool_by_hand(H200_MIB, model.param_bytes / tp, per_token, 0.9)
     assert weights + lay.kv_bytes_per_gpu <= XLA_UNSTATED_LIMIT_FRACTION * H200_MIB * 2**20
