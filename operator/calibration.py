@@ -47,6 +47,11 @@ SHIPPED_ATTENTION = "kernel"
 # numpy: the operator does not): a row that ran one sequence as one row ran a program the engine
 # never runs (``min_batch_bucket`` 1).
 ENGINE_MIN_WIDTH = 2
+# A decode check whose host launch took this share of its step or more timed the host, not the GPUs
+# (the step's launch ends about when the GPUs finish the step before it).
+HOST_BOUND_SHARE = 0.8
+# The host's launch cost at TP=1, where the all-reduce strategy changes nothing.
+ANY_STRATEGY = "*"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,17 +85,18 @@ class Calibration:
 
     @functools.cached_property
     def _layer_costs(self) -> dict[int, float]:
-        """Per TP size, the fixed time a decode step spends per layer beyond reading its bytes and its
-        all-reduces (launch gaps, norms, RoPE, the KV write, latency-bound attention), in µs: from
-        each measured decode check, its step time less the HBM roofline of its bytes per GPU and the
-        all-reduce time this table predicts, over the model's layers; the median per TP size."""
+        """Per TP size, the fixed time a decode step spends per layer on the GPUs beyond reading its
+        bytes and its all-reduces (launch gaps, norms, RoPE, the KV write, latency-bound attention), in
+        µs: from each measured decode check the host did not bound, its step time less the HBM roofline
+        of its bytes per GPU and the all-reduce time this table predicts, over the model's layers; the
+        median per TP size."""
         from switchyard.service.modelspec import PRESETS  # the only service module we may use
 
         by_tp: dict[int, list[float]] = {}
         for check in self.raw["decode"]["checks"]:
             spec = PRESETS.get(check["model"])
-            if spec is None:
-                continue  # a model without a built-in shape cannot give a roofline
+            if spec is None or _host_bound(check):
+                continue  # no built-in shape to give a roofline, or a step timed by its launch
             tp, batch = int(check["tp"]), int(check["batch"])
             device = self.device(check["device"])
             roofline_ms = spec.decode_bytes_per_step(batch, int(check["context"])) / tp / device.hbm_bytes_per_s * 1e3
@@ -104,28 +110,54 @@ class Calibration:
         return {tp: max(statistics.median(v), 0.0) for tp, v in sorted(by_tp.items())}
 
     def layer_cost_us(self, tp: int) -> tuple[float, str]:
-        """(µs per layer, provenance) of a decode step's fixed cost at a TP size: measured where checks
-        exist. Stated model around them: the cost never falls as the group grows (more GPUs add
-        synchronisation and remove no per-layer work; a lower figure at a larger TP size is the spread
-        of the checks), and beyond the largest measured TP size it grows linearly in log2(TP) as it
-        did between the two largest, if it grew."""
-        cost = self._layer_costs
-        measured = sorted(cost)
-        floor = {t: max(cost[u] for u in measured if u <= t) for t in measured}
-        if tp in cost:
-            if floor[tp] == cost[tp]:
-                return cost[tp], f"measured at TP={tp}"
-            below = max(u for u in measured if u < tp and cost[u] == floor[tp])
-            return floor[tp], (f"TP={tp} measured {cost[tp]:.1f} us, held at TP={below}'s (stated model: no "
-                               f"fall with TP)")
-        slope = 0.0
-        if len(measured) >= 2:
-            t1, t2 = measured[-2], measured[-1]
-            slope = max((floor[t2] - floor[t1]) / math.log2(t2 / t1), 0.0)
-        base = max((t for t in measured if t <= tp), default=measured[0])
-        value = floor[base] + slope * math.log2(tp / base)
-        return value, (f"TP={tp} extrapolated from TP={base} by {slope:+.1f} us per doubling of TP "
-                       f"(stated model)")
+        """(µs per layer, provenance) of a decode step's fixed cost on the GPUs at a TP size: measured
+        where checks exist, a stated model around them (:func:`_per_tp`)."""
+        return _per_tp(self._layer_costs, tp)
+
+    @functools.cached_property
+    def _host_costs(self) -> tuple[dict[str, dict[int, float]], float]:
+        """What the host spends on a decode step, from the checks that recorded their launch: per
+        strategy and TP size, µs per layer to launch a step (its ``host_launch_ms`` over the model's
+        layers, the median; at TP=1 over every strategy, there being nothing to reduce); and the ms a
+        step the host bound took beyond its launch (the serving loop's own work, median over such
+        checks, 0 without one)."""
+        from switchyard.service.modelspec import PRESETS
+
+        per_layer: dict[str, dict[int, list[float]]] = {}
+        beyond: list[float] = []
+        for check in self.raw["decode"]["checks"]:
+            spec = PRESETS.get(check["model"])
+            if spec is None or check.get("host_launch_ms") is None:
+                continue
+            tp = int(check["tp"])
+            strategy = ANY_STRATEGY if tp == 1 else str(check.get("strategy", "xla"))
+            launch_ms = float(check["host_launch_ms"])
+            per_layer.setdefault(strategy, {}).setdefault(tp, []).append(launch_ms * 1e3 / spec.num_layers)
+            if _host_bound(check):
+                beyond.append(float(check["ms_per_token"]) - launch_ms)
+        medians = {s: {tp: statistics.median(v) for tp, v in sorted(by_tp.items())} for s, by_tp in per_layer.items()}
+        return medians, max(statistics.median(beyond), 0.0) if beyond else 0.0
+
+    def host_step_ms(self, layers: float, tp: int, strategy: str) -> tuple[float, str] | None:
+        """(ms, provenance) the host takes per decode step of ``layers`` layers at a TP size: their
+        launch (µs per layer as measured for the strategy, or over every strategy where that one was
+        not measured at TP>1; a stated model around the measured sizes, :func:`_per_tp`) and the
+        serving loop's work beyond it. None where no check recorded its launch."""
+        medians, beyond_ms = self._host_costs
+        table = dict(medians.get(strategy, {}))
+        if not table:
+            pooled: dict[int, list[float]] = {}
+            for name, by_tp in medians.items():
+                for size, us in by_tp.items():
+                    if name != ANY_STRATEGY:
+                        pooled.setdefault(size, []).append(us)
+            table = {size: statistics.median(v) for size, v in pooled.items()}
+        table.update(medians.get(ANY_STRATEGY, {}))
+        if not table:
+            return None
+        us, note = _per_tp(table, tp)
+        return layers * us / 1e3 + beyond_ms, (f"launch {us:.1f} us per layer, {note}; {beyond_ms:.2f} ms a step "
+                                                f"beyond it")
 
     @property
     def models(self) -> Mapping[str, Any]:
@@ -134,12 +166,15 @@ class Calibration:
     def stage_ms(self, spec: Any, micro_batch: int, context: int, tp: int, pp: int, device: Device,
                  strategy: str = "auto") -> float:
         """Predicted time of one pipeline stage's share of a decode step (its layers' weights and KV,
-        their fixed cost, its tensor-parallel all-reduces), without the hop to the next stage."""
+        their fixed cost, its tensor-parallel all-reduces; or the host's launch of it, if longer),
+        without the hop to the next stage."""
         mem_ms = spec.decode_bytes_per_step(micro_batch, context) / (tp * pp) / device.hbm_bytes_per_s * 1e3
         ar = self.engine_allreduce(spec.allreduce_bytes(micro_batch), tp, nvswitch=True, strategy=strategy,
                                    dtype=spec.dtype)
         layers = spec.num_layers / pp
-        return mem_ms + layers * (self.layer_cost_us(tp)[0] + 2 * (ar[1] if ar else 0.0)) / 1e3
+        gpu_ms = mem_ms + layers * (self.layer_cost_us(tp)[0] + 2 * (ar[1] if ar else 0.0)) / 1e3
+        host = self.host_step_ms(layers, tp, strategy)
+        return max(gpu_ms, host[0]) if host else gpu_ms
 
     @functools.cached_property
     def pipeline_hop(self) -> tuple[float, str]:
@@ -209,6 +244,35 @@ class Calibration:
         if not nvswitch:
             us *= float(self.models["pcie_allreduce_factor"])
         return impl, us
+
+
+def _host_bound(check: Mapping[str, Any]) -> bool:
+    launch = check.get("host_launch_ms")
+    return launch is not None and float(launch) >= HOST_BOUND_SHARE * float(check["ms_per_token"])
+
+
+def _per_tp(measured_at: Mapping[int, float], tp: int) -> tuple[float, str]:
+    """(µs, provenance) at a TP size of a per-layer cost measured at some sizes: the measured figure
+    where there is one; around them a stated model: the cost never falls as the group grows (more GPUs
+    add synchronisation and launches and remove no per-layer work; a lower figure at a larger TP size
+    is the spread of the checks), and beyond the largest measured TP size it grows linearly in
+    log2(TP) as it did between the two largest, if it grew."""
+    measured = sorted(measured_at)
+    floor = {t: max(measured_at[u] for u in measured if u <= t) for t in measured}
+    if tp in measured_at:
+        if floor[tp] == measured_at[tp]:
+            return measured_at[tp], f"measured at TP={tp}"
+        below = max(u for u in measured if u < tp and measured_at[u] == floor[tp])
+        return floor[tp], (f"TP={tp} measured {measured_at[tp]:.1f} us, held at TP={below}'s (stated model: no "
+                           f"fall with TP)")
+    slope = 0.0
+    if len(measured) >= 2:
+        t1, t2 = measured[-2], measured[-1]
+        slope = max((floor[t2] - floor[t1]) / math.log2(t2 / t1), 0.0)
+    base = max((t for t in measured if t <= tp), default=measured[0])
+    value = floor[base] + slope * math.log2(tp / base)
+    return value, (f"TP={tp} extrapolated from TP={base} by {slope:+.1f} us per doubling of TP "
+                   f"(stated model)")
 
 
 def _bytes_factor(impl: str, gpus: int) -> float:
@@ -321,8 +385,8 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                     continue  # FP8 weights or KV: the planner prices a model's 16-bit bytes
                 gpu = device_name(device, out["devices"]) or device
                 key = (*(row.get(k) for k in ("model", "tp", "batch", "context", "strategy")), gpu)
-                check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token")
-                         if k in row}
+                check = {k: row[k] for k in ("model", "tp", "batch", "context", "strategy", "ms_per_token",
+                                             "host_launch_ms") if row.get(k) is not None}
                 check.update(device=device, source=where)
                 if key in newest_check and newest_check[key][0] == where:
                     newest_check[key][1].append(check)

@@ -13,6 +13,9 @@ whose statement is printed in the reasons):
   the residual add and RMSNorm as the engine runs them: the implementation the kernels' chooser
   picks for the strategy (``switchyard.kernels.selection``), timed by the calibrated table of its
   exchange, scaled from 2 GPUs to ``tp``;
+* or, where it is longer, the host's launch of the stage's step: a cost per layer measured at each
+  TP size and strategy the decode checks recorded it for, plus the serving loop's own work per step
+  (a step the host bound took that much beyond its launch); more GPUs in one process, more launching;
 * plus a hop to the next stage when ``pp > 1``. The stages run a step one after another over the
   whole batch, so a step takes ``pp`` stage times, and a group emits ``batch`` tokens in that time.
 
@@ -207,6 +210,7 @@ class _Candidate:
     groups_free: int
     replicas_wanted: int
     layer_cost_note: str
+    host_note: str  # what the host takes per step, measured; empty where no check recorded it
     ar_us: float
     ar_bytes: int
     usable_bytes: int
@@ -332,6 +336,8 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         f"HBM {device.hbm_bytes_per_s / 1e12:.2f} TB/s ({device.kind}: {device.source.split(': ', 1)[0]}); "
         f"fixed cost {layer_us:.1f} us per layer ({chosen.layer_cost_note})",
     ]
+    if chosen.host_note:
+        reasons.append(chosen.host_note)
     if lay.tp > 1:
         reasons.append(
             f"all-reduce {lay.strategy} (estimate: {lay.allreduce_impl}, {chosen.ar_us:.1f} us per call at "
@@ -441,18 +447,22 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
     flops = cal.prefill_flops(device)
     hop_us, hop_bw = cal.pipeline_hop[0], float(m["pipeline_hop_bytes_per_s"])
 
-    def step(batch: int) -> tuple[float, str, float, int] | None:
-        """(ms per token, all-reduce impl, µs per all-reduce, all-reduce bytes) at ``batch`` per replica."""
+    layers = model.num_layers / pp
+    host = cal.host_step_ms(layers, tp, request.strategy)
+    host_ms = host[0] if host else 0.0
+
+    def step(batch: int) -> tuple[float, str, float, int, float] | None:
+        """(ms per token, all-reduce impl, µs per all-reduce, all-reduce bytes, the GPUs' ms of a stage)
+        at ``batch`` per replica."""
         mem_ms = model.decode_bytes_per_step(batch, ctx_avg) / gpus / bw * 1e3
         comp_ms = 2 * model.param_count * batch / gpus / flops * 1e3
         nbytes = model.allreduce_bytes(batch)
         ar = cal.engine_allreduce(nbytes, tp, pool.nvswitch, request.strategy, model.dtype)
         if ar is None:
             return None
-        layers = model.num_layers / pp
-        fixed_ms = layers * (layer_us + 2 * ar[1]) / 1e3
+        gpu_ms = max(mem_ms, comp_ms) + layers * (layer_us + 2 * ar[1]) / 1e3
         hop_ms = 0.0 if pp == 1 else (hop_us + nbytes / hop_bw * 1e6) / 1e3
-        return pp * (max(mem_ms, comp_ms) + fixed_ms + hop_ms), ar[0], ar[1], nbytes
+        return pp * (max(gpu_ms, host_ms) + hop_ms), ar[0], ar[1], nbytes, gpu_ms
 
     groups_free = len(place(pool.nodes, tp, pp, MAX_REPLICAS))
     first = step(1)
@@ -497,7 +507,11 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
     slots = batch
     res = step(batch)
     assert res is not None  # batch <= a size that already had a figure
-    ms, impl, ar_us, ar_bytes = res
+    ms, impl, ar_us, ar_bytes, gpu_ms = res
+    host_note = "" if host is None else (
+        f"the host's share of a stage step {host_ms:.2f} ms ({host[1]})"
+        + (f": it sets the step, the GPUs' share being {gpu_ms:.2f} ms" if host_ms > gpu_ms else
+           f", under the GPUs' {gpu_ms:.2f} ms"))
     group_tps = batch / ms * 1e3
     if request.target_tokens_per_s is not None and pinned is None:
         needed = math.ceil(request.target_tokens_per_s / group_tps)
@@ -531,7 +545,7 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
         ms_per_token=max(round(ms, 3), MIN_MS_PER_TOKEN), tokens_per_s=round(group_tps * len(placed), 1),
         ttft_ms=round(ttft, 1), placement=tuple(placed),
     )
-    return _Candidate(layout, slo_ok, slo_note, groups_free, dp, layer_note, ar_us, ar_bytes, usable,
+    return _Candidate(layout, slo_ok, slo_note, groups_free, dp, layer_note, host_note, ar_us, ar_bytes, usable,
                       expected, mem_slots, max_slots), None
 
 

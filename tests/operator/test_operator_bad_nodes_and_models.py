@@ -35,7 +35,7 @@ def test_a_mislabelled_node_is_skipped_and_named_while_the_others_plan(label, va
     assert (skipped.name, skipped.field) == ("bad-0", label)
     assert "bad-0" in skipped.message and label in skipped.message and value[:20] in skipped.message
     p = planner.plan(preset("llama3-8b"), inv, planner.Request(objective="latency"))
-    assert p.status == "Planned" and p.layout.placement == (("good-0",),)
+    assert p.status == "Planned" and set(p.layout.placement) == {("good-0",)}
     assert any("bad-0" in r and label in r for r in p.reasons)
 
 

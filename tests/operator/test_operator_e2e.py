@@ -44,11 +44,11 @@ async def test_create_plans_renders_and_reports(tmp_path):
         await eventually(lambda: condition(c.ds(), "Planned"), what="Planned condition")
         ds = c.ds()
         st = ds["status"]
-        assert st["layoutSummary"] == "TP8xPP1xDP1 NVIDIA-H200" and st["layout"]["tp"] == 8
+        assert st["layoutSummary"] == "TP4xPP1xDP2 NVIDIA-H200" and st["layout"]["tp"] == 4
         assert st["observedGeneration"] == 1 and st["estimate"]["msPerToken"] > 0
         assert condition(ds, "Planned")["status"] == "True"
         assert condition(ds, "Scheduled")["status"] == "True"
-        assert condition(ds, "Ready")["status"] == "False" and st["ready"] == "0/1"
+        assert condition(ds, "Ready")["status"] == "False" and st["ready"] == "0/2"
         assert sorted(c.names("Service")) == ["llama", "llama-headless"]
         assert c.names("StatefulSet") == ["llama"] and c.names("ConfigMap") == ["llama-layout"]
         assert c.names("PodDisruptionBudget") == ["llama"]
@@ -60,11 +60,11 @@ async def test_create_plans_renders_and_reports(tmp_path):
         assert "kopf" not in st
         # Events for the decision, through the events API.
         events = await eventually(lambda: [e for e in c.objects("Event") if e["reason"] == "Planned"], what="event")
-        assert "TP8xPP1xDP1" in events[0]["message"]
+        assert "TP4xPP1xDP2" in events[0]["message"]
         # The StatefulSet controller reports the pod ready: readyReplicas and Ready follow.
-        await set_ready(c, "llama", 1)
+        await set_ready(c, "llama", 2)
         await eventually(lambda: condition(c.ds(), "Ready")["status"] == "True", what="Ready")
-        assert c.ds()["status"]["readyReplicas"] == 1 and c.ds()["status"]["ready"] == "1/1"
+        assert c.ds()["status"]["readyReplicas"] == 2 and c.ds()["status"]["ready"] == "2/2"
         # A pod lost later: Ready drops and Degraded says why.
         await set_ready(c, "llama", 0)
         await eventually(lambda: condition(c.ds(), "Degraded")["status"] == "True", what="Degraded")
@@ -297,4 +297,4 @@ async def test_switchyard_operator_command(tmp_path):
             proc.send_signal(signal.SIGTERM)
             out, _ = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0, out.decode()[-2000:]
-        assert "Planned" in out.decode() or "TP8xPP1xDP1" in out.decode()
+        assert "Planned" in out.decode() or "TP4xPP1xDP2" in out.decode()

@@ -48,7 +48,7 @@ async def test_a_mislabelled_node_is_named_in_a_warning_and_the_others_serve(tmp
         await c.api.apply_objects([decode_service()])
         planned = await eventually(lambda: condition(c.ds(), "Planned"), what="Planned")
         assert planned["status"] == "True"
-        assert c.ds()["status"]["layout"]["placement"] == [["h200-0"]]
+        assert c.ds()["status"]["layout"]["placement"] == [["h200-0"], ["h200-0"]]
         events = await eventually(lambda: [e for e in c.objects("Event") if e["reason"] == "BadNodeLabel"],
                                   what="BadNodeLabel event")
         assert "hgx-bad-0" in events[0]["message"] and "nvidia.com/gpu.memory" in events[0]["message"]

@@ -31,16 +31,21 @@ def plan(model: str, nodes: list[dict], pods: list[dict] | None = None, **reques
 
 
 # ---- the scenarios the planner must decide ---------------------------------------------------------------------
-def test_llama3_8b_on_one_h200_node_latency_uses_tensor_parallelism():
+def test_llama3_8b_on_one_h200_node_latency_uses_the_tensor_parallelism_its_host_launches_fastest():
     p = plan("llama3-8b", h200(1), objective="latency")
     assert p.status == "Planned" and p.layout is not None
     assert p.layout.tp > 1 and p.layout.pp == 1
-    assert p.layout.tp == 8 and p.layout.dp == 1 and p.layout.placement == (("h200-0",),)
+    # One process launching a step on 8 GPUs takes longer than the GPUs need (the host's launch cost
+    # per layer grows with the GPUs, measured at 1, 2 and 4): TP=4, twice, on the node's 8 GPUs.
+    assert p.layout.tp == 4 and p.layout.dp == 2 and p.layout.placement == (("h200-0",), ("h200-0",))
+    assert any("it sets the step" in r and "measured at TP=4" in r for r in p.reasons)
     # Faster than the measured 11.9 ms/token of TP=1, and the reasons say why.
     assert p.layout.ms_per_token < 11.9
     assert any("lowest time per output token" in r for r in p.reasons)
     assert p.alternatives[0].ms_per_token > p.layout.ms_per_token
     assert "slower" in p.alternatives[0].rejected
+    tp8 = next(a for a in p.alternatives if a.layout.startswith("TP8xPP1"))
+    assert tp8.ms_per_token > p.layout.ms_per_token
 
 
 def test_llama3_8b_on_one_h200_node_throughput_is_data_parallel_tp1():
@@ -553,6 +558,41 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
     written = json.loads(out.read_text())
     assert written["allreduce"]["us"]["oneshot"][0] == [1024, 5.2]
     assert "a.json" in written["allreduce"]["source"]
+
+
+def test_the_host_launch_the_checks_record_bounds_a_step_and_stays_out_of_the_gpus_cost():
+    base = json.loads(calibration.CALIBRATION_FILE.read_text())
+
+    def row(tp: int, strategy: str, ms: float, launch: float | None) -> dict:
+        out = {"model": "llama3-8b", "tp": tp, "batch": 1, "context": 1024, "strategy": strategy,
+               "attention": "kernel", "ms_per_token": ms}
+        return out if launch is None else {**out, "host_launch_ms": launch}
+
+    result = {"command": "python benchmarks/decode.py", "device": "4x NVIDIA H100 80GB HBM3", "date": "2026-12-01",
+              "rows": [row(1, "auto", 6.0, 1.28), row(2, "auto", 3.6, 1.6), row(4, "auto", 3.2, 3.0),
+                       row(4, "xla", 4.4, 4.0)]}
+    cal = calibration.Calibration(calibration.from_results([result], base, names=["host.json"]))
+    assert all("host_launch_ms" in c for c in cal.raw["decode"]["checks"])
+    # Per layer (32 layers): 40 us at TP=1, 50 at TP=2, 93.75 (auto) and 125 (xla) at TP=4; the two TP=4
+    # checks were the host's (launch >= 80% of the step) and took 0.2 and 0.4 ms beyond their launch.
+    beyond = 0.3
+    assert cal.host_step_ms(32, 4, "auto")[0] == pytest.approx(3.0 + beyond)
+    assert cal.host_step_ms(32, 4, "xla")[0] == pytest.approx(4.0 + beyond)
+    assert cal.host_step_ms(32, 1, "xla")[0] == pytest.approx(1.28 + beyond)  # TP=1: any strategy
+    # A strategy measured at no TP>1: the median over the strategies that were.
+    assert cal.host_step_ms(32, 4, "oneshot")[0] == pytest.approx(32 * (93.75 + 125) / 2 / 1e3 + beyond)
+    # Beyond TP=4: growing per doubling as from TP=2 to 4, and said to be a stated model.
+    ms, note = cal.host_step_ms(32, 8, "auto")
+    assert ms == pytest.approx(32 * (93.75 + 43.75) / 1e3 + beyond) and "stated model" in note
+    # The TP=4 checks timed the host, not the GPUs: the GPUs' cost at TP=4 is TP=2's, and the step the
+    # longer of the GPUs' share and the host's.
+    assert "extrapolated from TP=2" in cal.layer_cost_us(4)[1]
+    spec = preset("llama3-8b")
+    assert cal.stage_ms(spec, 1, 1024, 4, 1, cal.device("H100")) == pytest.approx(3.0 + beyond)
+    assert cal.stage_ms(spec, 1, 1024, 1, 1, cal.device("H100")) > 1.28 + beyond  # the GPUs' at TP=1
+    # No check recorded its launch: no host term.
+    quiet = {**result, "rows": [row(1, "auto", 6.0, None), row(2, "auto", 3.6, None)]}
+    assert calibration.Calibration(calibration.from_results([quiet], base)).host_step_ms(32, 2, "auto") is None
 
 
 def test_a_decode_check_is_superseded_by_a_newer_run_on_the_same_gpu_only():

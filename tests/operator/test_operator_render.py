@@ -49,13 +49,13 @@ def test_latency_llama3_8b_renders_valid_objects_with_the_service_command():
                        "uid": "0f1e2d3c-uid", "controller": True, "blockOwnerDeletion": True}
         assert obj["metadata"]["labels"]["switchyard.dev/service"] == "llama"
     (sts,) = by_kind(objs, "StatefulSet")
-    assert sts["spec"]["replicas"] == p.layout.dp == 1
+    assert sts["spec"]["replicas"] == p.layout.dp == 2
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     pod = sts["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"] == ["switchyard", "serve", "--layout", "/etc/switchyard/layout.json",
                             "--model-path", "/models/llama-3-8b", "--port", "8001", "--http-port", "8000"]
-    assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "4"
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": 8000}
     assert {(p["name"], p["containerPort"]) for p in c["ports"]} == {("grpc", 8001), ("http", 8000)}
@@ -73,7 +73,7 @@ def test_latency_llama3_8b_renders_valid_objects_with_the_service_command():
     # The layout file is what `switchyard serve --layout` parses.
     (cm,) = by_kind(objs, "ConfigMap")
     layout = ServingLayout.from_json(cm["data"]["layout.json"])
-    assert (layout.tp, layout.pp, layout.dp, layout.strategy) == (8, 1, 1, "auto")
+    assert (layout.tp, layout.pp, layout.dp, layout.strategy) == (4, 1, 2, "auto")
     assert layout.batch_slots == p.layout.batch_slots and layout.max_seq_len == 1280
     assert layout.model_path == "/models/llama-3-8b"
     # The planned KV pool and step size reach the engine through the file, and the status shows them.
@@ -82,7 +82,7 @@ def test_latency_llama3_8b_renders_valid_objects_with_the_service_command():
     status = render.plan_status(p, render.owner_from_body({"metadata": {"name": "llama", "namespace": "d",
                                                                         "uid": "u"}}))["layout"]
     assert (status["kvTokens"], status["stepTokens"], status["kvMemoryFraction"]) == (layout.kv_tokens, 256, 0.9)
-    assert status["kvBytesPerGPU"] == layout.kv_tokens * 2 * 32 * 1 * 128 * 2  # one KV head per GPU at TP8
+    assert status["kvBytesPerGPU"] == layout.kv_tokens * 2 * 32 * 2 * 128 * 2  # two KV heads per GPU at TP4
     svc = next(o for o in objs if o["metadata"]["name"] == "llama" and o["kind"] == "Service")
     assert [(p["name"], p["port"], p["appProtocol"]) for p in svc["spec"]["ports"]] == [
         ("grpc", 8001, "grpc"), ("http", 8000, "http")]
