@@ -448,7 +448,8 @@ def _evaluate(model: ModelSpec, pool: _Pool, device: calibration_mod.Device, cal
     hop_us, hop_bw = cal.pipeline_hop[0], float(m["pipeline_hop_bytes_per_s"])
 
     layers = model.num_layers / pp
-    host = cal.host_step_ms(layers, tp, request.strategy)
+    # Without peer access (no NVSwitch) the engine reduces through XLA's collectives.
+    host = cal.host_step_ms(layers, tp, request.strategy if pool.nvswitch else "xla")
     host_ms = host[0] if host else 0.0
 
     def step(batch: int) -> tuple[float, str, float, int, float] | None:

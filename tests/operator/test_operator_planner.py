@@ -188,6 +188,11 @@ def test_pcie_nodes_get_xla_and_reject_custom_allreduce():
     assert p.layout.strategy == "xla" and p.layout.allreduce_impl in ("xla", "none")
     pinned = plan("llama3-8b", nodes, objective="latency", strategy="oneshot", tp=2)
     assert pinned.layout is None and any("needs an NVSwitch domain" in a.rejected for a in pinned.alternatives)
+    # The host launches what the engine runs there: XLA's collectives, whose launch costs more.
+    at_two = plan("llama3-8b", nodes, objective="latency", tp=2)
+    xla_ms, auto_ms = (calibration.load().host_step_ms(32, 2, s)[0] for s in ("xla", "auto"))
+    assert xla_ms > auto_ms
+    assert any(r.startswith(f"the host's share of a stage step {xla_ms:.2f} ms") for r in at_two.reasons)
 
 
 def test_node_selector_and_taints_filter_nodes():
