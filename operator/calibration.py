@@ -8,9 +8,9 @@ and experimental ones lie in ``benchmarks/results/archive/``, which this never r
     {"command": ..., "device": "NVIDIA H200", "date": ..., "rows": [...]}
 
 with decode rows ``model,tp,batch,context,strategy,ms_per_token,tokens_per_s,roofline_ms,
-fraction_of_roofline``, all-reduce rows ``impl,gpus,bytes,dtype,us`` and pipeline rows
-``layout (PP<n>),streams,batch_slots,step_ms,ms_per_token`` (model and context from the file). Pure except for the file
-loaders at the edges.
+fraction_of_roofline`` (and ``host_launch_ms``, the host's time to launch a step, where recorded),
+all-reduce rows ``impl,gpus,bytes,dtype,us`` and pipeline rows ``layout (PP<n>),streams,batch_slots,
+step_ms,ms_per_token`` (model and context from the file). Pure except for the file loaders at the edges.
 """
 
 from __future__ import annotations
