@@ -20,7 +20,7 @@ symm_mem_oneshot, symm_mem_twoshot; floor_empty_kernel (a chain of one-thread ke
 a dependent kernel node in a command buffer); oneshot_again/twoshot_again (sampled in turn with
 auto, after the table is written). bf16; message sizes are bytes per GPU, 1 KB .. 64 MB.
 
-Writes benchmarks/results/current/allreduce-<tag>.json ``{"command","device","date","rows"}`` and
+Writes benchmarks/results/current/allreduce-<tag>.json ``{"command","device","date","commit","rows"}`` and
 kernels/auto_table.json (fastest of xla/oneshot/twoshot and of fused/twoshot_norm/xla_norm per size).
 Run on the GPU node:  python3 benchmarks/allreduce.py --tag h200x2
 """
@@ -28,18 +28,20 @@ Run on the GPU node:  python3 benchmarks/allreduce.py --tag h200x2
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import shlex
+import runpy
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 # bytes per GPU: every power of two 1 KB .. 1 MB (decode sizes, where the auto bounds matter), then
 # 4, 16, 64 MB
 SIZES = [1024 << i for i in range(11)] + [4 << 20, 16 << 20, 64 << 20]
@@ -387,7 +389,7 @@ def main() -> int:
 
     table = selection.build_table(rows, source=f"benchmarks/results/current/allreduce-{args.tag}.json")
     if not args.no_table:
-        selection.TABLE_PATH.write_text(json.dumps(table, indent=2) + "\n")
+        result_file.write_result(selection.TABLE_PATH, table)
         selection.load_table.cache_clear()
     # auto, with the table just written, interleaved with what it chose from so that "within 5%
     # of the best" compares samples of one sitting (rows named *_again)
@@ -406,9 +408,7 @@ def main() -> int:
             record(impl, nbytes, us, checks_of["auto"](y) if impl == "auto" else None)
 
     result = {
-        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
-        "device": f"{world}x {gpu_names[0] if gpu_names else '?'}",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **result_file.provenance(f"{world}x {gpu_names[0] if gpu_names else '?'}", script=__file__),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "method": "median of per-call time over reps; K chained calls per sample between device timestamps "
         "(JAX: %globaltimer custom calls inside command buffers, min over GPUs of elapsed / K, "
@@ -419,11 +419,10 @@ def main() -> int:
         "auto_table": table,
     }
     out = ROOT / "benchmarks" / "results" / "current" / f"allreduce-{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    result_file.write_result(out, result, indent=1)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], out.name).write_text(out.read_text())
-        Path(os.environ["OUT"], "auto_table.json").write_text(json.dumps(table, indent=2) + "\n")
+        result_file.write_result(Path(os.environ["OUT"], "auto_table.json"), table)
     _summary(rows, sizes)
     print("notes:", *notes, sep="\n  ")
     return 0

@@ -19,8 +19,6 @@ reported with the spread over repeats, and the K/V bytes read per launch over th
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import platform
@@ -29,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -38,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from switchyard.kernels import attention, native
+
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 ROTATE_BYTES = 1 << 30  # K/V cycled through per layout: many times the L2 (50-60 MB on H100/H200)
 MAX_LAYERS = 32
@@ -193,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['paged_over_contiguous']:>12.3f} {row['paged_tb_per_s']:>10.2f}   "
               f"(spread contig {row['contiguous_us_min_max']}, paged {row['paged_us_min_max']})", flush=True)
     result = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "device": f"{jax.device_count()}x {device.device_kind}",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": runpy.run_path(str(Path(__file__).with_name("decode.py")))["source_commit"](),
+        **result_file.provenance(f"{jax.device_count()}x {device.device_kind}", argv, script=__file__),
         "jax": jax.__version__,
         "host": platform.node(),
         "shape": {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16",
@@ -204,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result_file.write_result(args.out, result)
     return 0
 
 

@@ -20,9 +20,7 @@ kernels): where a chunk step's time goes. Every sequence is greedy unless ``--te
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import runpy
 import statistics
@@ -36,7 +34,8 @@ from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_al
 
 @functools.cache
 def sibling(name: str) -> dict:
-    """Another benchmark script's functions (drive.py's engines and steps, decode.py's profiler)."""
+    """Another benchmark script's functions (drive.py's engines and steps, decode.py's profiler,
+    result_file.py's provenance and writing)."""
     return runpy.run_path(str(Path(__file__).with_name(f"{name}.py")))
 
 
@@ -177,11 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                                              f"{args.profile_dir}/{count}-{context}")
             row["profile"] = decode["step_profile"](kernels, chunks)
         rows.append(row)
+    device = f"{jax.device_count()}x {jax.devices()[0].device_kind}"
     result = {
-        "command": "python benchmarks/chunk_steps.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": sibling("decode")["source_commit"](),
+        **sibling("result_file")["provenance"](device, argv, script=__file__),
         "jax": jax.__version__,
         "xla_allocator": xla_allocator(),
         "config": {"preset": args.preset, "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len,
@@ -190,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        sibling("result_file")["write_result"](args.out, result)
         print(f"wrote {args.out}", flush=True)
     return 0
 

@@ -28,7 +28,6 @@ other, each in a process of its own (the kernels serve one device list per proce
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import itertools
@@ -60,6 +59,8 @@ from switchyard.service.modelspec import preset
 
 # benchmarks/drive.py (engines built through EngineConfig, driven through the step contract), loaded on first use.
 drive = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("drive.py")))))
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 # --attention: EngineConfig.decode_attention
 ATTENTIONS = {"kernel": "auto", "xla": "xla"}
 # --weights: EngineConfig.quantization and w8a8_min_rows (the layer matrices in bf16, or quantized to
@@ -224,18 +225,6 @@ def profile_steps(engine: Engine, kv: Any, steps: int, out_dir: str) -> dict:
     }
 
 
-def source_commit() -> str:
-    """The commit of the code measured: $SWITCHYARD_COMMIT where it is set (a copy of a working tree on
-    a benchmark machine, whose .git may be another commit's), else git's."""
-    import subprocess
-
-    if os.environ.get("SWITCHYARD_COMMIT"):
-        return os.environ["SWITCHYARD_COMMIT"]
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
-                          check=False)
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
-
-
 def run_peer(args: argparse.Namespace) -> dict:
     """benchmarks/torch_peer.py at this run's model, batches and contexts, as its own process (its
     CUDA context and memory are gone when it returns); its result file's content."""
@@ -369,10 +358,9 @@ def run_each_tp(args: argparse.Namespace, argv: list[str]) -> int:
                 if "peer" in result and "peer" not in merged:
                     merged["peer"] = result["peer"]
     assert merged is not None
-    merged["command"] = "python " + " ".join([sys.argv[0], *argv])
+    merged["command"] = result_file.command_line(argv, __file__)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(merged, indent=2) + "\n")
+        result_file.write_result(args.out, merged)
     print(json.dumps(merged["rows"]))
     return 0
 
@@ -454,10 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
 
     result = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "device": f"{jax.device_count()}x {device.device_kind}",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": source_commit(),
+        **result_file.provenance(f"{jax.device_count()}x {device.device_kind}", argv, script=__file__),
         "jax": jax.__version__,
         "host": platform.node(),
         "copy_bandwidth_bytes_per_s": round(bandwidth),
@@ -470,8 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         result["peer"] = peer
         print(comparison(rows, peer["rows"]), flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result_file.write_result(args.out, result)
     print(json.dumps(rows))
     if scratch is not None:
         scratch.cleanup()

@@ -21,20 +21,22 @@ the median of the rounds. Every result is checked against float64 in the same ru
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import re
-import shlex
+import runpy
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from helpers.emulated_ranks import Emulation, HarnessError, build_harness, load, rel  # noqa: E402
@@ -167,13 +169,11 @@ def main() -> int:
                 emu.close()
     result = {
         "experiment": "emulated ranks on one GPU: every rank a stream, peer stores are local stores (not NVLink)",
-        "command": "python3 benchmarks/emulated_allreduce.py " + shlex.join(sys.argv[1:]),
-        "device": device_name(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **result_file.provenance(device_name(), script=__file__),
         "rows": rows,
     }
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        result_file.write_result(args.out, result, indent=1)
         print(f"wrote {args.out}")
     return 0
 

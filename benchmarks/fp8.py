@@ -24,13 +24,12 @@ Exits 1 when a check fails. Engine-level FP8 (ms/token, the roofline in FP8 byte
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import platform
+import runpy
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -39,6 +38,9 @@ import numpy as np
 from switchyard.kernels import attention, kv_cache
 from switchyard.kernels.weights import Fp8Weight
 from switchyard.service.modelspec import preset
+
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 ROWS = (1, 8, 32, 64, 128, 256, 512, 1024, 4096)
 W8A16_BAR = 0.02  # of the largest output: bf16 operands and output round to 2^-9, summed over K
@@ -233,10 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth() if device.platform == "gpu" else 1e11
     print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     result: dict[str, Any] = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "device": f"{jax.device_count()}x {device.device_kind}",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("SWITCHYARD_COMMIT", ""), "jax": jax.__version__, "host": platform.node(),
+        **result_file.provenance(f"{jax.device_count()}x {device.device_kind}", argv, script=__file__),
+        "jax": jax.__version__, "host": platform.node(),
         "copy_bandwidth_bytes_per_s": round(bandwidth),
     }
     ok = True
@@ -254,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= kv_ok
     result["checks_passed"] = bool(ok)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result_file.write_result(args.out, result)
     print("all checks passed" if ok else "CHECKS FAILED", flush=True)
     return 0 if ok else 1
 

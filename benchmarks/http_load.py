@@ -27,7 +27,7 @@ TTFT p50 (``comparison``).
     python benchmarks/http_load.py --preset tiny --batch-slots 4 --max-seq-len 128 --rates 4 --duration 2 \\
         --prompt-lengths 8 16 --output-lengths 4 8 --out /tmp/http-load.json
 
-Writes benchmarks/results/current/http-load-<device>.json ``{"command","device","date","rows",...}``
+Writes benchmarks/results/current/http-load-<device>.json ``{"command","device","date","commit","rows",...}``
 (a run on CPU writes only to ``--out``, or prints only). Needs guidellm (the ``dev`` extra pins it).
 """
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import runpy
@@ -64,12 +63,13 @@ ARRIVAL_SLACK_S = 0.001  # guidellm's targeted start times against the planned o
 
 def sibling(name: str) -> SimpleNamespace:
     """Another benchmark script's functions (load.py: length mixes, arrivals, the gRPC client,
-    percentiles; startup.py: ports, checkpoints, the device's name)."""
+    percentiles; startup.py: ports, checkpoints, the device's name; result_file.py: provenance, writing)."""
     return SimpleNamespace(**runpy.run_path(str(HERE / name)))
 
 
 load = sibling("load.py")
 startup = sibling("startup.py")
+result_file = sibling("result_file.py")
 
 
 # ---- the requests ----------------------------------------------------------------------------------
@@ -420,10 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['server']}", flush=True)
     device = startup.device_name()
     result = {
-        "command": "python benchmarks/http_load.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "device": device,
-        "date": datetime.date.today().isoformat(),
-        "commit": os.environ.get("SWITCHYARD_COMMIT", ""),
+        **result_file.provenance(device, argv, script=__file__),
         "config": {"model": str(args.model_path or args.preset), "checkpoint": checkpoint, "tp": args.tp,
                    "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len, "serve_args": args.serve_args,
                    "rates_rps": args.rates, "duration_s": args.duration, "timeout_s": args.timeout,
@@ -446,8 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if out is None and device != "cpu":
         out = ROOT / "benchmarks" / "results" / "current" / f"http-load-{device.lower().replace(' ', '-')}.json"
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        result_file.write_result(out, result, indent=1)
         print(f"wrote {out}")
     else:
         print("a run on CPU without --out: no file written")

@@ -13,14 +13,18 @@ phases with each other, not the chain times with ``allreduce.py``'s.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
+import runpy
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
+
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 PHASES = {
     "oneshot": ["push", "reduce", "finish"],
@@ -147,11 +151,8 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.attention.split(",") if s]
     rows += attention_rows(ar, args.reps, shapes)
     if args.out:
-        result = {"command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
-                  "device": f"{len(jax.devices('gpu'))}x {jax.devices('gpu')[0].device_kind}",
-                  "date": datetime.date.today().isoformat(), "rows": rows}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        device = f"{len(jax.devices('gpu'))}x {jax.devices('gpu')[0].device_kind}"
+        result_file.write_result(args.out, {**result_file.provenance(device, script=__file__), "rows": rows}, indent=1)
     return 0
 
 

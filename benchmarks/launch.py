@@ -16,14 +16,16 @@ waited for before the next, so that no launch queues behind another.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import runpy
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 MODES = ("default", "SERIALIZE", "CONCURRENT", "LHS")
 SCHEDULING_OPTION = "xla_gpu_command_buffer_scheduling_mode"
@@ -106,16 +108,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"gpus {gpus} args {count:4d} kernels {kernels:4d} {mode:10s} launch {median:.3f} ms "
                           f"(p90 {p90:.3f})", flush=True)
     result = {
-        "command": "python benchmarks/launch.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": f"{len(devices)}x {devices[0].device_kind}",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": runpy.run_path(str(Path(__file__).with_name("decode.py")))["source_commit"](),
+        **result_file.provenance(f"{len(devices)}x {devices[0].device_kind}", argv, script=__file__),
         "jax": jax.__version__,
         "rows": rows,
     }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result_file.write_result(args.out, result)
         print(f"wrote {args.out}", flush=True)
     return 0
 

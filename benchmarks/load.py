@@ -54,7 +54,7 @@ at position p/100 * (n - 1).
     python benchmarks/load.py --cpu --preset tiny --rates 20 --duration 1 --prompt-lengths 8 16 \\
         --output-lengths 4 8 --path in-process grpc --max-seq-len 64 --batch-slots 4 --out /tmp/load.json
 
-Writes benchmarks/results/current/load-<device>.json ``{"command","device","date","rows"}`` (a ``--cpu``
+Writes benchmarks/results/current/load-<device>.json ``{"command","device","date","commit","rows"}`` (a ``--cpu``
 run writes only to ``--out``, or prints only).
 """
 
@@ -65,7 +65,6 @@ import bisect
 import collections
 import concurrent.futures
 import dataclasses
-import datetime
 import functools
 import gc
 import itertools
@@ -75,7 +74,6 @@ import multiprocessing
 import os
 import re
 import runpy
-import shlex
 import sys
 import threading
 import time
@@ -91,6 +89,8 @@ from switchyard.service.engine.xla_runtime import apply_process_defaults, xla_al
 drive = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("drive.py")))))
 # benchmarks/serve.py (the serving engine's flags; it imports nothing heavy at load), loaded on first use.
 serve_bench = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("serve.py")))))
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -798,10 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     label, facts = first["device"], first["facts"]
     slug = re.sub(r"[^a-z0-9]+", "-", label.split("x ", 1)[-1].lower()).strip("-")
     result = {
-        "command": "python benchmarks/load.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "device": label,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("SWITCHYARD_COMMIT", ""),  # set by whoever runs it on a copy of the tree
+        **result_file.provenance(label, argv, script=__file__),
         "xla_allocator": xla_allocator(),
         "config": {
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
@@ -830,8 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     if out is None and not args.cpu:
         out = ROOT / "benchmarks" / "results" / "current" / f"load-{slug}.json"
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        result_file.write_result(out, result)
         print(f"wrote {out}")
     else:
         print("a --cpu run without --out: no file written")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import gc
 import json
@@ -64,6 +63,8 @@ CHECK_REQUESTS = [
 
 # benchmarks/drive.py (engines built through EngineConfig, driven through the step contract), loaded on first use.
 drive = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("drive.py")))))
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 
 def check_spec() -> Any:
@@ -255,11 +256,9 @@ def run_group(args: argparse.Namespace, role: str, result: Path, extra_env: dict
 def compare(args: argparse.Namespace) -> int:
     from switchyard.service.engine.checkpoint import write_checkpoint
 
-    started = datetime.datetime.now(datetime.UTC)
     result: dict[str, Any] = {
-        "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
-        "date": started.isoformat(timespec="seconds"), "host": platform.node(), "model": args.model,
-        "dtype": args.dtype, "context": args.context,
+        **result_file.provenance(device_name(args), script=__file__),
+        "host": platform.node(), "model": args.model, "dtype": args.dtype, "context": args.context,
     }
     with tempfile.TemporaryDirectory(prefix="switchyard-pipeline-") as tmp:
         work = Path(tmp)
@@ -289,11 +288,9 @@ def compare(args: argparse.Namespace) -> int:
         print(f"streams {streams:3d}: PP{PP} {pp['ms_per_token']:7.3f} ms/token {pp['tokens_per_s']:8.1f} tok/s | "
               f"TP{PP} {tp['ms_per_token']:7.3f} ms/token {tp['tokens_per_s']:8.1f} tok/s | "
               f"PP/TP throughput {pp['throughput_vs_tp']:.2f}x", flush=True)
-    result["device"] = device_name(args)
     result["rows"] = rows
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result_file.write_result(args.out, result)
     return 0 if result.get("check", {}).get("identical_to_tp1", True) else 1
 
 

@@ -27,7 +27,6 @@ for the token) are timed outside it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import json
@@ -272,10 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     device = jax.devices()[0]
     result = {
-        "command": "python benchmarks/prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": f"{jax.device_count()}x {device.device_kind}",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": sibling("decode")["source_commit"](),
+        **sibling("result_file")["provenance"](f"{jax.device_count()}x {device.device_kind}", argv, script=__file__),
         "jax": jax.__version__,
         "model": args.model,
         "xla_allocator": xla_allocator(),
@@ -284,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if peer is not None:
         result["peer"] = peer
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        sibling("result_file")["write_result"](args.out, result)
     print(json.dumps(rows))
     return 0
 

@@ -14,14 +14,16 @@ over every column beside ``top_k_by_groups``, which the sampler runs, each check
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import runpy
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 LLAMA3_VOCAB = 128256
 
@@ -100,16 +102,12 @@ def main(argv: list[str] | None = None) -> int:
               f"over every column {row['lax_top_k_ms']:.3f} ms, by groups {row['top_k_by_groups_ms']:.3f} ms "
               f"({'equal' if equal else 'NOT EQUAL'})", flush=True)
     result = {
-        "command": "python benchmarks/sampling.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": f"1x {jax.devices()[0].device_kind}",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": runpy.run_path(str(Path(__file__).with_name("decode.py")))["source_commit"](),
+        **result_file.provenance(f"1x {jax.devices()[0].device_kind}", argv, script=__file__),
         "jax": jax.__version__,
         "rows": rows,
     }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result_file.write_result(args.out, result)
         print(f"wrote {args.out}", flush=True)
     return 0 if all(r["top_k_by_groups_equals_lax_top_k"] for r in rows) else 1
 

@@ -26,22 +26,19 @@ Targets: gRPC adds <= 3 %; tracing costs <= 2 % of tokens/s at 32 and of ms/toke
     python benchmarks/serve.py --preset llama3-8b --tp 1 --batch-slots 64 --max-seq-len 1024
     python benchmarks/serve.py --model-path /models/llama-3-8b --tp 8 --strategy auto
 
-Writes benchmarks/results/current/serve-<device>.json ``{"command","device","date","rows"}``.
+Writes benchmarks/results/current/serve-<device>.json ``{"command","device","date","commit","rows"}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import functools
 import itertools
-import json
 import multiprocessing
 import os
 import re
 import runpy
-import shlex
 import statistics
 import sys
 import tempfile
@@ -176,6 +173,8 @@ def run_grpc(engine: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: 
 
 # benchmarks/drive.py (the serving engine built from the benchmark's flags), loaded on first use.
 drive = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("drive.py")))))
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 
 def prompts_for(n: int, length: int, vocab: int, avoid: set[int], seed: int) -> list[list[int]]:
@@ -289,9 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens": int(median(n, path, tracing_on, "tokens")),
                 })
     result = {
-        "command": "python benchmarks/serve.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "device": label,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **result_file.provenance(label, argv, script=__file__),
         "xla_allocator": xla_allocator(),
         "config": {
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
@@ -302,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "current" / f"serve-{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    result_file.write_result(out, result)
     print(f"{'n':>3} {'path':10} {'tracing':7} {'ms/token':>9} {'tokens/s':>10} {'grpc +':>7} {'trace +':>7}")
     for row in rows:
         g = "" if row["grpc_overhead"] is None else f"{100 * row['grpc_overhead']:6.2f}%"

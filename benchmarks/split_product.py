@@ -19,9 +19,7 @@ the decode step's command buffer mostly hides, are not counted).
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import platform
 import runpy
 import sys
@@ -73,6 +71,8 @@ def time_variant(variant: str, xs, ws, r, reps: int, trace_dir: str) -> tuple[fl
 
 # benchmarks/decode.py (its profiler helper), loaded on first use.
 decode_bench = functools.cache(lambda: SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("decode.py")))))
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,13 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                          "weight_bytes_per_s": round(rate), "kernels_per_product": kernels})
             print(f"{name:12s} {variant:12s} {us:8.2f} us  {rate / 1e12:5.2f} TB/s  {kernels:.1f} kernels", flush=True)
         del xs, ws
-    result = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-              "device": f"{jax.device_count()}x {jax.devices()[0].device_kind}",
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "jax": jax.__version__,
-              "host": platform.node(), "rows": rows}
+    result = {**result_file.provenance(f"{jax.device_count()}x {jax.devices()[0].device_kind}", argv, script=__file__),
+              "jax": jax.__version__, "host": platform.node(), "rows": rows}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result_file.write_result(args.out, result)
     return 0
 
 

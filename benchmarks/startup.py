@@ -17,10 +17,9 @@ Writes benchmarks/results/current/startup-<device>[-tp<N>].json ``{"command","de
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import re
+import runpy
 import shutil
 import signal
 import socket
@@ -29,9 +28,12 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 # A C++ (absl) log line: severity letter, MMDD, time.
 CPP_LINE = re.compile(r"^([WEF])\d{4} \d\d:\d\d:\d\d")
 # Python's: a logger's level name as a word, or a warnings-module line ("...: UserWarning: ...").
@@ -179,12 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     cache = args.work / "compile-cache"
     shutil.rmtree(cache, ignore_errors=True)
     device = device_name()
-    commit = os.environ.get("SWITCHYARD_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    stamp = result_file.provenance(device, argv, script=__file__)  # the run's, in every write below
     suffix = "" if args.tp == 1 else f"-tp{args.tp}"
     name = f"startup-{device.lower().replace(' ', '-')}{suffix}.json"
     out = args.out or ROOT / "benchmarks" / "results" / "current" / name
-    out.parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     same = False
     for label, env in variants:
@@ -197,13 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         same = (len(runs) >= 2 and runs[0].get("tokens") is not None
                 and all(r.get("tokens") == runs[0]["tokens"] for r in runs[1:]))
         # Written after each start, so a run cut short keeps what it measured.
-        result = {"command": "python benchmarks/startup.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "device": device, "date": datetime.date.today().isoformat(), "commit": commit,
-                  "complete": len(runs) == len(variants),
+        result = {**stamp, "complete": len(runs) == len(variants),
                   "layout": {"tp": args.tp, "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len},
                   "checkpoint": checkpoint, "runs": runs, "tokens_identical": same,
                   "targets": {"warm_serving_s": 30 if args.tp == 1 else 45, "warning_lines": 0}}
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        result_file.write_result(out, result, indent=1)
     print(f"greedy tokens identical in every start: {same}")
     print(f"wrote {out}")
     return 0 if all(r["serving_s"] is not None for r in runs) and same else 1

@@ -27,17 +27,17 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import argparse
 import contextlib
-import datetime
 import gc
 import itertools
-import json
 import math
 import platform
+import runpy
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ from torch import nn
 from torch._dynamo import mark_static_address
 from torch._inductor import config as inductor_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
+result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
 
 CACHE_ALIGN = 128  # cache length rounded up to this, as the engine rounds its own
 WEIGHT_STD = 0.02
@@ -495,14 +498,12 @@ def main(argv: list[str] | None = None) -> int:
               f"(p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f}) {row['tokens_per_s']:9.1f} tokens/s "
               f"[{time.perf_counter() - t0:.0f}s]", flush=True)
     result = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **result_file.provenance(f"1x {device_name(torch.device(args.device))}", argv, script=__file__),
         "host": platform.node(),
         "rows": rows,
     }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result_file.write_result(args.out, result)
     return 0
 
 
