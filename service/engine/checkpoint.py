@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 from switchyard.kernels.weights import DenseWeight, Fp8Weight
 from switchyard.service.engine.fp8_checkpoint import Fp8Matrices, fp8_hf_tensors, matrix_formats
+from switchyard.service.engine.host import usable_cpus
 from switchyard.service.engine.model import ShardShape, is_shape, param_shapes, param_specs, stage_stacked
 from switchyard.service.engine.pipeline import check_stage_formats
 from switchyard.service.engine.tensor_source import INDEX_FILE, CheckpointError, TensorSource
@@ -33,8 +34,10 @@ from switchyard.service.model.family import EMBED, FINAL_NORM, LM_HEAD, tensor_s
 from switchyard.service.modelspec import ModelSpec
 from switchyard.service.progress import NoProgress, Progress, progress_bytes
 
-# Layers read and placed at once while loading (each holds one layer's slices in host memory).
-LOAD_WORKERS = 4
+# At most this many layers read and placed at once while loading (each holds one layer's slices in
+# host memory). A reader copies from the page cache at 2-3 GB/s; on a 16-core H100 host 16 of them
+# load Llama-3-8B's 16 GB in 1.4 s, 4 in 2.1 s (benchmarks/NOTES.md).
+MAX_LOAD_WORKERS = 16
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -235,9 +238,8 @@ def load_params(
         return jax.tree.unflatten(treedef, [put(shp, ps, stage_fetch(j, k, transposed[k])) for k, (shp, ps) in
                                             enumerate(zip(leaves, jax.tree.leaves(lspec), strict=True))])
 
-    # Layers load side by side: one reader copies from the page cache at under 1 GB/s, far below what
-    # the disk and the host-to-device copies take; reading and copying release the GIL.
-    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
+    # Layers load side by side: reading a memory map and copying to the devices release the GIL.
+    with ThreadPoolExecutor(min(MAX_LOAD_WORKERS, usable_cpus(), per_stage)) as pool:
         for layer in pool.map(load_layer, range(per_stage)):
             params["layers"].append(layer)
             bar.update(sum(leaf.nbytes for leaf in jax.tree.leaves(layer)))

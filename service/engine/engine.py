@@ -56,6 +56,7 @@ from switchyard.service.engine.compile_cache import (
     stable_repr,
 )
 from switchyard.service.engine.fp8_checkpoint import CHOICES as QUANTIZATION_CHOICES
+from switchyard.service.engine.host import usable_cpus
 from switchyard.service.engine.kv_blocks import NULL_BLOCK
 from switchyard.service.engine.model import AXIS, Chunk, ForwardConfig, ShardShape, budget_forward, param_specs
 from switchyard.service.engine.pipeline import (
@@ -186,8 +187,7 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None, pp: int = 1)
 def compile_workers() -> int:
     """Threads that compile step programs at warm-up: the CPUs this process may run on, at most
     :data:`MAX_COMPILE_WORKERS`."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_COMPILE_WORKERS, cpus))
+    return min(MAX_COMPILE_WORKERS, usable_cpus())
 
 
 # A step's chunk travels as one int32 array (one host-to-device copy, not one per field):

@@ -12,7 +12,8 @@ import torch
 from helpers.engine_fixtures import greedy_and_logits, tiny_engine
 from helpers.hf_reference import hf_logits
 from switchyard.cli.main import main as cli
-from switchyard.service.engine.checkpoint import INDEX_FILE, CheckpointError, write_checkpoint
+from switchyard.service.engine.checkpoint import INDEX_FILE, NP_DTYPES, CheckpointError, write_checkpoint
+from switchyard.service.engine.tensor_source import RAW_DTYPES, TensorSource
 from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
 from switchyard.service.modelspec import ModelSpec, preset
 from transformers import LlamaForCausalLM
@@ -97,3 +98,26 @@ def test_incremental_decoding_never_splits_a_character(tiny_checkpoint_dir):
     pieces.append(decoder.flush())
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_every_16_and_32_bit_tensor_reads_from_the_memory_map_as_safetensors_reads_it(tmp_path, rng):
+    tensors = {
+        "bf16": torch.from_numpy(rng.standard_normal((37, 53), np.float32)).to(torch.bfloat16),
+        "f16": torch.from_numpy(rng.standard_normal((5, 7, 11), np.float32)).to(torch.float16),
+        "f32": torch.from_numpy(rng.standard_normal((29,), np.float32)),
+        "scalar": torch.tensor(0.75, dtype=torch.float32),
+    }
+    safetensors.torch.save_file(tensors, str(tmp_path / "model.safetensors"))
+    src = TensorSource(tmp_path)
+    for name, expected in tensors.items():
+        want = expected.float().numpy()
+        assert src.dtype(name) in RAW_DTYPES
+        got = src.slice(name, tuple(expected.shape))
+        assert got.dtype == NP_DTYPES[str(expected.dtype).removeprefix("torch.")]
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+        if want.ndim:
+            index = (slice(3, 5), *(slice(1, None, 2),) * (want.ndim - 1))
+            np.testing.assert_array_equal(np.asarray(src.slice(name, tuple(expected.shape), index), np.float32),
+                                          want[index])
+    with pytest.raises(CheckpointError, match="bf16 has shape"):
+        src.slice("bf16", (53, 37))
