@@ -28,7 +28,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Without an NVIDIA GPU every program is compiled for XLA's CPU backend, and compiling is most of an
 # engine test's time: with XLA's optimizations off an HF-parity pair of cases takes 44 s instead of 53
-# (the same results; no test times one CPU program against another). GPU runs keep XLA's defaults.
+# (the same results). GPU runs keep XLA's defaults, and so do the `serve` processes tests start
+# (tests/helpers/serve_process.py), whose steps some tests time.
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 

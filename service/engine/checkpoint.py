@@ -9,11 +9,12 @@ to the device as the checkpoint stores it ([out, in]) and is transposed there in
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,10 @@ from switchyard.service.model.family import EMBED, FINAL_NORM, LM_HEAD, tensor_s
 from switchyard.service.modelspec import ModelSpec
 from switchyard.service.progress import NoProgress, Progress, progress_bytes
 
-# At most this many layers read and placed at once while loading (each holds one layer's slices in
-# host memory). A reader copies from the page cache at 2-3 GB/s; on a 16-core H100 host 16 of them
-# load Llama-3-8B's 16 GB in 1.4 s, 4 in 2.1 s (benchmarks/NOTES.md).
-MAX_LOAD_WORKERS = 16
+# At most this many threads read tensors (or draw random ones) at once, each holding one layer's
+# slices in host memory. A reader copies from the page cache at 2-3 GB/s; on a 16-core H100 host 16
+# of them load Llama-3-8B's 16 GB in 1.4 s, 4 in 2.1 s (benchmarks/NOTES.md).
+MAX_HOST_THREADS = 16
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -239,7 +240,7 @@ def load_params(
                                             enumerate(zip(leaves, jax.tree.leaves(lspec), strict=True))])
 
     # Layers load side by side: reading a memory map and copying to the devices release the GIL.
-    with ThreadPoolExecutor(min(MAX_LOAD_WORKERS, usable_cpus(), per_stage)) as pool:
+    with ThreadPoolExecutor(min(MAX_HOST_THREADS, usable_cpus(), per_stage)) as pool:
         for layer in pool.map(load_layer, range(per_stage)):
             params["layers"].append(layer)
             bar.update(sum(leaf.nbytes for leaf in jax.tree.leaves(layer)))
@@ -264,25 +265,37 @@ def load_params(
 
 # ---- random-weight checkpoints -------------------------------------------------------------------
 def random_hf_tensors(spec: ModelSpec, seed: int) -> Iterator[tuple[str, np.ndarray]]:
-    """Hugging Face-named random tensors, one at a time, scaled like a trained model's (std 0.02)."""
-    rng = np.random.default_rng(seed)
+    """Hugging Face-named random tensors, in the checkpoint's order, scaled like a trained model's (std
+    0.02). Each is drawn from a generator of its own, seeded by ``seed`` and its place in that order,
+    so that several are made side by side (drawing and converting release the GIL): one thread draws
+    about 0.1 GB/s of bf16, and Llama-3-8B's 16 GB took two and a half minutes one after another."""
     s = spec
     dtype = NP_DTYPES[s.dtype]
-
-    def normal(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
-
-    def norm(*shape: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
-
-    yield EMBED, normal(s.vocab_size, s.hidden_size)
+    plan: list[tuple[str, tuple[int, ...], bool]] = [(EMBED, (s.vocab_size, s.hidden_size), False)]
     for i in range(s.num_layers):
         names, shapes = s.family.layer_names(i), s.family.layer_shapes(s)
         for role, name in names.items():  # the family's tensors: biases and q/k norms too
-            yield name, (norm if role.endswith("norm") else normal)(*shapes[role])
-    yield FINAL_NORM, norm(s.hidden_size)
+            plan.append((name, shapes[role], role.endswith("norm")))
+    plan.append((FINAL_NORM, (s.hidden_size,), True))
     if not s.tie_word_embeddings:
-        yield LM_HEAD, normal(s.vocab_size, s.hidden_size)
+        plan.append((LM_HEAD, (s.vocab_size, s.hidden_size), False))
+
+    def draw(place: int, shape: tuple[int, ...], norm: bool) -> np.ndarray:
+        values = np.random.default_rng([seed, place]).standard_normal(shape, dtype=np.float32)
+        return (1.0 + 0.1 * values if norm else 0.02 * values).astype(dtype)
+
+    workers = min(MAX_HOST_THREADS, usable_cpus())
+    with ThreadPoolExecutor(workers) as pool:
+        # At most two tensors a worker drawn ahead of the writer: host memory stays bounded.
+        ahead: collections.deque[tuple[str, Future]] = collections.deque()
+        for place, (name, shape, norm) in enumerate(plan):
+            ahead.append((name, pool.submit(draw, place, shape, norm)))
+            if len(ahead) > 2 * workers:
+                first, future = ahead.popleft()
+                yield first, future.result()
+        while ahead:
+            first, future = ahead.popleft()
+            yield first, future.result()
 
 
 # Llama 3's chat format, so that a random-weight checkpoint answers /v1/chat/completions as a real

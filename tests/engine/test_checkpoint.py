@@ -12,6 +12,7 @@ import torch
 from helpers.engine_fixtures import greedy_and_logits, tiny_engine
 from helpers.hf_reference import hf_logits
 from switchyard.cli.main import main as cli
+from switchyard.service.engine import checkpoint
 from switchyard.service.engine.checkpoint import INDEX_FILE, NP_DTYPES, CheckpointError, write_checkpoint
 from switchyard.service.engine.tensor_source import RAW_DTYPES, TensorSource
 from switchyard.service.engine.tokenizer import Tokenizer, build_tokenizer
@@ -121,3 +122,17 @@ def test_every_16_and_32_bit_tensor_reads_from_the_memory_map_as_safetensors_rea
                                           want[index])
     with pytest.raises(CheckpointError, match="bf16 has shape"):
         src.slice("bf16", (53, 37))
+
+
+def test_random_tensors_are_the_seeds_whatever_the_threads_that_draw_them(monkeypatch):
+    spec = preset("tiny")
+    drawn = {}
+    for cpus in (1, 3):
+        monkeypatch.setattr(checkpoint, "usable_cpus", lambda cpus=cpus: cpus)
+        drawn[cpus] = list(checkpoint.random_hf_tensors(spec, seed=9))
+    assert [name for name, _ in drawn[1]] == [name for name, _ in drawn[3]]
+    assert len(drawn[1]) == 3 + 9 * spec.num_layers  # embeddings, final norm, LM head; 9 a layer
+    for (_, one), (_, three) in zip(drawn[1], drawn[3], strict=True):
+        np.testing.assert_array_equal(one, three)
+    other = dict(checkpoint.random_hf_tensors(spec, seed=10))
+    assert not np.array_equal(other["model.embed_tokens.weight"], dict(drawn[1])["model.embed_tokens.weight"])
