@@ -43,7 +43,7 @@ from switchyard.kernels import kv_cache
 from switchyard.kernels.collectives import MAX_PARTIALS
 from switchyard.kernels.selection import check_strategy
 from switchyard.kernels.weights import with_w8a8_min_rows
-from switchyard.service.engine import gpu_libraries, param_formats
+from switchyard.service.engine import param_formats
 from switchyard.service.engine.checkpoint import NP_DTYPES, load_params
 from switchyard.service.engine.compile_cache import (
     ProgramStore,
@@ -637,8 +637,7 @@ class Engine:
 
         Tracing holds the GIL, so programs are traced one after another here, while XLA compiles
         them in a thread pool as they come (it releases the GIL): on a 16-core H200 host the load
-        benchmark's 86 programs take 108-119 s, where 42 took 218 s one after another (benchmarks/NOTES.md).
-        The GPU libraries those compiles use are set up before, alone (:mod:`gpu_libraries`)."""
+        benchmark's 86 programs take 108-119 s, where 42 took 218 s one after another (benchmarks/NOTES.md)."""
         t0 = time.perf_counter()
         # The staging program once per set of inputs a step may change, so serving compiles none.
         rows, chunk = self._row_arrays(np.zeros(0, np.int64), None), {"chunk": self._empty_chunk()}
@@ -675,8 +674,6 @@ class Engine:
                     from_store.add(loading[done])
                     ready, loaded = ready + 1, loaded + 1
                     report(ready, len(shapes))
-            if len(from_store) < len(shapes):
-                gpu_libraries.set_up(self.mesh)
             for shape in shapes:
                 if shape in from_store:
                     continue
