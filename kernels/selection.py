@@ -129,13 +129,15 @@ def choose_fused(
 
 
 def build_table(rows: Sequence[Mapping], source: str) -> dict:
-    """Auto table from benchmark rows ``{impl, gpus, bytes, dtype, us}``.
+    """Auto table from benchmark rows ``{impl, gpus, bytes, dtype, us}`` measured in one run, whose
+    result file is ``source`` (recorded under ``sources`` for each GPU count the rows hold).
 
     For each GPU count and size, the fastest candidate wins; runs of equal winners merge, and the
     bound between two runs is the geometric midpoint of the sizes on either side. The last run
     is unbounded (the workspace check still applies).
     """
-    out: dict = {"source": source, "allreduce": {}, "fused": {}}
+    out: dict = {"sources": {str(g): source for g in sorted({int(r["gpus"]) for r in rows})},
+                 "allreduce": {}, "fused": {}}
     candidates = {"allreduce": PLAIN_IMPLS, "fused": tuple(f"{i}" for i in ("fused", "twoshot_norm", "xla_norm"))}
     rename = {"twoshot_norm": "twoshot", "xla_norm": "xla"}
     for kind, impls in candidates.items():
@@ -161,4 +163,14 @@ def build_table(rows: Sequence[Mapping], source: str) -> dict:
             if rules:
                 rules[-1][0] = None
             out[kind][str(gpus)] = rules
+    return out
+
+
+def merge_tables(shipped: Mapping, measured: Mapping) -> dict:
+    """``shipped`` with the GPU counts ``measured`` holds replaced by its rules and sources: a run on
+    one machine size re-measures that size and keeps the others' (each measured on a machine of its
+    own size)."""
+    out: dict = {"sources": {**shipped.get("sources", {}), **measured.get("sources", {})}}
+    for kind in ("allreduce", "fused"):
+        out[kind] = {**shipped.get(kind, {}), **measured.get(kind, {})}
     return out

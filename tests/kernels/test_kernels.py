@@ -313,6 +313,7 @@ def test_build_table_from_rows() -> None:
     rows.append({"impl": "fused", "gpus": 2, "bytes": 1024, "dtype": "bfloat16", "us": 3})
     rows.append({"impl": "xla_norm", "gpus": 2, "bytes": 1024, "dtype": "bfloat16", "us": 20})
     table = build_table(rows, "test")
+    assert table["sources"] == {"2": "test"}
     mid = int((65536 * (1 << 20)) ** 0.5)
     assert table["allreduce"]["2"] == [[mid, "oneshot"], [1 << 23, "twoshot"], [None, "xla"]]
     assert table["fused"]["2"] == [[None, "fused"]]
@@ -325,8 +326,24 @@ def test_build_table_from_rows() -> None:
     ]
 
 
+def test_a_run_on_one_gpu_count_keeps_the_rules_of_the_others() -> None:
+    shipped = {"sources": {"2": "two.json", "4": "four.json"},
+               "allreduce": {"2": [[None, "oneshot"]], "4": [[None, "xla"]]}, "fused": {"2": [[None, "fused"]]}}
+    rows = [{"impl": impl, "gpus": 4, "bytes": 1024, "dtype": "bfloat16", "us": us}
+            for impl, us in (("xla", 9), ("oneshot", 3), ("twoshot", 4), ("fused", 5), ("xla_norm", 20))]
+    merged = selection.merge_tables(shipped, build_table(rows, "four-again.json"))
+    assert merged["sources"] == {"2": "two.json", "4": "four-again.json"}
+    assert merged["allreduce"] == {"2": [[None, "oneshot"]], "4": [[None, "oneshot"]]}
+    assert merged["fused"] == {"2": [[None, "fused"]], "4": [[None, "fused"]]}
+    cap4 = Capability(True, world=4, oneshot_bytes=1 << 27, twoshot_bytes=1 << 27)
+    assert choose("auto", 1024, 4, "bfloat16", cap4, merged) == "oneshot"
+
+
 def test_shipped_table_is_valid() -> None:
     table = json.loads(selection.TABLE_PATH.read_text())
+    assert set(table["sources"]) == set(table["allreduce"]) == set(table["fused"])
+    for source in table["sources"].values():
+        assert (selection.TABLE_PATH.parents[1] / source).is_file()
     for kind, impls in (("allreduce", selection.PLAIN_IMPLS), ("fused", selection.FUSED_IMPLS)):
         for world, rules in table[kind].items():
             assert int(world) >= 2
