@@ -205,18 +205,18 @@ class Calibration:
     # ---- all-reduce ---------------------------------------------------------------------------
     def allreduce_us(self, impl: str, nbytes: int, gpus: int, beyond_table: bool = False) -> float | None:
         """Estimated latency of one all-reduce of ``nbytes`` over ``gpus`` GPUs of one NVSwitch
-        domain, or None where the table offers no figure (oneshot beyond its largest size, unless
+        domain (from the table measured at that count, else scaled from the nearest count below), or
+        None where the table offers no figure (oneshot beyond its largest size, unless
         ``beyond_table``: where the kernels' chooser runs one-shot there, its figure is extrapolated)."""
         if gpus <= 1:
             return 0.0
-        table = self.raw["allreduce"]["us"].get(impl)
+        measured_gpus, table = self._allreduce_table(impl, gpus)
         if not table:
             return None
         sizes = [float(s) for s, _ in table]
         times = [float(t) for _, t in table]
         if impl == "oneshot" and nbytes > sizes[-1] and not beyond_table:
             return None
-        measured_gpus = int(self.raw["allreduce"]["gpus"])
         t_at = _interpolate(sizes, times, max(nbytes, 1))
         latency = times[0]
         bandwidth_part = max(t_at - latency, 0.0)
@@ -225,6 +225,18 @@ class Calibration:
         latency *= 1.0 + growth * doublings
         bandwidth_part *= _bytes_factor(impl, gpus) / _bytes_factor(impl, measured_gpus)
         return latency + bandwidth_part
+
+    def _allreduce_table(self, impl: str, gpus: int) -> tuple[int, list | None]:
+        """The GPU count and ``impl``'s table to estimate ``gpus`` GPUs from: the largest measured
+        count up to ``gpus`` whose table has ``impl`` (the smallest measured count below all of them)."""
+        ar = self.raw["allreduce"]
+        counts = {int(ar["gpus"]): ar["us"]}
+        counts.update({int(n): entry["us"] for n, entry in ar.get("at_gpus", {}).items()})
+        having = sorted(n for n, tables in counts.items() if tables.get(impl))
+        if not having:
+            return int(ar["gpus"]), None
+        n = max((c for c in having if c <= gpus), default=having[0])
+        return n, counts[n][impl]
 
     def engine_allreduce(self, nbytes: int, gpus: int, nvswitch: bool, strategy: str = "auto",
                          dtype: str = "bfloat16") -> tuple[str, float] | None:
@@ -322,11 +334,28 @@ def _where(result: Mapping[str, Any], name: str = "") -> str:
     return f"{name or '?'} ({result.get('device', '?')}, {result.get('date', '?')}): {command}"
 
 
+def _allreduce_tables(tables: Mapping[str, Mapping[int, list[float]]],
+                      sources: Mapping[str, str]) -> tuple[dict[str, list[list[float]]], str]:
+    """One GPU count's rows as the planner's tables (median per size; a stand-in where one of ours
+    was not measured) and where each came from."""
+    us: dict[str, list[list[float]]] = {}
+    labels = []
+    for impl in IMPLS:
+        chosen = impl if impl in tables else STAND_INS[impl] if STAND_INS[impl] in tables else None
+        if chosen is None:
+            continue
+        us[impl] = [[size, round(statistics.median(v), 3)] for size, v in sorted(tables[chosen].items())]
+        label = impl if chosen == impl else f"{impl} = {chosen} (stand-in)"
+        labels.append(f"{label} from {sources[chosen]}")
+    return us, "; ".join(labels)
+
+
 def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                  names: Iterable[str] = ()) -> dict[str, Any]:
     """A new calibration: ``base`` with its measured entries replaced by what the result files hold.
 
-    * all-reduce rows (``impl,gpus,bytes,dtype,us``, bf16, one GPU count): our own implementations
+    * all-reduce rows (``impl,gpus,bytes,dtype,us``, bf16), per GPU count (the smallest in ``us``, the
+      others in ``at_gpus``): our own implementations
       (``xla`` = JAX psum, ``oneshot``, ``twoshot``) by name, median per size; where one of them was
       not measured, its stand-in (``torch_nccl``, ``symm_mem_oneshot``, ``symm_mem_twoshot``),
       labelled as such; other rows (fused, norm variants, auto) are not planner inputs;
@@ -345,9 +374,8 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
     results = list(results)
     labels = list(names) or [f"result {i}" for i in range(len(results))]
     ordered = sorted(zip(labels, results, strict=True), key=lambda pair: str(pair[1].get("date", "")))
-    tables: dict[str, dict[int, list[float]]] = {}
-    table_source: dict[str, str] = {}
-    gpus_seen: set[int] = set()
+    tables: dict[int, dict[str, dict[int, list[float]]]] = {}  # by GPU count, then implementation
+    table_source: dict[int, dict[str, str]] = {}
     newest_check: dict[tuple[Any, ...], tuple[str, list[dict[str, Any]]]] = {}
     for label, result in ordered:
         where = _where(result, label)
@@ -362,10 +390,10 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
             if "impl" in row and "us" in row:
                 if str(row.get("dtype", "bfloat16")) not in ("bfloat16", "bf16"):
                     continue
-                impl = str(row["impl"]).lower()
-                gpus_seen.add(int(row["gpus"]))
-                tables.setdefault(impl, {}).setdefault(int(row["bytes"]), []).append(float(row["us"]))
-                table_source[impl] = where
+                impl, gpus = str(row["impl"]).lower(), int(row["gpus"])
+                per_size = tables.setdefault(gpus, {}).setdefault(impl, {})
+                per_size.setdefault(int(row["bytes"]), []).append(float(row["us"]))
+                table_source.setdefault(gpus, {})[impl] = where
             elif "step_ms" in row and str(row.get("layout", "")).startswith("PP"):
                 pp = int(str(row["layout"])[2:])
                 check = {"model": row.get("model", result.get("model")), "pp": pp, "tp": int(row.get("tp", 1)),
@@ -392,19 +420,15 @@ def from_results(results: Iterable[Mapping[str, Any]], base: Mapping[str, Any],
                     newest_check[key][1].append(check)
                 else:
                     newest_check[key] = (where, [check])  # a newer file supersedes
-    if len(gpus_seen) > 1:
-        raise ValueError(f"all-reduce rows for several GPU counts {sorted(gpus_seen)}: give one count per calibration")
-    sources = []
-    for impl in IMPLS:
-        chosen = impl if impl in tables else STAND_INS[impl] if STAND_INS[impl] in tables else None
-        if chosen is None:
+    for rank, gpus in enumerate(sorted(tables)):
+        us, sources = _allreduce_tables(tables[gpus], table_source[gpus])
+        if not sources:
             continue
-        out["allreduce"]["us"][impl] = [[size, round(statistics.median(v), 3)]
-                                        for size, v in sorted(tables[chosen].items())]
-        label = impl if chosen == impl else f"{impl} = {chosen} (stand-in)"
-        sources.append(f"{label} from {table_source[chosen]}")
-    if sources:
-        out["allreduce"].update(gpus=next(iter(gpus_seen)), kind="measured", source="; ".join(sources))
+        if rank == 0:  # the smallest count measured: the base the others extrapolate from where unmeasured
+            out["allreduce"]["us"].update(us)
+            out["allreduce"].update(gpus=gpus, kind="measured", source=sources)
+        else:
+            out["allreduce"].setdefault("at_gpus", {})[str(gpus)] = {"us": us, "source": sources}
     ordered_checks = sorted(newest_check.items(), key=lambda kv: str(kv[0]))
     checks = [c for key, (_, rows) in ordered_checks if key[0] != "pipeline" for c in rows]
     if checks:

@@ -572,11 +572,13 @@ def _key(c: _Candidate, objective: str) -> tuple[Any, ...]:
 def _choose(cands: list[_Candidate], objective: str) -> _Candidate:
     if objective == "latency":
         # Within LATENCY_TIE of the fastest the step model cannot tell layouts apart (its all-reduce
-        # table is measured, with noise); the fewest pipeline stages and GPUs win there.
+        # table is measured, with noise); the fewest pipeline stages and GPUs win there, then the
+        # faster, then the larger KV pool (where the host's launch bounds the step, GPU kinds tie).
         best = min(cands, key=lambda c: _key(c, objective))
         near = [c for c in cands if _key(c, objective)[:2] == _key(best, objective)[:2]
                 and c.layout.ms_per_token <= best.layout.ms_per_token * (1 + LATENCY_TIE)]
-        return min(near, key=lambda c: (c.layout.pp, c.gpus, c.layout.ms_per_token, c.layout.tp, c.layout.product))
+        return min(near, key=lambda c: (c.layout.pp, c.gpus, c.layout.ms_per_token, -c.layout.kv_tokens, c.layout.tp,
+                                        c.layout.product))
     if objective == "balanced":
         fastest = min(c.layout.ms_per_token for c in cands if c.slo_ok) if any(c.slo_ok for c in cands) else None
         if fastest is not None:
@@ -588,7 +590,7 @@ def _choose(cands: list[_Candidate], objective: str) -> _Candidate:
 def _why(c: _Candidate, objective: str) -> str:
     if objective == "latency":
         return (f"lowest time per output token; within {LATENCY_TIE:.0%} of it, the fewest pipeline stages "
-                "and GPUs")
+                "and GPUs, then the largest KV pool")
     if objective == "throughput":
         return "most tokens/s from the free GPUs"
     return (f"most tokens/s per GPU within {BALANCED_LATENCY_FACTOR:g}x of the fastest time per output token")

@@ -159,15 +159,18 @@ def test_fused_with_partial_products_matches_float64(mesh: Mesh, dtype: str, spl
 
 
 def test_engine_with_partial_products_decodes_like_psum(mesh: Mesh) -> None:
-    """TP=2 engines on the same bf16 weights: auto (fused kernel taking partial products, command
-    buffers as XLA sets them) against XLA's psum, logits step after step."""
+    """Engines over every GPU of the mesh on the same bf16 weights: auto (fused kernel taking partial
+    products, command buffers as XLA sets them) against XLA's psum, logits step after step."""
+    import dataclasses
+
     from helpers.engine_fixtures import assert_decode_alike, kernel_sized_spec
     from switchyard.service.engine.engine import Engine, EngineConfig
     from switchyard.service.engine.step_policy import StepShape
     from switchyard.service.modelspec import ServingLayout
 
-    spec = kernel_sized_spec()
-    layout = ServingLayout(tp=2, batch_slots=4, max_seq_len=256)
+    world = mesh.devices.size  # the kernels serve one group per process: the mesh's
+    spec = dataclasses.replace(kernel_sized_spec(), num_heads=4 * world, num_kv_heads=world, hidden_size=256 * world)
+    layout = ServingLayout(tp=world, batch_slots=4, max_seq_len=256)
     engines = [Engine.from_random(spec, layout, EngineConfig(batch_slots=4, max_seq_len=256, strategy=s,
                                                              dtype="bfloat16", step_tokens=64, kv_tokens=4 * 256),
                                   devices=list(mesh.devices.flat)) for s in ("auto", "xla")]

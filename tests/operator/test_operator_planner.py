@@ -553,9 +553,13 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
     assert cal.layer_cost_us(1)[0] == pytest.approx((6.0 - roofline_ms) * 1e3 / 32, rel=1e-6)
     stage = cal.stage_ms(preset("llama3-8b"), 32, 1024, 1, 2, cal.device("H200"))
     assert cal.pipeline_hop[0] == pytest.approx((4.5 - stage) * 1e3) and cal.pipeline_hop[0] > 0
-    with pytest.raises(ValueError, match="several GPU counts"):
-        calibration.from_results([{"rows": [{"impl": "xla", "gpus": 2, "bytes": 1, "us": 1},
-                                            {"impl": "xla", "gpus": 4, "bytes": 1, "us": 1}]}], base)
+    two_and_four = calibration.Calibration(calibration.from_results(
+        [{"rows": [{"impl": "xla", "gpus": 2, "bytes": 1, "us": 1}, {"impl": "xla", "gpus": 4, "bytes": 1, "us": 3}]}],
+        base))
+    assert two_and_four.raw["allreduce"]["gpus"] == 2 and two_and_four.allreduce_us("xla", 1, 2) == 1
+    assert two_and_four.allreduce_us("xla", 1, 4) == 3  # measured at 4: no extrapolation from 2
+    growth = two_and_four.models["latency_growth_per_doubling"]["xla"]
+    assert two_and_four.allreduce_us("xla", 1, 8) == pytest.approx(3 * (1 + growth))  # from 4, the nearest below
     out = tmp_path / "cal.json"
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "a.json").write_text(json.dumps(allreduce))
