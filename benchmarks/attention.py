@@ -5,7 +5,10 @@ For each (batch, context): every row attends over ``context`` cached positions p
 query heads, 8 KV heads, head_dim 128, bf16). The contiguous caches are [batch, kv, M*B, D]; the
 paged pools hold the same K/V cut into blocks of B positions, placed at a random permutation of the
 pool's blocks (block 0 is the null block), so both kernels compute on the same values: their outputs
-are compared (they should be bitwise equal) before anything is timed.
+are compared (they should be bitwise equal) before anything is timed. With ``--fp8-pools`` the
+paged pools are also rounded to FP8 (``kv_cache.Fp8Pool``: e4m3 and a float32 scale per position and
+KV head) and the kernel's FP8 variant is timed beside the others (its output checked against the
+16-bit pools' within the rounding).
 
 Timing: one jitted function runs ``calls`` kernel launches one after another, cycling over enough
 layers' caches that their K/V far exceed the L2 (as a decode step's 32 layers do), with the caches
@@ -14,6 +17,7 @@ so dispatch overlaps the GPU's work. Repeats alternate the two layouts; the medi
 reported with the spread over repeats, and the K/V bytes read per launch over that time.
 
     python benchmarks/attention.py --out benchmarks/results/current/paged-attention-h200.json
+    python benchmarks/attention.py --fp8-pools --out benchmarks/results/current/paged-attention-fp8-h100.json
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import jax
 import jax.numpy as jnp
 import numpy as np
-from switchyard.kernels import attention, native
+from switchyard.kernels import attention, kv_cache, native
+from switchyard.kernels.fp8 import quantize_rows
 
 # benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
 result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
@@ -85,6 +90,13 @@ def make_layers(key, batch: int, kv: int, d: int, block: int, m: int, layers: in
     return contiguous, paged, tables
 
 
+@jax.jit
+def to_fp8(pool: jax.Array) -> kv_cache.Fp8Pool:
+    """A 16-bit pool as kv_cache's FP8 pool holds it."""
+    q, scale = quantize_rows(pool)
+    return kv_cache.Fp8Pool(q, scale[..., 0])
+
+
 def chain(kind: str, calls: int, layers: int):
     """jit: ``calls`` launches over the layers' caches in turn (donated); the last output and the caches."""
 
@@ -93,7 +105,7 @@ def chain(kind: str, calls: int, layers: int):
         out = None
         for i in range(calls):
             j = i % layers
-            if kind == "paged":
+            if kind.startswith("paged"):
                 out, ks[j], vs[j] = attention.paged_decode_attention_packed(qkv, ks[j], vs[j], tables, positions,
                                                                              positions)
             else:
@@ -128,6 +140,9 @@ def measure(args: argparse.Namespace, batch: int, context: int) -> dict:
         "paged": {"qkv": qkv, "ks": [c[0] for c in paged], "vs": [c[1] for c in paged], "tables": tables,
                   "positions": positions},
     }
+    if args.fp8_pools:
+        states["paged_fp8"] = {**states["paged"], "ks": [to_fp8(c[0]) for c in paged],
+                               "vs": [to_fp8(c[1]) for c in paged]}
     del contiguous, paged
     # Same values, same split of the sequence: the two kernels must agree exactly on one launch.
     first = {kind: chain(kind, 1, 1) for kind in states}
@@ -139,6 +154,11 @@ def measure(args: argparse.Namespace, batch: int, context: int) -> dict:
     max_diff = float(np.max(np.abs(outs["paged"] - outs["contiguous"])))
     if not np.isfinite(outs["paged"]).all() or max_diff > 0.05:
         raise SystemExit(f"batch {batch} context {context}: paged and contiguous outputs differ by {max_diff}")
+    fp8_err = None
+    if args.fp8_pools:  # the rounding of K/V to e4m3 moves the output by a few per cent of its size
+        fp8_err = float(np.linalg.norm(outs["paged_fp8"] - outs["paged"]) / np.linalg.norm(outs["paged"]))
+        if not np.isfinite(outs["paged_fp8"]).all() or fp8_err > 0.1:
+            raise SystemExit(f"batch {batch} context {context}: FP8 pools' output off the 16-bit one by {fp8_err}")
     fns = {kind: chain(kind, p["calls"], p["layers"]) for kind in states}
     for kind, fn in fns.items():
         time_chain(fn, states[kind], 2)  # compile and warm up
@@ -158,6 +178,11 @@ def measure(args: argparse.Namespace, batch: int, context: int) -> dict:
         row[f"{kind}_us_min_max"] = [round(1e6 * min(times), 3), round(1e6 * max(times), 3)]
         row[f"{kind}_tb_per_s"] = round(kv_bytes / us / 1e6, 3)
     row["paged_over_contiguous"] = round(row["paged_us"] / row["contiguous_us"], 4)
+    if args.fp8_pools:
+        fp8_bytes = 2 * batch * (context + 1) * kv * (d + kv_cache.FP8_SCALE_BYTES)
+        row.update(fp8_kv_bytes_per_launch=fp8_bytes, fp8_rel_err_vs_paged=round(fp8_err, 5),
+                   paged_fp8_tb_per_s=round(fp8_bytes / row["paged_fp8_us"] / 1e6, 3),
+                   paged_fp8_over_paged=round(row["paged_fp8_us"] / row["paged_us"], 4))
     del states, fns, first
     return row
 
@@ -177,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-calls", type=int, default=128, help="kernel launches per jitted call (at least)")
     parser.add_argument("--queued", type=int, default=8, help="jitted calls queued back to back per timing")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--fp8-pools", action="store_true", help="also time the kernel on the pools rounded to FP8")
     parser.add_argument("--out", help="result JSON path")
     args = parser.parse_args(argv)
     if not native.attention_ready():
@@ -186,13 +212,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the kernel does not support this head_dim, GQA group or block size")
     device = jax.devices()[0]
     rows = []
-    header = f"{'batch':>5} {'context':>7} {'contig us':>10} {'paged us':>10} {'paged/contig':>12} {'paged TB/s':>10}"
+    header = (f"{'batch':>5} {'context':>7} {'contig us':>10} {'paged us':>10} {'paged/contig':>12} {'paged TB/s':>10}"
+              + (f" {'fp8 us':>8} {'fp8/paged':>9}" if args.fp8_pools else ""))
     print(header, flush=True)
     for batch, context in shapes(args.batch, args.context, args.long_batch, args.long_context):
         row = measure(args, batch, context)
         rows.append(row)
         print(f"{batch:>5} {context:>7} {row['contiguous_us']:>10.2f} {row['paged_us']:>10.2f} "
-              f"{row['paged_over_contiguous']:>12.3f} {row['paged_tb_per_s']:>10.2f}   "
+              f"{row['paged_over_contiguous']:>12.3f} {row['paged_tb_per_s']:>10.2f}"
+              + (f" {row['paged_fp8_us']:>8.2f} {row['paged_fp8_over_paged']:>9.3f}" if args.fp8_pools else "")
+              + "   "
               f"(spread contig {row['contiguous_us_min_max']}, paged {row['paged_us_min_max']})", flush=True)
     result = {
         **result_file.provenance(f"{jax.device_count()}x {device.device_kind}", argv, script=__file__),

@@ -219,21 +219,41 @@ def _paged_kernel(qkv, k_pool, v_pool, block_tables, positions, write_at):
     return out, k_pool, v_pool
 
 
+def _paged_fp8_kernel(qkv, k_pool, v_pool, block_tables, positions, write_at):
+    n, total, d = qkv.shape
+    kv, bs = k_pool.shape[1], k_pool.shape[2]
+    splits = splits_for(n, kv, block_tables.shape[1] * bs)
+    data, scales = jax.ShapeDtypeStruct(k_pool.data.shape, k_pool.data.dtype), jax.ShapeDtypeStruct(
+        k_pool.scale.shape, k_pool.scale.dtype)
+    out, k_data, k_scale, v_data, v_scale = jax.ffi.ffi_call(
+        "switchyard_paged_decode_attention_fp8",
+        (jax.ShapeDtypeStruct((n, total - 2 * kv, d), qkv.dtype), data, scales, data, scales),
+        input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4},
+    )(qkv, k_pool.data, k_pool.scale, v_pool.data, v_pool.scale, block_tables.astype(jnp.int32),
+      positions.astype(jnp.int32), write_at.astype(jnp.int32), scale=np.float32(1.0 / math.sqrt(d)),
+      splits=np.int32(splits))
+    return out, kv_cache.Fp8Pool(k_data, k_scale), kv_cache.Fp8Pool(v_data, v_scale)
+
+
 def paged_decode_attention_packed(
-    qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array, positions: jax.Array,
+    qkv: jax.Array, k_pool: kv_cache.Pool, v_pool: kv_cache.Pool, block_tables: jax.Array, positions: jax.Array,
     write_at: jax.Array, *, use_kernel: bool = True,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, kv_cache.Pool, kv_cache.Pool]:
     """As :func:`reference_paged_decode_attention_packed`; on CUDA with the kernel library, one launch
     of the decode-attention kernel that finds each position's K/V through the block table (the pools
-    are updated in place when donated)."""
+    are updated in place when donated). FP8 pools (``kv_cache.Fp8Pool``) go to the kernel's FP8
+    variant, which dequantizes each stage of K/V as the pure-JAX path does."""
     _check_paged(qkv, k_pool, v_pool, block_tables, positions, write_at)
     args = (qkv, k_pool, v_pool, block_tables, positions, write_at)
     num_blocks, kv, bs, d = k_pool.shape
     n, m = block_tables.shape
     heads = qkv.shape[1] - 2 * kv
-    usable = (use_kernel and qkv.dtype == k_pool.dtype == v_pool.dtype
+    fp8 = kv_cache.is_fp8(k_pool) and kv_cache.is_fp8(v_pool)
+    pools_fit = fp8 or (qkv.dtype == k_pool.dtype == v_pool.dtype)
+    usable = (use_kernel and pools_fit
               and paged_kernel_supports(qkv.dtype, d, heads // kv, bs) and n * kv <= MAX_PAIRS
               and num_blocks * kv * bs < POOL_ROW_LIMIT and m * bs <= MAX_TABLE_POSITIONS and native.attention_ready())
     if not usable:
         return reference_paged_decode_attention_packed(*args)
-    return jax.lax.platform_dependent(*args, default=reference_paged_decode_attention_packed, cuda=_paged_kernel)
+    return jax.lax.platform_dependent(*args, default=reference_paged_decode_attention_packed,
+                                      cuda=_paged_fp8_kernel if fp8 else _paged_kernel)

@@ -25,6 +25,7 @@ TARGETS = {
     "switchyard_fused_rmsnorm": "SyFusedRmsNorm",
     "switchyard_decode_attention": "SyDecodeAttention",
     "switchyard_paged_decode_attention": "SyPagedDecodeAttention",
+    "switchyard_paged_decode_attention_fp8": "SyPagedDecodeAttentionFp8",
 }
 # Only in the diagnostic library (``build --diagnostics``, csrc/ffi_diagnostics.cu): registered
 # where the loaded library has them.

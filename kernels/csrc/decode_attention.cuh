@@ -78,6 +78,9 @@ struct AttnArgs {
   int M = 0;                        // table entries per row
   int block_shift = 0;              // log2(B)
   uint32_t blocks = 0;              // num_blocks in the pools
+  // FP8 pools only: the float32 scale of each pool row (k_cache / v_cache then hold e4m3).
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
 };
 
 template <typename T, int E>

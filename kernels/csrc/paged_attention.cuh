@@ -27,10 +27,18 @@
 // The online softmax is per warp, in base 2 (the scale folded into one multiply).
 //
 // The end is attn_finish's: warps, then the slices of the cluster, merged in shared memory.
+//
+// FP8 pools (KV = __nv_fp8_e4m3, kv_cache.Fp8Pool): e4m3 rows with a float32 scale per position and
+// KV head, at the same row index in k_scale / v_scale. The ring then holds the e4m3 rows (half the
+// bytes) and their scales; each stage is dequantized once into a 16-bit stage of the layout above
+// (row * scale rounded to T, as the pure-JAX path dequantizes), which the products read unchanged.
+// The new K/V are rounded to e4m3 with a scale of their own as kv_cache.write rounds them (the
+// row's largest magnitude over 448), stored so, and attended as stored.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include <type_traits>
@@ -54,12 +62,51 @@ constexpr int kPagedStage = 32;   // positions per stage: 8 for each of the kAtt
 constexpr int kPagedStages = 4;   // stages in the shared-memory ring
 static_assert(kPagedStage == 8 * kAttnWarps, "a warp takes 8 positions (one n8 tile) of a stage");
 
-// Shared memory of one block: the ring, reused by attn_finish's arrays once the loop is done.
-template <typename T, int D, int G>
+using Fp8 = __nv_fp8_e4m3;
+constexpr float kFp8Max = 448.f;          // fp8.FP8_MAX
+constexpr float kFp8MinScale = 1e-12f;    // fp8.MIN_SCALE
+
+template <typename T, typename KV>
+__host__ __device__ constexpr bool paged_fp8() {
+  return !std::is_same<T, KV>::value;
+}
+
+// One ring stage: K rows then V rows of kPagedStage positions in the pool's element type, then (FP8)
+// their scales, K's then V's.
+template <typename T, typename KV, int D>
+__host__ __device__ constexpr int paged_stage_bytes() {
+  return 2 * kPagedStage * D * static_cast<int>(sizeof(KV)) + (paged_fp8<T, KV>() ? 2 * kPagedStage * 4 : 0);
+}
+
+// Shared memory of one block: the ring (and, FP8, the 16-bit stage it is dequantized into), reused
+// by attn_finish's arrays once the loop is done.
+template <typename T, typename KV, int D, int G>
 constexpr int paged_attn_smem_bytes() {
-  constexpr int ring = kPagedStages * 2 * kPagedStage * D * static_cast<int>(sizeof(T));
+  constexpr int ring = kPagedStages * paged_stage_bytes<T, KV, D>() +
+                       (paged_fp8<T, KV>() ? 2 * kPagedStage * D * static_cast<int>(sizeof(T)) : 0);
   constexpr int finish = static_cast<int>(sizeof(float)) * ((kAttnWarps + 1) * G * (D + 2));
   return ring > finish ? ring : finish;
+}
+
+// kv_cache.write's rounding of one row: its scale from the row's largest magnitude, and each value
+// as the pool gives it back (e4m3 times the scale, rounded to T), with the reciprocal as fp8.py
+// computes it.
+struct Fp8RowScale {
+  float scale, inv;
+  __device__ __forceinline__ explicit Fp8RowScale(float amax)
+      : scale(fmaxf(amax * (1.0f / kFp8Max), kFp8MinScale)), inv(1.0f / fmaxf(amax * (1.0f / kFp8Max), kFp8MinScale)) {}
+  __device__ __forceinline__ Fp8 quantize(float x) const { return Fp8(fminf(fmaxf(x * inv, -kFp8Max), kFp8Max)); }
+  template <typename T>
+  __device__ __forceinline__ T stored(float x) const {
+    return from_f32<T>(static_cast<float>(quantize(x)) * scale);
+  }
+};
+
+template <typename T, int D>
+__device__ __forceinline__ float paged_row_amax(const T* row) {
+  float m = 0.f;
+  for (int i = 0; i < D; ++i) m = fmaxf(m, fabsf(to_f32(row[i])));
+  return m;
 }
 
 // Where piece `piece` (8 elements, 16 bytes) of row r of a stage's K or V lives in the stage: pieces
@@ -75,6 +122,9 @@ __device__ __forceinline__ uint32_t paged_smem_addr(const void* p) {
 
 __device__ __forceinline__ void paged_cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void paged_cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void paged_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -139,20 +189,26 @@ __device__ __forceinline__ uint32_t paged_pack(float lo, float hi) {
   }
 }
 
-template <typename T, int D, int G>
+template <typename T, typename KV, int D, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a) {
   static_assert(D % 32 == 0 && G <= 8, "head_dim a multiple of 32, at most 8 query heads per KV head");
   PhaseClock clock;
+  constexpr bool kFp8 = paged_fp8<T, KV>();
+  static_assert(!kFp8 || std::is_same<KV, Fp8>::value, "a pool of T, or e4m3 with scales");
   constexpr int KS = D / 16;                       // k16 steps of the scores
   constexpr int NT = D / 8;                        // n8 tiles of the output
-  constexpr int CH = D / 8;                        // 16-byte pieces of one row
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(KV));  // one pool row
+  constexpr int CH = kRowBytes / 16;               // 16-byte pieces of one pool row
   constexpr int kRowsPerPass = kAttnWarps * 32 / CH;
   constexpr int kPasses = kPagedStage / kRowsPerPass;  // rows of a stage each thread copies
-  constexpr int kStageElems = 2 * kPagedStage * D;     // K rows, then V rows
+  constexpr int kStageBytes = paged_stage_bytes<T, KV, D>();
+  constexpr int kScaleOffset = 2 * kPagedStage * kRowBytes;  // FP8: the stage's scales
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kPagedStage % kRowsPerPass == 0, "whole passes per stage");
   extern __shared__ __align__(128) unsigned char paged_smem[];
-  T* ring = reinterpret_cast<T*>(paged_smem);
+  unsigned char* ring = paged_smem;
+  // FP8: the 16-bit stage the products read (the ring's stages are e4m3).
+  T* dequantized = reinterpret_cast<T*>(paged_smem + kPagedStages * kStageBytes);
 
   const int b = blockIdx.x / a.kv, h = blockIdx.x % a.kv, s = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -165,8 +221,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
   const int t0 = s * span, t1 = min(cached, t0 + span);
   const int stages = t0 < t1 ? (t1 - t0 + kPagedStage - 1) / kPagedStage : 0;
 
-  T* kc = static_cast<T*>(a.k_cache);
-  T* vc = static_cast<T*>(a.v_cache);
+  KV* kc = static_cast<KV*>(a.k_cache);
+  KV* vc = static_cast<KV*>(a.v_cache);
   const int32_t* table = a.tables + static_cast<int64_t>(b) * a.M;
   int32_t write_block = -1;
   if (s == 0 && warp == 0 && writes) write_block = table[wat >> a.block_shift];
@@ -181,14 +237,22 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
   };
   auto issue = [&](int i, const int32_t (&e)[kPasses]) {
     if (i >= stages) return;
-    T* ks = ring + (i % kPagedStages) * kStageElems;
+    unsigned char* st = ring + (i % kPagedStages) * kStageBytes;
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int r = first_row + p * kRowsPerPass;
-      const uint64_t src = static_cast<uint64_t>(attn_pool_row(a, e[p], h, stage_pos(i, p))) * D + piece * 8;
-      const int dst = paged_stage_offset<D>(r, piece);
-      paged_cp_async16(paged_smem_addr(ks + dst), kc + src);
-      paged_cp_async16(paged_smem_addr(ks + kPagedStage * D + dst), vc + src);
+      const uint32_t pool_row = attn_pool_row(a, e[p], h, stage_pos(i, p));
+      const uint64_t src = static_cast<uint64_t>(pool_row) * D + piece * (16 / sizeof(KV));
+      // 16-bit rows go in permuted for ldmatrix; e4m3 rows as they are (the dequantizing pass reads them).
+      const int dst = kFp8 ? r * kRowBytes + piece * 16 : 2 * paged_stage_offset<D>(r, piece);
+      paged_cp_async16(paged_smem_addr(st + dst), kc + src);
+      paged_cp_async16(paged_smem_addr(st + kPagedStage * kRowBytes + dst), vc + src);
+      if constexpr (kFp8) {
+        if (piece == 0) {
+          paged_cp_async4(paged_smem_addr(st + kScaleOffset + 4 * r), a.k_scale + pool_row);
+          paged_cp_async4(paged_smem_addr(st + kScaleOffset + 4 * (kPagedStage + r)), a.v_scale + pool_row);
+        }
+      }
     }
   };
 
@@ -217,13 +281,41 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     }
   }
   constexpr int E = D / 32;
+  // FP8: the new K/V's rounding (warp 0 of slice 0, which stores them and attends the tail).
+  Fp8RowScale k_round(0.f), v_round(0.f);
   if (s == 0 && warp == 0 && writes) {  // the new K/V into the pool (read from qkv by this launch)
+    if constexpr (kFp8) {
+      float km = 0.f, vm = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        km = fmaxf(km, fabsf(to_f32(kn[lane * E + e])));
+        vm = fmaxf(vm, fabsf(to_f32(vn[lane * E + e])));
+      }
+      k_round = Fp8RowScale(attn_warp_max(km));
+      v_round = Fp8RowScale(attn_warp_max(vm));
+    }
     if (static_cast<uint32_t>(write_block) < a.blocks) {
-      const uint64_t at = static_cast<uint64_t>(attn_pool_row(a, write_block, h, wat)) * D + lane * E;
-      attn_copy<T, E>(kn + lane * E, kc + at);
-      attn_copy<T, E>(vn + lane * E, vc + at);
+      const uint32_t pool_row = attn_pool_row(a, write_block, h, wat);
+      const uint64_t at = static_cast<uint64_t>(pool_row) * D + lane * E;
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          kc[at + e] = k_round.quantize(to_f32(kn[lane * E + e]));
+          vc[at + e] = v_round.quantize(to_f32(vn[lane * E + e]));
+        }
+        if (lane == 0) {
+          a.k_scale[pool_row] = k_round.scale;
+          a.v_scale[pool_row] = v_round.scale;
+        }
+      } else {
+        attn_copy<T, E>(kn + lane * E, kc + at);
+        attn_copy<T, E>(vn + lane * E, vc + at);
+      }
     }
   }
+  // The new K/V as the pool gives them back: qkv's own, or (FP8) their rounding.
+  auto new_k = [&](int i) { return kFp8 ? to_f32(k_round.stored<T>(to_f32(kn[i]))) : to_f32(kn[i]); };
+  auto new_v = [&](int i) { return kFp8 ? to_f32(v_round.stored<T>(to_f32(vn[i]))) : to_f32(vn[i]); };
 
   // This thread's share of its warp's running softmax: row g_row, output columns 8j + 2 quad + {0, 1}.
   const float scale = a.scale * kLog2e;
@@ -237,7 +329,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     for (int g = 0; g < G; ++g) {
       part[g] = 0.f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) part[g] += to_f32(q[g * D + lane * E + e]) * to_f32(kn[lane * E + e]);
+      for (int e = 0; e < E; ++e) part[g] += to_f32(q[g * D + lane * E + e]) * new_k(lane * E + e);
       part[g] = attn_warp_sum(part[g]);
     }
     if (g_row < G) {
@@ -247,8 +339,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       l = quad == 0 ? 1.f : 0.f;  // the four threads of a row sum their l at the end
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        acc[j][0] = to_f32(vn[8 * j + 2 * quad]);
-        acc[j][1] = to_f32(vn[8 * j + 2 * quad + 1]);
+        acc[j][0] = new_v(8 * j + 2 * quad);
+        acc[j][1] = new_v(8 * j + 2 * quad + 1);
       }
     }
   }
@@ -262,17 +354,50 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     issue(i + kPagedStages - 1, next_entries);  // into stage i - 1's place
     paged_cp_async_commit();
     fetch_entries(i + kPagedStages, next_entries);
-    T* ks = ring + (i % kPagedStages) * kStageElems;
+    unsigned char* st = ring + (i % kPagedStages) * kStageBytes;
+    T* ks = kFp8 ? dequantized : reinterpret_cast<T*>(st);
     T* vs = ks + kPagedStage * D;
+    if constexpr (kFp8) {
+      // The stage's e4m3 rows times their scales, into the 16-bit stage (every warp is done with the
+      // stage before: the barrier above).
+      const float* scales = reinterpret_cast<const float*>(st + kScaleOffset);
+      for (int c = tid; c < 2 * kPagedStage * CH; c += kAttnWarps * 32) {
+        const int r2 = c / CH, pc = c % CH;  // r2: K rows 0..kPagedStage-1, then V rows
+        const float scale = scales[r2];
+        const uint4 raw = *reinterpret_cast<const uint4*>(st + r2 * kRowBytes + pc * 16);
+        const Fp8* f = reinterpret_cast<const Fp8*>(&raw);
+        T* dst = ks + (r2 >= kPagedStage ? kPagedStage * D : 0);
+        const int r = r2 % kPagedStage;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t packed[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            packed[e] = paged_pack<T>(static_cast<float>(f[half * 8 + 2 * e]) * scale,
+                                      static_cast<float>(f[half * 8 + 2 * e + 1]) * scale);
+          *reinterpret_cast<uint4*>(dst + paged_stage_offset<D>(r, 2 * pc + half)) =
+              make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        }
+      }
+      __syncthreads();
+    }
     const int base = t0 + i * kPagedStage;
     if (writes && !tail && wat >= base && wat < min(base + kPagedStage, t1)) {
       // The new K/V inside the range, not at its end: this stage's copy of it came from the pool,
-      // written or not; the block takes qkv's instead (block-uniform branch).
+      // written or not; the block takes qkv's instead, as the pool gives them back (block-uniform branch).
       const int r = wat - base;
-      for (int c = tid; c < 2 * CH; c += kAttnWarps * 32) {
-        const int pc = c % CH;
-        *reinterpret_cast<uint4*>((c < CH ? ks : vs) + paged_stage_offset<D>(r, pc)) =
-            *reinterpret_cast<const uint4*>((c < CH ? kn : vn) + pc * 8);
+      constexpr int CH16 = D / 8;  // 16-byte pieces of a 16-bit row
+      for (int c = tid; c < 2 * CH16; c += kAttnWarps * 32) {
+        const int pc = c % CH16;
+        const T* src = c < CH16 ? kn : vn;
+        uint4 piece16 = *reinterpret_cast<const uint4*>(src + pc * 8);
+        if constexpr (kFp8) {
+          const Fp8RowScale round(paged_row_amax<T, D>(src));
+          T* v = reinterpret_cast<T*>(&piece16);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = round.stored<T>(to_f32(v[e]));
+        }
+        *reinterpret_cast<uint4*>((c < CH16 ? ks : vs) + paged_stage_offset<D>(r, pc)) = piece16;
       }
       __syncthreads();
     }

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from switchyard.kernels import attention
+from switchyard.kernels import attention, kv_cache
+from switchyard.kernels.fp8 import quantize_rows_np
 
 
 @dataclass
@@ -286,3 +287,96 @@ def test_kernel_steps_in_one_jit_with_donated_pools(rng):
     assert err < 1e-2, err
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(got[2], want[2])
+
+
+# ---- FP8 pools (GPU) -------------------------------------------------------------------------------
+FP8_GPU_CASES = [GPU_CASES[i] for i in (0, 1, 2, 3, 5, 7, 9)]
+
+
+def fp8_case(case: PagedCase, dtype) -> tuple[kv_cache.Fp8Pool, kv_cache.Fp8Pool, PagedCase]:
+    """The case's pools rounded to e4m3 with a scale per position and head (NaN where no row may read
+    stays NaN, data and scale), and the case as the pools give it back: the pools dequantized to
+    ``dtype`` and the new K/V as stored, so that ``reference_f64`` of it is what the FP8 step computes."""
+    pools = []
+    for pool in (case.k_pool, case.v_pool):
+        q, scale = quantize_rows_np(pool)
+        pools.append(kv_cache.Fp8Pool(jnp.asarray(q), jnp.asarray(scale[..., 0])))
+    stored = lambda x: dequantize_np(*quantize_rows_np(x), dtype)  # noqa: E731
+    kv = case.k_pool.shape[1]
+    qkv = case.qkv.copy()
+    qkv[:, -2 * kv:] = stored(qkv[:, -2 * kv:])
+    as_read = [dequantize_np(np.asarray(p.data), np.asarray(p.scale)[..., None], dtype) for p in pools]
+    return pools[0], pools[1], PagedCase(qkv, *as_read, case.tables, case.positions, case.write_at)
+
+
+def dequantize_np(q: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
+    """As fp8.dequantize, on the host: q * scale in float32, rounded once to ``dtype``, as float32."""
+    return np.asarray(jnp.asarray(np.asarray(q, np.float32) * scale).astype(dtype).astype(jnp.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", FP8_GPU_CASES, ids=lambda c: "n{}-kv{}-g{}-d{}-B{}-M{}".format(*c))
+def test_fp8_kernel_matches_float64_of_what_the_pools_hold(shape, rng):
+    """FP8 pools: the output against float64 attention over the dequantized pools (the new K/V as
+    stored); the written positions hold the new K/V rounded as kv_cache.write rounds them, every
+    other element (NaN included) is unchanged."""
+    kernel_ready()
+    dtype = jnp.bfloat16
+    case = paged_case(rng, *shape, dtype=dtype)
+    k_pool, v_pool, as_read = fp8_case(case, dtype)
+    want_out, want_k, want_v = reference_f64(as_read)
+    args = [jnp.asarray(case.qkv, dtype), k_pool, v_pool, *(jnp.asarray(a) for a in
+                                                          (case.tables, case.positions, case.write_at))]
+    fn = jax.jit(attention.paged_decode_attention_packed, donate_argnums=(1, 2))
+    assert "switchyard_paged_decode_attention_fp8" in fn.lower(*args).as_text()
+    before = [(np.asarray(p.data).view(np.uint8).copy(), np.asarray(p.scale).copy()) for p in (k_pool, v_pool)]
+    out, kp, vp = fn(*args)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.isfinite(out).all(), "the kernel read a position no row may read"
+    err = np.linalg.norm(out - want_out) / np.linalg.norm(want_out)
+    assert err < 1e-2, err
+    written = written_mask(case)
+    assert written.any()
+    for got, want, (data0, scale0) in ((kp, want_k, before[0]), (vp, want_v, before[1])):
+        data, scale = np.asarray(got.data), np.asarray(got.scale)
+        np.testing.assert_array_equal(data.view(np.uint8)[~written], data0[~written])
+        rows = written[..., 0]
+        np.testing.assert_array_equal(scale[~rows], scale0[~rows])
+        stored = dequantize_np(data, scale[..., None], dtype)
+        np.testing.assert_allclose(stored[written], want[written], rtol=0.07, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_fp8_kernel_steps_like_the_pure_jax_path(rng):
+    """Decode steps over FP8 pools in one jit: the kernel's outputs and final pools against the
+    pure-JAX path's (kv_cache's rounding and dequantizing) run the same way."""
+    kernel_ready()
+    n, kv, group, d, block, m, steps = 4, 8, 4, 128, 16, 8, 5
+    case = paged_case(rng, n, kv, group, d, block, m, dtype=jnp.bfloat16, spare=1)
+    case.positions[:] = np.minimum(case.positions, m * block - steps)
+    for b in range(n):
+        case.tables[b] = 1 + np.arange(b * m, (b + 1) * m)[rng.permutation(m)]
+    for pool in (case.k_pool, case.v_pool):
+        pool[np.isnan(pool)] = 0.5
+    k_pool, v_pool, _ = fp8_case(case, jnp.bfloat16)
+    qkvs = jnp.asarray(rng.standard_normal((steps, *case.qkv.shape)), jnp.bfloat16)
+    tables, positions = jnp.asarray(case.tables), jnp.asarray(case.positions)
+
+    def run(qkvs, k_pool, v_pool, tables, positions, *, use_kernel):
+        outs = []
+        for i in range(steps):
+            out, k_pool, v_pool = attention.paged_decode_attention_packed(
+                qkvs[i], k_pool, v_pool, tables, positions + i, positions + i, use_kernel=use_kernel)
+            outs.append(out)
+        return jnp.stack(outs), k_pool, v_pool
+
+    want = jax.jit(lambda *a: run(*a, use_kernel=False))(qkvs, k_pool, v_pool, tables, positions)
+    kernel = jax.jit(lambda *a: run(*a, use_kernel=True))
+    assert "switchyard_paged_decode_attention_fp8" in kernel.lower(qkvs, k_pool, v_pool, tables, positions).as_text()
+    got = kernel(qkvs, k_pool, v_pool, tables, positions)
+    g, w = (np.asarray(x[0].astype(jnp.float32)) for x in (got, want))
+    assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-2
+    for gp, wp in ((got[1], want[1]), (got[2], want[2])):
+        np.testing.assert_allclose(dequantize_np(np.asarray(gp.data), np.asarray(gp.scale)[..., None], jnp.bfloat16),
+                                   dequantize_np(np.asarray(wp.data), np.asarray(wp.scale)[..., None], jnp.bfloat16),
+                                   rtol=0.07, atol=1e-6)
