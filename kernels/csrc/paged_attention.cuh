@@ -30,8 +30,9 @@
 //
 // FP8 pools (KV = __nv_fp8_e4m3, kv_cache.Fp8Pool): e4m3 rows with a float32 scale per position and
 // KV head, at the same row index in k_scale / v_scale. The ring then holds the e4m3 rows (half the
-// bytes) and their scales; each stage is dequantized once into a 16-bit stage of the layout above
-// (row * scale rounded to T, as the pure-JAX path dequantizes), which the products read unchanged.
+// bytes) and their scales; each warp dequantizes the rows it multiplies into a 16-bit stage of the
+// layout above (row * scale rounded to T, as the pure-JAX path dequantizes), which the products read
+// unchanged.
 // The new K/V are rounded to e4m3 with a scale of their own as kv_cache.write rounds them (the
 // row's largest magnitude over 448), stored so, and attended as stored.
 #pragma once
@@ -357,35 +358,38 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     unsigned char* st = ring + (i % kPagedStages) * kStageBytes;
     T* ks = kFp8 ? dequantized : reinterpret_cast<T*>(st);
     T* vs = ks + kPagedStage * D;
-    if constexpr (kFp8) {
-      // The stage's e4m3 rows times their scales, into the 16-bit stage (every warp is done with the
-      // stage before: the barrier above).
-      const float* scales = reinterpret_cast<const float*>(st + kScaleOffset);
-      for (int c = tid; c < 2 * kPagedStage * CH; c += kAttnWarps * 32) {
-        const int r2 = c / CH, pc = c % CH;  // r2: K rows 0..kPagedStage-1, then V rows
-        const float scale = scales[r2];
-        const uint4 raw = *reinterpret_cast<const uint4*>(st + r2 * kRowBytes + pc * 16);
-        const Fp8* f = reinterpret_cast<const Fp8*>(&raw);
-        T* dst = ks + (r2 >= kPagedStage ? kPagedStage * D : 0);
-        const int r = r2 % kPagedStage;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t packed[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            packed[e] = paged_pack<T>(static_cast<float>(f[half * 8 + 2 * e]) * scale,
-                                      static_cast<float>(f[half * 8 + 2 * e + 1]) * scale);
-          *reinterpret_cast<uint4*>(dst + paged_stage_offset<D>(r, 2 * pc + half)) =
-              make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        }
-      }
-      __syncthreads();
-    }
     const int base = t0 + i * kPagedStage;
+    if constexpr (kFp8) {
+      // The e4m3 rows this warp multiplies (its 8 positions' K and V rows) times their scales, into
+      // its rows of the 16-bit stage: no other warp reads them, so a warp barrier suffices.
+      if (base + 8 * warp < t1) {  // warp-uniform
+        const float* scales = reinterpret_cast<const float*>(st + kScaleOffset);
+        for (int c = lane; c < 16 * CH; c += 32) {
+          const int rr = c / CH, pc = c % CH;  // rr 0..7: K rows, 8..15: V rows
+          const int r = 8 * warp + (rr & 7), r2 = (rr >= 8 ? kPagedStage : 0) + r;
+          const float scale = scales[r2];
+          const uint4 raw = *reinterpret_cast<const uint4*>(st + r2 * kRowBytes + pc * 16);
+          const Fp8* f = reinterpret_cast<const Fp8*>(&raw);
+          T* dst = ks + (rr >= 8 ? kPagedStage * D : 0);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            uint32_t packed[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              packed[e] = paged_pack<T>(static_cast<float>(f[half * 8 + 2 * e]) * scale,
+                                        static_cast<float>(f[half * 8 + 2 * e + 1]) * scale);
+            *reinterpret_cast<uint4*>(dst + paged_stage_offset<D>(r, 2 * pc + half)) =
+                make_uint4(packed[0], packed[1], packed[2], packed[3]);
+          }
+        }
+        __syncwarp();
+      }
+    }
     if (writes && !tail && wat >= base && wat < min(base + kPagedStage, t1)) {
       // The new K/V inside the range, not at its end: this stage's copy of it came from the pool,
       // written or not; the block takes qkv's instead, as the pool gives them back (block-uniform branch).
       const int r = wat - base;
+      if constexpr (kFp8) __syncthreads();  // the row's warp has dequantized it: the patch goes over that
       constexpr int CH16 = D / 8;  // 16-byte pieces of a 16-bit row
       for (int c = tid; c < 2 * CH16; c += kAttnWarps * 32) {
         const int pc = c % CH16;
