@@ -226,6 +226,17 @@ class Calibration:
         bandwidth_part *= _bytes_factor(impl, gpus) / _bytes_factor(impl, measured_gpus)
         return latency + bandwidth_part
 
+    def allreduce_counts(self) -> list[int]:
+        """The GPU counts the all-reduce tables were measured at."""
+        ar = self.raw["allreduce"]
+        return sorted({int(ar["gpus"]), *(int(n) for n in ar.get("at_gpus", {}))})
+
+    def allreduce_basis(self, gpus: int) -> int:
+        """The measured GPU count an estimate for ``gpus`` GPUs starts from: ``gpus`` itself where
+        measured, else the nearest measured count below (the smallest above all of them)."""
+        counts = self.allreduce_counts()
+        return max((c for c in counts if c <= gpus), default=counts[0])
+
     def _allreduce_table(self, impl: str, gpus: int) -> tuple[int, list | None]:
         """The GPU count and ``impl``'s table to estimate ``gpus`` GPUs from: the largest measured
         count up to ``gpus`` whose table has ``impl`` (the smallest measured count below all of them)."""

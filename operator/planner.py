@@ -342,8 +342,8 @@ def plan(model: ModelSpec, inventory: Inventory, request: Request,
         reasons.append(
             f"all-reduce {lay.strategy} (estimate: {lay.allreduce_impl}, {chosen.ar_us:.1f} us per call at "
             f"{chosen.ar_bytes / 1024:.0f} KiB over {lay.tp} GPUs, {2 * model.num_layers // lay.pp} calls per "
-            f"stage step; {cal.raw['allreduce']['kind']} at {cal.raw['allreduce']['gpus']} GPUs"
-            + (", scaled to more GPUs by the stated model)" if lay.tp > int(cal.raw['allreduce']['gpus']) else ")"))
+            f"stage step; {cal.raw['allreduce']['kind']} at {cal.allreduce_basis(lay.tp)} GPUs"
+            + (f", scaled to {lay.tp} GPUs by the stated model)" if lay.tp > cal.allreduce_basis(lay.tp) else ")"))
     if lay.pp > 1:
         hop_us, hop_note = cal.pipeline_hop
         reasons.append(f"{lay.pp} pipeline stages of {model.num_layers // lay.pp} layers, "

@@ -558,6 +558,8 @@ def test_calibration_regenerates_from_benchmark_results(tmp_path):
         base))
     assert two_and_four.raw["allreduce"]["gpus"] == 2 and two_and_four.allreduce_us("xla", 1, 2) == 1
     assert two_and_four.allreduce_us("xla", 1, 4) == 3  # measured at 4: no extrapolation from 2
+    assert two_and_four.allreduce_counts() == [2, 4]
+    assert [two_and_four.allreduce_basis(n) for n in (2, 4, 8)] == [2, 4, 4]
     growth = two_and_four.models["latency_growth_per_doubling"]["xla"]
     assert two_and_four.allreduce_us("xla", 1, 8) == pytest.approx(3 * (1 + growth))  # from 4, the nearest below
     out = tmp_path / "cal.json"
@@ -658,3 +660,14 @@ def test_stand_ins_fill_in_for_implementations_not_measured():
     assert new["allreduce"]["us"]["xla"] == [[4096, 20.0]] and new["allreduce"]["us"]["twoshot"] == [[4096, 7.0]]
     assert "xla = torch_nccl (stand-in)" in new["allreduce"]["source"]
     assert new["allreduce"]["us"]["oneshot"] == base["allreduce"]["us"]["oneshot"]  # nothing new: kept
+
+
+def test_the_status_says_which_gpu_count_the_all_reduce_figure_was_measured_at():
+    """A TP size with a measured table is priced from it; a larger one says it is scaled by the model."""
+    cal = calibration.load()
+    for tp in (2, 4, 8):
+        p = plan("llama3-70b", h200(1), objective="latency", tp=tp, pp=1, replicas=1)
+        (reason,) = [r for r in p.reasons if r.startswith("all-reduce ")]
+        basis = cal.allreduce_basis(tp)
+        assert f"measured at {basis} GPUs" in reason, reason
+        assert ("scaled to" in reason) == (tp not in cal.allreduce_counts()), reason
