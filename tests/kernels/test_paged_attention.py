@@ -223,6 +223,33 @@ GPU_CASES = [  # n, kv, group, head_dim, block size, table entries per row
 ]
 
 
+STEPS = 5  # decode steps in one jit (the step tests)
+
+
+def steps_case(rng) -> tuple[PagedCase, jax.Array]:
+    """A case for STEPS decode steps, and each step's qkv: every row owns its blocks up to the end of
+    its table and has room for the steps; positions later steps write hold finite values."""
+    n, kv, group, d, block, m = 4, 8, 4, 128, 16, 8
+    case = paged_case(rng, n, kv, group, d, block, m, dtype=jnp.bfloat16, spare=1)
+    case.positions[:] = np.minimum(case.positions, m * block - STEPS)
+    for b in range(n):
+        case.tables[b] = 1 + np.arange(b * m, (b + 1) * m)[rng.permutation(m)]
+    for pool in (case.k_pool, case.v_pool):
+        pool[np.isnan(pool)] = 0.5  # positions written by later steps, read after they are written
+    return case, jnp.asarray(rng.standard_normal((STEPS, *case.qkv.shape)), jnp.bfloat16)
+
+
+def decode_steps(qkvs, k_pool, v_pool, tables, positions, *, use_kernel):
+    """STEPS decode steps, each row writing and attending one position further: the outputs stacked
+    and the final pools."""
+    outs = []
+    for i in range(STEPS):
+        out, k_pool, v_pool = attention.paged_decode_attention_packed(
+            qkvs[i], k_pool, v_pool, tables, positions + i, positions + i, use_kernel=use_kernel)
+        outs.append(out)
+    return jnp.stack(outs), k_pool, v_pool
+
+
 def kernel_ready() -> None:
     from switchyard.kernels import native
 
@@ -258,28 +285,13 @@ def test_kernel_steps_in_one_jit_with_donated_pools(rng):
     """Several decode steps in one jitted function, the pools donated and updated in place: every
     step's output and the final pools agree with the reference run the same way."""
     kernel_ready()
-    n, kv, group, d, block, m, steps = 4, 8, 4, 128, 16, 8, 5
-    case = paged_case(rng, n, kv, group, d, block, m, dtype=jnp.bfloat16, spare=1)
-    case.positions[:] = np.minimum(case.positions, m * block - steps)
-    for b in range(n):  # every row owns its blocks up to the end of the table
-        case.tables[b] = 1 + np.arange(b * m, (b + 1) * m)[rng.permutation(m)]
-    for pool in (case.k_pool, case.v_pool):
-        pool[np.isnan(pool)] = 0.5  # positions written by later steps, read after they are written
-    qkvs = jnp.asarray(rng.standard_normal((steps, *case.qkv.shape)), jnp.bfloat16)
-
-    def run(qkvs, k_pool, v_pool, tables, positions, *, use_kernel):
-        outs = []
-        for i in range(steps):
-            out, k_pool, v_pool = attention.paged_decode_attention_packed(
-                qkvs[i], k_pool, v_pool, tables, positions + i, positions + i, use_kernel=use_kernel)
-            outs.append(out)
-        return jnp.stack(outs), k_pool, v_pool
+    case, qkvs = steps_case(rng)
 
     args = case.args(jnp.bfloat16)
     tables, positions = args[3], args[4]
-    kernel = jax.jit(lambda *a: run(*a, use_kernel=True), donate_argnums=(1, 2))
+    kernel = jax.jit(lambda *a: decode_steps(*a, use_kernel=True), donate_argnums=(1, 2))
     assert uses_the_kernel(kernel, qkvs, args[1], args[2], tables, positions)
-    want = jax.jit(lambda *a: run(*a, use_kernel=False))(qkvs, args[1], args[2], tables, positions)
+    want = jax.jit(lambda *a: decode_steps(*a, use_kernel=False))(qkvs, args[1], args[2], tables, positions)
     want = [np.asarray(w.astype(jnp.float32)) for w in want]
     got = kernel(qkvs, args[1], args[2], tables, positions)
     got = [np.asarray(g.astype(jnp.float32)) for g in got]
@@ -351,27 +363,12 @@ def test_fp8_kernel_steps_like_the_pure_jax_path(rng):
     """Decode steps over FP8 pools in one jit: the kernel's outputs and final pools against the
     pure-JAX path's (kv_cache's rounding and dequantizing) run the same way."""
     kernel_ready()
-    n, kv, group, d, block, m, steps = 4, 8, 4, 128, 16, 8, 5
-    case = paged_case(rng, n, kv, group, d, block, m, dtype=jnp.bfloat16, spare=1)
-    case.positions[:] = np.minimum(case.positions, m * block - steps)
-    for b in range(n):
-        case.tables[b] = 1 + np.arange(b * m, (b + 1) * m)[rng.permutation(m)]
-    for pool in (case.k_pool, case.v_pool):
-        pool[np.isnan(pool)] = 0.5
+    case, qkvs = steps_case(rng)
     k_pool, v_pool, _ = fp8_case(case, jnp.bfloat16)
-    qkvs = jnp.asarray(rng.standard_normal((steps, *case.qkv.shape)), jnp.bfloat16)
     tables, positions = jnp.asarray(case.tables), jnp.asarray(case.positions)
 
-    def run(qkvs, k_pool, v_pool, tables, positions, *, use_kernel):
-        outs = []
-        for i in range(steps):
-            out, k_pool, v_pool = attention.paged_decode_attention_packed(
-                qkvs[i], k_pool, v_pool, tables, positions + i, positions + i, use_kernel=use_kernel)
-            outs.append(out)
-        return jnp.stack(outs), k_pool, v_pool
-
-    want = jax.jit(lambda *a: run(*a, use_kernel=False))(qkvs, k_pool, v_pool, tables, positions)
-    kernel = jax.jit(lambda *a: run(*a, use_kernel=True))
+    want = jax.jit(lambda *a: decode_steps(*a, use_kernel=False))(qkvs, k_pool, v_pool, tables, positions)
+    kernel = jax.jit(lambda *a: decode_steps(*a, use_kernel=True))
     assert "switchyard_paged_decode_attention_fp8" in kernel.lower(qkvs, k_pool, v_pool, tables, positions).as_text()
     got = kernel(qkvs, k_pool, v_pool, tables, positions)
     g, w = (np.asarray(x[0].astype(jnp.float32)) for x in (got, want))
