@@ -210,7 +210,9 @@ def test_64_concurrent_streams_match_the_same_requests_alone(client, served) -> 
 
 
 def test_full_queue_answers_resource_exhausted() -> None:
-    with serving(max_queue=2) as s, DecodeClient(s.target) as c:
+    # Steps of 50 ms: the long streams' 200 tokens take 10 s, far longer than admitting them and filling
+    # the queue, however busy this machine is.
+    with serving(max_queue=2, step_seconds=0.05) as s, DecodeClient(s.target) as c:
         long = []
         for i in range(SLOTS):  # one at a time: the queue holds only two
             long.append(c.stub.Generate(make_request(f"long {i}", max_tokens=200), timeout=60))
@@ -219,6 +221,7 @@ def test_full_queue_answers_resource_exhausted() -> None:
         deadline = time.monotonic() + 10
         while s.scheduler.queue_depth < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
+        assert s.scheduler.queue_depth == 2, "the two queued requests never queued"
         with pytest.raises(grpc.RpcError) as err:
             c.stub.GenerateUnary(make_request("one too many", max_tokens=2), timeout=30)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

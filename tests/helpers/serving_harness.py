@@ -36,14 +36,15 @@ def tiny_dir() -> Path:
     return write_checkpoint(preset("tiny"), folder, seed=0, progress=False)
 
 
-def tiny_engine() -> Any:
-    """A fresh fake engine of the tiny model's shape (its KV books start empty)."""
+def tiny_engine(step_seconds: float = STEP_SECONDS) -> Any:
+    """A fresh fake engine of the tiny model's shape (its KV books start empty), each step taking
+    ``step_seconds``."""
     from switchyard.service.engine.engine import EngineConfig
     from switchyard.service.engine.fake import FakeEngine
     from switchyard.service.modelspec import ModelSpec
 
     return FakeEngine(ModelSpec.from_file(tiny_dir()), EngineConfig(batch_slots=SLOTS, max_seq_len=MAX_SEQ_LEN),
-                      step_seconds=STEP_SECONDS)
+                      step_seconds=step_seconds)
 
 
 @functools.cache
@@ -102,9 +103,9 @@ class Served:
 @contextlib.contextmanager
 def serving(
     *, max_queue: int = 64, telemetry: Any = None, limits: Any = None, keep: int = 256, http: bool = False,
-    chat_template: Any = None, eos_token_ids: tuple[int, ...] | None = None,
+    chat_template: Any = None, eos_token_ids: tuple[int, ...] | None = None, step_seconds: float = STEP_SECONDS,
 ) -> Iterator[Served]:
-    """``http``: the OpenAI-compatible HTTP front end too (``Served.http_url``); ``chat_template``: the
+    """``step_seconds``: how long each engine step takes; ``http``: the OpenAI-compatible HTTP front end too (``Served.http_url``); ``chat_template``: the
     tiny checkpoint's unless given; ``eos_token_ids``: the model's end-of-sequence ids, unless the
     checkpoint's."""
     from switchyard.service.api.http.chat_template import ChatTemplate
@@ -113,7 +114,7 @@ def serving(
     from switchyard.service.engine.scheduler import Scheduler
     from switchyard.service.telemetry.tracing import RequestRecorder
 
-    engine, tokenizer = tiny_engine(), tiny_tokenizer()
+    engine, tokenizer = tiny_engine(step_seconds), tiny_tokenizer()
     recorder = RequestRecorder(telemetry, keep=keep)
     scheduler = Scheduler(engine, max_queue=max_queue, model_name="tiny", eos_token_ids=eos_token_ids)
     app = DecodeApp(
