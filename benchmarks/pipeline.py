@@ -220,7 +220,9 @@ def free_port() -> int:
 def part_env(args: argparse.Namespace, gpus: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
     if args.cpu:
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={len(gpus.split(','))}")
+        # The caller's XLA flags kept; the device count last, so it is the one XLA takes.
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={len(gpus.split(','))}"
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
     else:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     return env

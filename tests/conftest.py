@@ -30,8 +30,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # engine test's time: with XLA's optimizations off an HF-parity pair of cases takes 44 s instead of 53
 # (the same results). GPU runs keep XLA's defaults, and so do the `serve` processes tests start
 # (tests/helpers/serve_process.py), whose steps some tests time.
+# And with the CPU compile flags of tests/helpers (the processes tests start take them too).
 if not Path("/dev/nvidiactl").exists():
+    from helpers import CPU_COMPILE_FLAGS
+
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    if CPU_COMPILE_FLAGS not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += f" {CPU_COMPILE_FLAGS}"
 
 import pytest
 

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import cpu_xla_flags
 from helpers.engine_fixtures import generate, tiny_engine, varied_checkpoint
 from switchyard.service.api.client import DecodeClient, make_request
 
@@ -55,7 +56,7 @@ def _serving_group(tmp_path, checkpoint, **layout: Any) -> Iterator[tuple[list[s
     ports = [_free_port(), _free_port()]
     procs = []
     for stage, port in enumerate(ports):
-        env = dict(os.environ, STAGE=str(stage), XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        env = dict(os.environ, STAGE=str(stage), XLA_FLAGS=cpu_xla_flags(1),
                    JAX_PLATFORMS="cpu")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "switchyard.cli.main", "serve", "--layout", str(tmp_path / "layout.json"),

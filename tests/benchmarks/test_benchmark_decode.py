@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import scripts
+from helpers import cpu_xla_flags, scripts
 from switchyard.service.modelspec import preset
 
 SCRIPT = scripts.BENCHMARKS / "decode.py"
@@ -18,7 +18,8 @@ SCRIPT = scripts.BENCHMARKS / "decode.py"
 
 def test_decode_benchmark_rows_and_each_configurations_step_hlo(tmp_path):
     out, hlo = tmp_path / "decode.json", tmp_path / "hlo"
-    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    flags = cpu_xla_flags(2)
+    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS=flags)
     run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tp", "1", "2", "--strategy", "xla",
                           "--batch", "2", "--context", "16", "--steps", "3", "--warmup", "1", "--copy-gib", "0.01",
                           "--hlo-dir", str(hlo), "--profile-dir", str(tmp_path / "profile"), "--out", str(out)],
@@ -28,7 +29,7 @@ def test_decode_benchmark_rows_and_each_configurations_step_hlo(tmp_path):
     rows = result["rows"]
     assert [(r["tp"], r["strategy"], r["attention"], r["min_batch_bucket"]) for r in rows] == [
         (1, "xla", "kernel", 2), (2, "xla", "kernel", 2)]  # the engine's narrowest width by default
-    assert result["xla_flags"] == "--xla_force_host_platform_device_count=2"  # the run's, not the HLO dump's
+    assert result["xla_flags"] == flags  # the run's, not the HLO dump's
     spec = preset("tiny")
     for row in rows:
         assert row["ms_per_token"] > 0 and row["fraction_of_roofline"] > 0 and row["synchronous_ms_per_token"] > 0
@@ -55,7 +56,7 @@ def test_a_step_without_communication_is_no_strategy_any_more(capsys):
 
 def test_decode_benchmark_times_the_torch_peer_in_the_same_run(tmp_path):
     out = tmp_path / "decode.json"
-    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS=cpu_xla_flags(1))
     run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tp", "1", "--batch", "1", "2",
                           "--context", "16", "--steps", "3", "--warmup", "1", "--copy-gib", "0.01",
                           "--peer", "torch-compile", "--peer-sdpa", "math", "--peer-device", "cpu", "--out", str(out)],
@@ -82,7 +83,7 @@ def test_decode_benchmark_rows_of_fp8_weights_and_kv_count_their_bytes(tmp_path)
     """--weights and --kv-cache build their engines through EngineConfig: FP8 rows carry the weights'
     label, and their roofline counts FP8 bytes (about half the weights' of bf16)."""
     out = tmp_path / "decode.json"
-    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS=cpu_xla_flags(1))
     run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--tp", "1", "--batch", "2", "--context",
                           "16", "--steps", "3", "--warmup", "1", "--copy-gib", "0.01", "--weights", "bf16",
                           "fp8-w8a16", "--kv-cache", "auto", "fp8", "--out", str(out)],

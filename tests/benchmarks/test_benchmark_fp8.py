@@ -8,14 +8,14 @@ import os
 import subprocess
 import sys
 
-from helpers import scripts
+from helpers import cpu_xla_flags, scripts
 
 SCRIPT = scripts.BENCHMARKS / "fp8.py"
 
 
 def test_fp8_benchmark_checks_and_times_every_product_and_pool(tmp_path):
     out = tmp_path / "fp8.json"
-    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS=cpu_xla_flags(1))
     run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--rows", "1", "16", "--batch", "2",
                           "--context", "128", "--layers", "2", "--repeats", "2", "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)

@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from helpers import scripts
+from helpers import cpu_xla_flags, scripts
 
 launch = scripts.load("launch")
 
 
 def run(tmp_path, *argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS=cpu_xla_flags(2))
     return subprocess.run([sys.executable, str(scripts.BENCHMARKS / "launch.py"), "--cpu", *argv],
                           env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
 

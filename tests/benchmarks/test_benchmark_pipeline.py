@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from helpers import scripts
+from helpers import cpu_xla_flags, scripts
 
 SCRIPT = scripts.BENCHMARKS / "pipeline.py"
 
@@ -16,7 +16,7 @@ SCRIPT = scripts.BENCHMARKS / "pipeline.py"
 def test_pipeline_benchmark_runs_its_check_and_both_layouts(tmp_path):
     out = tmp_path / "pipeline.json"
     env = dict(os.environ, PYTHONSAFEPATH="1")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = cpu_xla_flags(1)  # the script sets each part's device count after these flags
     run = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--model", "tiny", "--streams", "1", "4",
                           "--context", "16", "--steps", "4", "--warmup", "1", "--timeout", "240", "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)

@@ -67,9 +67,11 @@ def greedy_requests(prompts, **kw) -> list[GenerationRequest]:
 
 
 # Chunks of whole blocks (written into the pool a block at a time), and of a block and a half (chunks
-# that start inside a block, written a position at a time); tensor-parallel groups and pipeline stages.
-@pytest.mark.parametrize(("tp", "pp", "step"), [(1, 1, BLOCK), (2, 1, BLOCK), (4, 1, BLOCK), (1, 1, BLOCK + BLOCK // 2),
-                                                 (1, 2, BLOCK), (2, 2, BLOCK)])
+# that start inside a block, written a position at a time); a tensor-parallel group wider than the KV
+# heads, and tensor-parallel pipeline stages (each alone is a case of these: tests/engine/test_engine_hf.py
+# compares both with transformers).
+@pytest.mark.parametrize(("tp", "pp", "step"), [(1, 1, BLOCK), (1, 1, BLOCK + BLOCK // 2), (4, 1, BLOCK),
+                                                 (2, 2, BLOCK)])
 def test_chunked_greedy_tokens_match_each_prompt_alone(checkpoint, prompts, reference, tp, pp, step):
     engine = tiny_engine(checkpoint, tp=tp, pp=pp, slots=4, max_seq_len=128, step_tokens=step, block_size=BLOCK)
     assert engine.policy.chunks_block_aligned == (step % BLOCK == 0)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import HELPERS
+from helpers import HELPERS, cpu_xla_flags
 from helpers.engine_fixtures import tiny_engine, varied_checkpoint
 from switchyard.service.engine.request import GenerationRequest
 from switchyard.service.engine.sampling import SamplingParams
@@ -59,7 +59,7 @@ def _free_port() -> int:
 
 def start_group(pp: int, checkpoint: Path, out: Path, requests: list) -> list[subprocess.Popen]:
     coordinator = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1), JAX_PLATFORMS="cpu",
                PYTHONUNBUFFERED="1")
     return [subprocess.Popen([sys.executable, str(RUNNER), str(stage), str(pp), "1", coordinator, str(checkpoint),
                               str(out), json.dumps(requests)], env=env, stdout=subprocess.PIPE,

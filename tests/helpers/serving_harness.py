@@ -105,9 +105,9 @@ def serving(
     *, max_queue: int = 64, telemetry: Any = None, limits: Any = None, keep: int = 256, http: bool = False,
     chat_template: Any = None, eos_token_ids: tuple[int, ...] | None = None, step_seconds: float = STEP_SECONDS,
 ) -> Iterator[Served]:
-    """``step_seconds``: how long each engine step takes; ``http``: the OpenAI-compatible HTTP front end too (``Served.http_url``); ``chat_template``: the
+    """``http``: the OpenAI-compatible HTTP front end too (``Served.http_url``); ``chat_template``: the
     tiny checkpoint's unless given; ``eos_token_ids``: the model's end-of-sequence ids, unless the
-    checkpoint's."""
+    checkpoint's; ``step_seconds``: how long each engine step takes."""
     from switchyard.service.api.http.chat_template import ChatTemplate
     from switchyard.service.api.server import DecodeApp, ServerThread
     from switchyard.service.api.wire import Limits

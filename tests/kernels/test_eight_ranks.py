@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 
-from helpers import HELPERS
+from helpers import HELPERS, cpu_xla_flags
 
 
 def test_collectives_and_engine_at_eight_ranks():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(8), JAX_PLATFORMS="cpu")
     script = HELPERS / "eight_ranks_check.py"
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
