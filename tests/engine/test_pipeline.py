@@ -51,8 +51,9 @@ def reference(checkpoint):
 
 
 # The warm-up compiles every shape the step policy can ask for, which takes most of a case's time; one
-# layout with both kinds of parallelism checks that it covers what serving runs.
-@pytest.mark.parametrize(("pp", "tp", "warm"), [(2, 1, False), (2, 2, True), (4, 1, False)])
+# layout with both kinds of parallelism checks that it covers what serving runs. Four stages: the middle
+# ones receive and pass on.
+@pytest.mark.parametrize(("pp", "tp", "warm"), [(2, 2, True), (4, 1, False)])
 def test_pipeline_stages_give_the_tokens_of_one_device(checkpoint, reference, pp, tp, warm):
     engine = tiny_engine(checkpoint, tp=tp, pp=pp, slots=4, max_seq_len=64, step_tokens=8, block_size=8)
     if warm:
