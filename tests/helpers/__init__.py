@@ -14,6 +14,6 @@ CPU_COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 
 def cpu_xla_flags(devices: int) -> str:
     """XLA_FLAGS for a test's JAX subprocess on ``devices`` host CPU devices (with the compile flags
-    where this session took them: not on a GPU host)."""
+    where the test process took them: not on a GPU host)."""
     compile_flags = CPU_COMPILE_FLAGS if CPU_COMPILE_FLAGS in os.environ.get("XLA_FLAGS", "") else ""
     return f"--xla_force_host_platform_device_count={devices} {compile_flags}".strip()
