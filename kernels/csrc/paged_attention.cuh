@@ -30,9 +30,17 @@
 //
 // FP8 pools (KV = __nv_fp8_e4m3, kv_cache.Fp8Pool): e4m3 rows with a float32 scale per position and
 // KV head, at the same row index in k_scale / v_scale. The ring then holds the e4m3 rows (half the
-// bytes) and their scales; each warp dequantizes the rows it multiplies into a 16-bit stage of the
-// layout above (row * scale rounded to T, as the pure-JAX path dequantizes), which the products read
-// unchanged.
+// bytes; their 16-byte pieces permuted by row as above) and their scales, and the products read the
+// e4m3 bytes straight into their operand registers, widened exactly to T (ldmatrix moves 16-bit
+// elements only; a pass through a 16-bit stage put its latency between each stage's arrival and
+// its products). Two permutations make those reads whole words:
+// - scores: the head dimension is permuted (the same way for the queries), so that a thread's
+//   operands for two k16 steps are 8 consecutive bytes of its position's K row;
+// - P . V: output column n of tile j is dimension n * D/8 + j, so that a thread's operands for
+//   every tile are D/8 consecutive bytes of each of its two positions' V rows.
+// The scales stay out of the operands: K's multiplies the scores (fp32), V's the probabilities
+// (fp32, before they are rounded to bf16; fp16's range is too narrow for that, so fp16 multiplies
+// V's operands by the scales instead, as the pure-JAX path rounds them).
 // The new K/V are rounded to e4m3 with a scale of their own as kv_cache.write rounds them (the
 // row's largest magnitude over 448), stored so, and attended as stored.
 #pragma once
@@ -79,12 +87,10 @@ __host__ __device__ constexpr int paged_stage_bytes() {
   return 2 * kPagedStage * D * static_cast<int>(sizeof(KV)) + (paged_fp8<T, KV>() ? 2 * kPagedStage * 4 : 0);
 }
 
-// Shared memory of one block: the ring (and, FP8, the 16-bit stage it is dequantized into), reused
-// by attn_finish's arrays once the loop is done.
+// Shared memory of one block: the ring, reused by attn_finish's arrays once the loop is done.
 template <typename T, typename KV, int D, int G>
 constexpr int paged_attn_smem_bytes() {
-  constexpr int ring = kPagedStages * paged_stage_bytes<T, KV, D>() +
-                       (paged_fp8<T, KV>() ? 2 * kPagedStage * D * static_cast<int>(sizeof(T)) : 0);
+  constexpr int ring = kPagedStages * paged_stage_bytes<T, KV, D>();
   constexpr int finish = static_cast<int>(sizeof(float)) * ((kAttnWarps + 1) * G * (D + 2));
   return ring > finish ? ring : finish;
 }
@@ -95,7 +101,7 @@ constexpr int paged_attn_smem_bytes() {
 struct Fp8RowScale {
   float scale, inv;
   __device__ __forceinline__ explicit Fp8RowScale(float amax)
-      : scale(fmaxf(amax * (1.0f / kFp8Max), kFp8MinScale)), inv(1.0f / fmaxf(amax * (1.0f / kFp8Max), kFp8MinScale)) {}
+      : scale(fmaxf(amax * (1.0f / kFp8Max), kFp8MinScale)), inv(1.0f / scale) {}
   __device__ __forceinline__ Fp8 quantize(float x) const { return Fp8(fminf(fmaxf(x * inv, -kFp8Max), kFp8Max)); }
   template <typename T>
   __device__ __forceinline__ T stored(float x) const {
@@ -115,6 +121,35 @@ __device__ __forceinline__ float paged_row_amax(const T* row) {
 template <int D>
 __device__ __forceinline__ int paged_stage_offset(int r, int piece) {
   return r * D + ((piece ^ (r & 7)) * 8);
+}
+
+// The same for an e4m3 row (D bytes): its pieces permuted within the row's D / 16.
+template <int D>
+__device__ __forceinline__ int paged_fp8_offset(int r, int piece) {
+  constexpr int kMask = (D / 16 < 8 ? D / 16 : 8) - 1;
+  return r * D + ((piece ^ (r & kMask)) * 16);
+}
+
+// Four e4m3 values (w's bytes, the first lowest) as two registers of two T each, exactly: bytes 0, 1
+// in lo, bytes 2, 3 in hi. bf16: the sign, exponent and mantissa bits moved into place, then the
+// exponent bias corrected by a multiply by 2^120 (subnormal e4m3 become normal bf16 through it).
+template <typename T>
+__device__ __forceinline__ void paged_e4m3x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const __nv_bfloat162 bias = __halves2bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80));
+    auto widen = [&](uint32_t t) {  // t = [0, x0, 0, x1]: each e4m3 in the high byte of its half
+      const uint32_t bits = (t & 0x80008000u) | ((t >> 4) & 0x07F007F0u);
+      const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), bias);
+      return *reinterpret_cast<const uint32_t*>(&v);
+    };
+    lo = widen(__byte_perm(w, 0u, 0x1404));
+    hi = widen(__byte_perm(w, 0u, 0x3424));
+  } else {
+    const __half2_raw l = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    lo = *reinterpret_cast<const uint32_t*>(&l);
+    hi = *reinterpret_cast<const uint32_t*>(&h);
+  }
 }
 
 __device__ __forceinline__ uint32_t paged_smem_addr(const void* p) {
@@ -208,8 +243,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
   static_assert(kPagedStage % kRowsPerPass == 0, "whole passes per stage");
   extern __shared__ __align__(128) unsigned char paged_smem[];
   unsigned char* ring = paged_smem;
-  // FP8: the 16-bit stage the products read (the ring's stages are e4m3).
-  T* dequantized = reinterpret_cast<T*>(paged_smem + kPagedStages * kStageBytes);
 
   const int b = blockIdx.x / a.kv, h = blockIdx.x % a.kv, s = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -244,8 +277,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       const int r = first_row + p * kRowsPerPass;
       const uint32_t pool_row = attn_pool_row(a, e[p], h, stage_pos(i, p));
       const uint64_t src = static_cast<uint64_t>(pool_row) * D + piece * (16 / sizeof(KV));
-      // 16-bit rows go in permuted for ldmatrix; e4m3 rows as they are (the dequantizing pass reads them).
-      const int dst = kFp8 ? r * kRowBytes + piece * 16 : 2 * paged_stage_offset<D>(r, piece);
+      const int dst = kFp8 ? paged_fp8_offset<D>(r, piece)
+                           : static_cast<int>(sizeof(KV)) * paged_stage_offset<D>(r, piece);
       paged_cp_async16(paged_smem_addr(st + dst), kc + src);
       paged_cp_async16(paged_smem_addr(st + kPagedStage * kRowBytes + dst), vc + src);
       if constexpr (kFp8) {
@@ -269,18 +302,23 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     paged_cp_async_commit();
   }
 
-  // The queries as the A operand (row g = lane / 4; rows past G are zero).
+  // The queries as the A operand (row g = lane / 4; rows past G are zero). Step k's columns
+  // 2 quad + {0, 1} and 2 quad + {8, 9} are those dimensions; FP8 permutes them (see the top):
+  // dimensions 32 (k / 2) + 8 quad + 4 (k % 2) + {0, 1} and + {2, 3}.
   const int g_row = lane >> 2, quad = lane & 3;
   uint32_t qa[KS][2];
 #pragma unroll
   for (int k = 0; k < KS; ++k) {
     qa[k][0] = qa[k][1] = 0u;
     if (g_row < G) {
-      const T* qg = q + g_row * D + k * 16 + quad * 2;
+      const int first = kFp8 ? 32 * (k / 2) + 8 * quad + 4 * (k % 2) : k * 16 + quad * 2;
+      const T* qg = q + g_row * D + first;
       qa[k][0] = *reinterpret_cast<const uint32_t*>(qg);
-      qa[k][1] = *reinterpret_cast<const uint32_t*>(qg + 8);
+      qa[k][1] = *reinterpret_cast<const uint32_t*>(qg + (kFp8 ? 2 : 8));
     }
   }
+  // The output dimension of this thread's column c of tile j (FP8 permutes them, see the top).
+  auto out_dim = [&](int j, int c) { return kFp8 ? (2 * quad + c) * NT + j : 8 * j + 2 * quad + c; };
   constexpr int E = D / 32;
   // FP8: the new K/V's rounding (warp 0 of slice 0, which stores them and attends the tail).
   Fp8RowScale k_round(0.f), v_round(0.f);
@@ -340,8 +378,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       l = quad == 0 ? 1.f : 0.f;  // the four threads of a row sum their l at the end
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        acc[j][0] = new_v(8 * j + 2 * quad);
-        acc[j][1] = new_v(8 * j + 2 * quad + 1);
+        acc[j][0] = new_v(out_dim(j, 0));
+        acc[j][1] = new_v(out_dim(j, 1));
       }
     }
   }
@@ -356,52 +394,35 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     paged_cp_async_commit();
     fetch_entries(i + kPagedStages, next_entries);
     unsigned char* st = ring + (i % kPagedStages) * kStageBytes;
-    T* ks = kFp8 ? dequantized : reinterpret_cast<T*>(st);
+    T* ks = reinterpret_cast<T*>(st);  // 16-bit pools: the stage's K rows, then its V rows
     T* vs = ks + kPagedStage * D;
+    const float* k_scales = reinterpret_cast<const float*>(st + kScaleOffset);  // FP8
+    const float* v_scales = k_scales + kPagedStage;
     const int base = t0 + i * kPagedStage;
-    if constexpr (kFp8) {
-      // The e4m3 rows this warp multiplies (its 8 positions' K and V rows) times their scales, into
-      // its rows of the 16-bit stage: no other warp reads them, so a warp barrier suffices.
-      if (base + 8 * warp < t1) {  // warp-uniform
-        const float* scales = reinterpret_cast<const float*>(st + kScaleOffset);
-        for (int c = lane; c < 16 * CH; c += 32) {
-          const int rr = c / CH, pc = c % CH;  // rr 0..7: K rows, 8..15: V rows
-          const int r = 8 * warp + (rr & 7), r2 = (rr >= 8 ? kPagedStage : 0) + r;
-          const float scale = scales[r2];
-          const uint4 raw = *reinterpret_cast<const uint4*>(st + r2 * kRowBytes + pc * 16);
-          const Fp8* f = reinterpret_cast<const Fp8*>(&raw);
-          T* dst = ks + (rr >= 8 ? kPagedStage * D : 0);
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            uint32_t packed[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              packed[e] = paged_pack<T>(static_cast<float>(f[half * 8 + 2 * e]) * scale,
-                                        static_cast<float>(f[half * 8 + 2 * e + 1]) * scale);
-            *reinterpret_cast<uint4*>(dst + paged_stage_offset<D>(r, 2 * pc + half)) =
-                make_uint4(packed[0], packed[1], packed[2], packed[3]);
-          }
-        }
-        __syncwarp();
-      }
-    }
     if (writes && !tail && wat >= base && wat < min(base + kPagedStage, t1)) {
       // The new K/V inside the range, not at its end: this stage's copy of it came from the pool,
       // written or not; the block takes qkv's instead, as the pool gives them back (block-uniform branch).
       const int r = wat - base;
-      if constexpr (kFp8) __syncthreads();  // the row's warp has dequantized it: the patch goes over that
-      constexpr int CH16 = D / 8;  // 16-byte pieces of a 16-bit row
-      for (int c = tid; c < 2 * CH16; c += kAttnWarps * 32) {
-        const int pc = c % CH16;
-        const T* src = c < CH16 ? kn : vn;
-        uint4 piece16 = *reinterpret_cast<const uint4*>(src + pc * 8);
-        if constexpr (kFp8) {
+      if constexpr (kFp8) {
+        for (int c = tid; c < 2 * CH; c += kAttnWarps * 32) {
+          const int pc = c % CH;
+          const T* src = c < CH ? kn : vn;
           const Fp8RowScale round(paged_row_amax<T, D>(src));
-          T* v = reinterpret_cast<T*>(&piece16);
+          uint4 piece8;
+          Fp8* f = reinterpret_cast<Fp8*>(&piece8);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = round.stored<T>(to_f32(v[e]));
+          for (int e = 0; e < 16; ++e) f[e] = round.quantize(to_f32(src[pc * 16 + e]));
+          *reinterpret_cast<uint4*>(st + (c < CH ? 0 : kPagedStage * kRowBytes) + paged_fp8_offset<D>(r, pc)) = piece8;
+          if (pc == 0) const_cast<float*>(c < CH ? k_scales : v_scales)[r] = round.scale;
         }
-        *reinterpret_cast<uint4*>((c < CH16 ? ks : vs) + paged_stage_offset<D>(r, pc)) = piece16;
+      } else {
+        constexpr int CH16 = D / 8;  // 16-byte pieces of a 16-bit row
+        for (int c = tid; c < 2 * CH16; c += kAttnWarps * 32) {
+          const int pc = c % CH16;
+          const T* src = c < CH16 ? kn : vn;
+          *reinterpret_cast<uint4*>((c < CH16 ? ks : vs) + paged_stage_offset<D>(r, pc)) =
+              *reinterpret_cast<const uint4*>(src + pc * 8);
+        }
       }
       __syncthreads();
     }
@@ -410,16 +431,38 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
 
     // Scores: two accumulators, so that the k16 steps form two chains of KS / 2.
     float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (kFp8) {
+      // B's column g_row is position 8 warp + g_row; 8 bytes of its row give steps k and k + 1.
+      const int r = 8 * warp + g_row;
 #pragma unroll
-    for (int k = 0; k < KS; k += 2) {
-      uint32_t kb[4];
-      const int chunk = 2 * k + my_mat;  // pieces 2k, 2k + 1 (step k), 2k + 2, 2k + 3 (step k + 1)
-      paged_ldmatrix_x4(kb, paged_smem_addr(ks + paged_stage_offset<D>(my_row, chunk)));
-      paged_mma_k16<T>(c0, qa[k][0], qa[k][1], kb[0], kb[1]);
-      paged_mma_k16<T>(c1, qa[k + 1][0], qa[k + 1][1], kb[2], kb[3]);
+      for (int k = 0; k < KS; k += 2) {
+        const int byte = 16 * k + 8 * quad;  // dimension 32 (k / 2) + 8 quad
+        const uint2 w = *reinterpret_cast<const uint2*>(st + paged_fp8_offset<D>(r, byte / 16) + byte % 16);
+        uint32_t kb[4];
+        paged_e4m3x4<T>(w.x, kb[0], kb[1]);
+        paged_e4m3x4<T>(w.y, kb[2], kb[3]);
+        paged_mma_k16<T>(c0, qa[k][0], qa[k][1], kb[0], kb[1]);
+        paged_mma_k16<T>(c1, qa[k + 1][0], qa[k + 1][1], kb[2], kb[3]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < KS; k += 2) {
+        uint32_t kb[4];
+        const int chunk = 2 * k + my_mat;  // pieces 2k, 2k + 1 (step k), 2k + 2, 2k + 3 (step k + 1)
+        paged_ldmatrix_x4(kb, paged_smem_addr(ks + paged_stage_offset<D>(my_row, chunk)));
+        paged_mma_k16<T>(c0, qa[k][0], qa[k][1], kb[0], kb[1]);
+        paged_mma_k16<T>(c1, qa[k + 1][0], qa[k + 1][1], kb[2], kb[3]);
+      }
+    }
+    // This thread's two positions: first + 2 quad + {0, 1}.
+    const int pos = 8 * warp + 2 * quad;
+    float2 k_scale = make_float2(1.f, 1.f), v_scale = make_float2(1.f, 1.f);
+    if constexpr (kFp8) {
+      k_scale = *reinterpret_cast<const float2*>(k_scales + pos);
+      v_scale = *reinterpret_cast<const float2*>(v_scales + pos);
     }
     const bool valid0 = first + 2 * quad < t1, valid1 = first + 2 * quad + 1 < t1;
-    const float s0 = (c0[0] + c1[0]) * scale, s1 = (c0[1] + c1[1]) * scale;
+    const float s0 = (c0[0] + c1[0]) * (k_scale.x * scale), s1 = (c0[1] + c1[1]) * (k_scale.y * scale);
     float mx = fmaxf(valid0 ? s0 : kAttnFloor, valid1 ? s1 : kAttnFloor);
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -428,17 +471,60 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     const float p0 = valid0 ? exp2f(s0 - m_new) : 0.f, p1 = valid1 ? exp2f(s1 - m_new) : 0.f;
     l = l * corr + p0 + p1;
     m = m_new;
-    const uint32_t pa = paged_pack<T>(p0, p1);
+    if constexpr (kFp8) {
+      // B's column g_row of tile j is dimension g_row * NT + j: NT consecutive bytes of each of
+      // this thread's two V rows give every tile.
+      constexpr bool kScaleP = std::is_same<T, __nv_bfloat16>::value;
+      const uint32_t pa = kScaleP ? paged_pack<T>(p0 * v_scale.x, p1 * v_scale.y) : paged_pack<T>(p0, p1);
+      const uint32_t vsc = paged_pack<T>(v_scale.x, v_scale.y);
+      constexpr int kWords = NT / 4, kChunk = NT < 16 ? NT : 16;  // bytes per load
+      uint32_t va[kWords], vb[kWords];
 #pragma unroll
-    for (int j = 0; j < NT; j += 4) {
-      uint32_t vb[4];
-      const int chunk = j + my_mat;  // output tiles j .. j + 3
-      paged_ldmatrix_x4_trans(vb, paged_smem_addr(vs + paged_stage_offset<D>(my_row, chunk)));
+      for (int c = 0; c < NT / kChunk; ++c) {
+        const int byte = g_row * NT + c * kChunk;
+        const unsigned char* v_rows = st + kPagedStage * kRowBytes;
+        const unsigned char* r0 = v_rows + paged_fp8_offset<D>(pos, byte / 16) + byte % 16;
+        const unsigned char* r1 = v_rows + paged_fp8_offset<D>(pos + 1, byte / 16) + byte % 16;
+        if constexpr (kChunk == 16) {
+          const uint4 x = *reinterpret_cast<const uint4*>(r0), y = *reinterpret_cast<const uint4*>(r1);
+          va[4 * c] = x.x, va[4 * c + 1] = x.y, va[4 * c + 2] = x.z, va[4 * c + 3] = x.w;
+          vb[4 * c] = y.x, vb[4 * c + 1] = y.y, vb[4 * c + 2] = y.z, vb[4 * c + 3] = y.w;
+        } else {
+          static_assert(kChunk == 8, "D = 64 or a multiple of 128");
+          const uint2 x = *reinterpret_cast<const uint2*>(r0), y = *reinterpret_cast<const uint2*>(r1);
+          va[2 * c] = x.x, va[2 * c + 1] = x.y;
+          vb[2 * c] = y.x, vb[2 * c + 1] = y.y;
+        }
+      }
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        acc[j + t][0] *= corr;
-        acc[j + t][1] *= corr;
-        paged_mma_k8<T>(acc[j + t], pa, vb[t]);
+      for (int w = 0; w < kWords; ++w) {
+        uint32_t b[4];  // tiles 4w .. 4w + 3: (position 2 quad, position 2 quad + 1) of each
+        paged_e4m3x4<T>(__byte_perm(va[w], vb[w], 0x5140), b[0], b[1]);
+        paged_e4m3x4<T>(__byte_perm(va[w], vb[w], 0x7362), b[2], b[3]);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          if constexpr (!kScaleP) {
+            const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&b[t]), *reinterpret_cast<const __half2*>(&vsc));
+            b[t] = *reinterpret_cast<const uint32_t*>(&v);
+          }
+          acc[4 * w + t][0] *= corr;
+          acc[4 * w + t][1] *= corr;
+          paged_mma_k8<T>(acc[4 * w + t], pa, b[t]);
+        }
+      }
+    } else {
+      const uint32_t pa = paged_pack<T>(p0, p1);
+#pragma unroll
+      for (int j = 0; j < NT; j += 4) {
+        uint32_t vb[4];
+        const int chunk = j + my_mat;  // output tiles j .. j + 3
+        paged_ldmatrix_x4_trans(vb, paged_smem_addr(vs + paged_stage_offset<D>(my_row, chunk)));
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          acc[j + t][0] *= corr;
+          acc[j + t][1] *= corr;
+          paged_mma_k8<T>(acc[j + t], pa, vb[t]);
+        }
       }
     }
   }
@@ -460,9 +546,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       sm_m[warp * G + g_row] = m / kLog2e;
       sm_l[warp * G + g_row] = l;
     }
+    float* out = sm_acc + (warp * G + g_row) * D;
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-      *reinterpret_cast<float2*>(&sm_acc[(warp * G + g_row) * D + 8 * j + 2 * quad]) = make_float2(acc[j][0], acc[j][1]);
+    for (int j = 0; j < NT; ++j) {
+      if constexpr (kFp8) {
+        out[out_dim(j, 0)] = acc[j][0];
+        out[out_dim(j, 1)] = acc[j][1];
+      } else {
+        *reinterpret_cast<float2*>(out + out_dim(j, 0)) = make_float2(acc[j][0], acc[j][1]);
+      }
+    }
   }
   attn_finish<T, D, G>(a, b, h, sm_m, sm_l, sm_acc, blk_m, blk_l, blk_acc, clock);
 }

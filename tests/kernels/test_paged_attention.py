@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from switchyard.kernels import attention, kv_cache
-from switchyard.kernels.fp8 import quantize_rows_np
+from switchyard.kernels.fp8 import NP_FP8, quantize_rows_np
 
 
 @dataclass
@@ -327,13 +327,16 @@ def dequantize_np(q: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("shape", FP8_GPU_CASES, ids=lambda c: "n{}-kv{}-g{}-d{}-B{}-M{}".format(*c))
-def test_fp8_kernel_matches_float64_of_what_the_pools_hold(shape, rng):
+def test_fp8_kernel_matches_float64_of_what_the_pools_hold(shape, dtype, rng):
     """FP8 pools: the output against float64 attention over the dequantized pools (the new K/V as
     stored); the written positions hold the new K/V rounded as kv_cache.write rounds them, every
     other element (NaN included) is unchanged."""
+    if dtype == "float16" and shape not in FP8_GPU_CASES[:3]:
+        pytest.skip("float16 at three shapes only")
     kernel_ready()
-    dtype = jnp.bfloat16
+    dtype = jnp.dtype(dtype)
     case = paged_case(rng, *shape, dtype=dtype)
     k_pool, v_pool, as_read = fp8_case(case, dtype)
     want_out, want_k, want_v = reference_f64(as_read)
@@ -356,6 +359,35 @@ def test_fp8_kernel_matches_float64_of_what_the_pools_hold(shape, rng):
         np.testing.assert_array_equal(scale[~rows], scale0[~rows])
         stored = dequantize_np(data, scale[..., None], dtype)
         np.testing.assert_allclose(stored[written], want[written], rtol=0.07, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_kernel_reads_every_e4m3_value_exactly(head_dim, dtype):
+    """Every finite e4m3 code (subnormals, zeros, both signs, 448) in the V row of the one cached
+    position, scale 1: the new token's score is so low that its weight is exactly 0, so each output
+    is the code's value, exactly, in the queries' dtype."""
+    kernel_ready()
+    dtype = jnp.dtype(dtype)
+    kv, group, block = 256 // head_dim, 2, 16
+    codes = np.arange(256, dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    v_data = np.zeros((2, kv, block, head_dim), np.uint8)
+    v_data[1, :, 0] = codes.reshape(kv, head_dim)
+    scale = np.ones((2, kv, block), np.float32)
+    as_pool = lambda data: kv_cache.Fp8Pool(jnp.asarray(data.view(NP_FP8)), jnp.asarray(scale))  # noqa: E731
+    k_pool, v_pool = as_pool(np.zeros_like(v_data)), as_pool(v_data)
+    qkv = np.zeros((1, kv * group + 2 * kv, head_dim), np.float32)
+    qkv[0, :kv * group] = 8.0
+    qkv[0, kv * group:kv * group + kv] = -8.0  # the new K: a score of -8 * 8 * sqrt(head_dim)
+    args = (jnp.asarray(qkv, dtype), k_pool, v_pool, jnp.asarray([[1]], jnp.int32), jnp.asarray([1], jnp.int32),
+            jnp.asarray([1], jnp.int32))
+    fn = jax.jit(attention.paged_decode_attention_packed)
+    assert "switchyard_paged_decode_attention_fp8" in fn.lower(*args).as_text()
+    out = np.asarray(fn(*args)[0].astype(jnp.float32)).reshape(kv, group, head_dim)
+    want = codes.view(NP_FP8).astype(np.float32).reshape(kv, 1, head_dim)
+    np.testing.assert_array_equal(out, np.broadcast_to(want, out.shape))
 
 
 @pytest.mark.gpu
