@@ -68,7 +68,6 @@ __device__ __forceinline__ uint32_t attn_pool_row(const AttnArgs& a, int32_t blo
 }
 
 constexpr int kPagedStage = 32;   // positions per stage: 8 for each of the kAttnWarps warps
-constexpr int kPagedStages = 4;   // stages in the shared-memory ring
 static_assert(kPagedStage == 8 * kAttnWarps, "a warp takes 8 positions (one n8 tile) of a stage");
 
 using Fp8 = __nv_fp8_e4m3;
@@ -78,6 +77,12 @@ constexpr float kFp8MinScale = 1e-12f;    // fp8.MIN_SCALE
 template <typename T, typename KV>
 __host__ __device__ constexpr bool paged_fp8() {
   return !std::is_same<T, KV>::value;
+}
+
+// Stages in the shared-memory ring.
+template <typename T, typename KV>
+__host__ __device__ constexpr int paged_stages() {
+  return 4;
 }
 
 // One ring stage: K rows then V rows of kPagedStage positions in the pool's element type, then (FP8)
@@ -90,7 +95,7 @@ __host__ __device__ constexpr int paged_stage_bytes() {
 // Shared memory of one block: the ring, reused by attn_finish's arrays once the loop is done.
 template <typename T, typename KV, int D, int G>
 constexpr int paged_attn_smem_bytes() {
-  constexpr int ring = kPagedStages * paged_stage_bytes<T, KV, D>();
+  constexpr int ring = paged_stages<T, KV>() * paged_stage_bytes<T, KV, D>();
   constexpr int finish = static_cast<int>(sizeof(float)) * ((kAttnWarps + 1) * G * (D + 2));
   return ring > finish ? ring : finish;
 }
@@ -238,6 +243,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
   constexpr int kRowsPerPass = kAttnWarps * 32 / CH;
   constexpr int kPasses = kPagedStage / kRowsPerPass;  // rows of a stage each thread copies
   constexpr int kStageBytes = paged_stage_bytes<T, KV, D>();
+  constexpr int kPagedStages = paged_stages<T, KV>();
   constexpr int kScaleOffset = 2 * kPagedStage * kRowBytes;  // FP8: the stage's scales
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kPagedStage % kRowsPerPass == 0, "whole passes per stage");
@@ -468,6 +474,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m, mx);
     const float corr = exp2f(m - m_new);
+    // Once the running max settles, corr is exactly 1 for the whole warp: skip the rescaling then.
+    if (__any_sync(0xffffffffu, m_new > m)) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[j][0] *= corr;
+        acc[j][1] *= corr;
+      }
+    }
     const float p0 = valid0 ? exp2f(s0 - m_new) : 0.f, p1 = valid1 ? exp2f(s1 - m_new) : 0.f;
     l = l * corr + p0 + p1;
     m = m_new;
@@ -507,8 +521,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
             const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&b[t]), *reinterpret_cast<const __half2*>(&vsc));
             b[t] = *reinterpret_cast<const uint32_t*>(&v);
           }
-          acc[4 * w + t][0] *= corr;
-          acc[4 * w + t][1] *= corr;
           paged_mma_k8<T>(acc[4 * w + t], pa, b[t]);
         }
       }
@@ -521,8 +533,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
         paged_ldmatrix_x4_trans(vb, paged_smem_addr(vs + paged_stage_offset<D>(my_row, chunk)));
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          acc[j + t][0] *= corr;
-          acc[j + t][1] *= corr;
           paged_mma_k8<T>(acc[j + t], pa, vb[t]);
         }
       }
