@@ -17,7 +17,7 @@ so dispatch overlaps the GPU's work. Repeats alternate the two layouts; the medi
 reported with the spread over repeats, and the K/V bytes read per launch over that time.
 
     python benchmarks/attention.py --out benchmarks/results/current/paged-attention-h200.json
-    python benchmarks/attention.py --fp8-pools --out benchmarks/results/current/paged-attention-fp8-h100.json
+    python benchmarks/attention.py --fp8-pools --out benchmarks/results/current/paged-attention-fp8-h200.json
 """
 
 from __future__ import annotations
