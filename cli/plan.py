@@ -1,6 +1,6 @@
 """``switchyard plan``: the planner's decision and reasons for a model on a set of nodes, offline.
 
-    switchyard plan --model config.json --nodes nodes.yaml --objective latency
+    switchyard plan --model config.json --nodes nodes.yaml --objective latency [--quantization fp8]
 
 ``--model`` takes a Hugging Face config.json (or its folder) or a preset name; ``--nodes`` a YAML or
 JSON file with Node objects (a ``kubectl get nodes -o yaml`` List, a list, or several documents).
@@ -15,10 +15,15 @@ from typing import Any
 
 from switchyard.cli.usage import UsageError, existing_file
 from switchyard.kernels.selection import STRATEGIES
+from switchyard.operator import crd
+from switchyard.service.model import quantization as quant
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="config.json, a checkpoint folder, or a preset name")
+    parser.add_argument("--quantization", choices=quant.CHOICES, default=crd.spec_default("model.quantization"),
+                        help="the layer matrices' format as served, as spec.model.quantization: auto (as the "
+                             "checkpoint states), fp8 (quantized at load), none (dequantized) (default: %(default)s)")
     parser.add_argument("--nodes", required=True, type=Path, help="Node objects (YAML or JSON)")
     parser.add_argument("--pods", type=Path, help="Pod objects already using GPUs (optional)")
     parser.add_argument("--objective", choices=("latency", "throughput", "balanced"), default="balanced")
@@ -73,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             model = ModelSpec.from_file(args.model)
         except ModelSpecError as err:
             raise UsageError(str(err)) from None
+    model = model.served_as(args.quantization)
     nodes = load_objects(existing_file(args.nodes, "--nodes file"))
     pods = load_objects(existing_file(args.pods, "--pods file")) if args.pods else []
     if args.calibration:

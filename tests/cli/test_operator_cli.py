@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from helpers import HELPERS
 from switchyard.cli import operator as operator_main
 from switchyard.cli import plan as plan_cli
@@ -38,6 +39,26 @@ def test_plan_json_and_does_not_fit(capsys):
     assert p.layout is None
     rc = main(["plan", "--model", "nope.json", "--nodes", str(NODES)])
     assert rc == 2 and "is neither a file or folder nor a preset" in capsys.readouterr().err
+
+
+def test_plan_prices_the_weights_in_the_format_asked_for(capsys):
+    """--quantization is spec.model.quantization: fp8 quantizes a 16-bit checkpoint at load, and the
+    decision is the planner's for the model so served; a format it does not know is a usage error."""
+    args = ["plan", "--model", "llama3-70b", "--nodes", str(NODES), "--tp", "2", "--pp", "1", "--objective", "latency"]
+    estimates = {}
+    for quantization in ("auto", "fp8"):
+        assert main([*args, "--quantization", quantization]) == 0
+        out = capsys.readouterr().out
+        expected = planner.plan(preset("llama3-70b").served_as(quantization),
+                                inventory.build(plan_cli.load_objects(NODES)),
+                                planner.Request(objective="latency", tp=2, pp=1))
+        assert out.splitlines()[0] == f"Planned: {expected.message}"
+        estimates[quantization] = expected.layout.ms_per_token
+    assert "weights (fp8 e4m3" in out
+    assert estimates["fp8"] < 0.7 * estimates["auto"]  # half the weight bytes per step
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--quantization", "int4"])
+    assert exit_info.value.code == 2 and "--quantization: invalid choice: 'int4'" in capsys.readouterr().err
 
 
 def test_operator_command_configuration(monkeypatch):
