@@ -68,6 +68,7 @@ __device__ __forceinline__ uint32_t attn_pool_row(const AttnArgs& a, int32_t blo
 }
 
 constexpr int kPagedStage = 32;   // positions per stage: 8 for each of the kAttnWarps warps
+constexpr int kPagedStages = 4;   // stages in the shared-memory ring (8 for FP8 pools measured slower)
 static_assert(kPagedStage == 8 * kAttnWarps, "a warp takes 8 positions (one n8 tile) of a stage");
 
 using Fp8 = __nv_fp8_e4m3;
@@ -77,12 +78,6 @@ constexpr float kFp8MinScale = 1e-12f;    // fp8.MIN_SCALE
 template <typename T, typename KV>
 __host__ __device__ constexpr bool paged_fp8() {
   return !std::is_same<T, KV>::value;
-}
-
-// Stages in the shared-memory ring.
-template <typename T, typename KV>
-__host__ __device__ constexpr int paged_stages() {
-  return 4;
 }
 
 // One ring stage: K rows then V rows of kPagedStage positions in the pool's element type, then (FP8)
@@ -95,7 +90,7 @@ __host__ __device__ constexpr int paged_stage_bytes() {
 // Shared memory of one block: the ring, reused by attn_finish's arrays once the loop is done.
 template <typename T, typename KV, int D, int G>
 constexpr int paged_attn_smem_bytes() {
-  constexpr int ring = paged_stages<T, KV>() * paged_stage_bytes<T, KV, D>();
+  constexpr int ring = kPagedStages * paged_stage_bytes<T, KV, D>();
   constexpr int finish = static_cast<int>(sizeof(float)) * ((kAttnWarps + 1) * G * (D + 2));
   return ring > finish ? ring : finish;
 }
@@ -243,7 +238,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
   constexpr int kRowsPerPass = kAttnWarps * 32 / CH;
   constexpr int kPasses = kPagedStage / kRowsPerPass;  // rows of a stage each thread copies
   constexpr int kStageBytes = paged_stage_bytes<T, KV, D>();
-  constexpr int kPagedStages = paged_stages<T, KV>();
   constexpr int kScaleOffset = 2 * kPagedStage * kRowBytes;  // FP8: the stage's scales
   constexpr float kLog2e = 1.4426950408889634f;
   static_assert(kPagedStage % kRowsPerPass == 0, "whole passes per stage");
