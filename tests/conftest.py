@@ -28,9 +28,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Without an NVIDIA GPU every program is compiled for XLA's CPU backend, and compiling is most of an
 # engine test's time: with XLA's optimizations off an HF-parity pair of cases takes 44 s instead of 53
-# (the same results). GPU runs keep XLA's defaults, and so do the `serve` processes tests start
-# (tests/helpers/serve_process.py), whose steps some tests time.
-# And with the CPU compile flags of tests/helpers (the processes tests start take them too).
+# (the same results). GPU runs keep XLA's defaults, and the `serve` processes tests start keep its
+# optimizations (tests/helpers/serve_process.py), whose steps some tests time. The CPU compile flags
+# of tests/helpers apply here and, through XLA_FLAGS, in every process the tests start.
 if not Path("/dev/nvidiactl").exists():
     from helpers import CPU_COMPILE_FLAGS
 

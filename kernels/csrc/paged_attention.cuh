@@ -396,8 +396,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     unsigned char* st = ring + (i % kPagedStages) * kStageBytes;
     T* ks = reinterpret_cast<T*>(st);  // 16-bit pools: the stage's K rows, then its V rows
     T* vs = ks + kPagedStage * D;
-    const float* k_scales = reinterpret_cast<const float*>(st + kScaleOffset);  // FP8
-    const float* v_scales = k_scales + kPagedStage;
+    float* k_scales = reinterpret_cast<float*>(st + kScaleOffset);  // FP8
+    float* v_scales = k_scales + kPagedStage;
     const int base = t0 + i * kPagedStage;
     if (writes && !tail && wat >= base && wat < min(base + kPagedStage, t1)) {
       // The new K/V inside the range, not at its end: this stage's copy of it came from the pool,
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
 #pragma unroll
           for (int e = 0; e < 16; ++e) f[e] = round.quantize(to_f32(src[pc * 16 + e]));
           *reinterpret_cast<uint4*>(st + (c < CH ? 0 : kPagedStage * kRowBytes) + paged_fp8_offset<D>(r, pc)) = piece8;
-          if (pc == 0) const_cast<float*>(c < CH ? k_scales : v_scales)[r] = round.scale;
+          if (pc == 0) (c < CH ? k_scales : v_scales)[r] = round.scale;
         }
       } else {
         constexpr int CH16 = D / 8;  // 16-byte pieces of a 16-bit row
