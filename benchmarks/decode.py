@@ -383,7 +383,23 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = max(probes.values())
     print(f"{device.device_kind}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write; probes "
           + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in probes.items()) + ")", flush=True)
-    rows = []
+    rows: list[dict] = []
+
+    def result() -> dict[str, Any]:
+        out = {
+            **result_file.provenance(f"{jax.device_count()}x {device.device_kind}", argv, script=__file__),
+            "jax": jax.__version__,
+            "host": platform.node(),
+            "copy_bandwidth_bytes_per_s": round(bandwidth),
+            "copy_bandwidth_probes": {k: round(v) for k, v in probes.items()},
+            "xla_flags": xla_flags,
+            "xla_allocator": xla_allocator(),
+            "rows": rows,
+        }
+        if peer is not None:
+            out["peer"] = peer
+        return out
+
     for tp, weights_kind in itertools.product(args.tp, args.weights):
         weights = None  # this tp's random weights in this format, shared by every configuration
         served = spec.served_as(WEIGHTS[weights_kind]["quantization"])
@@ -431,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                     if "profile" in got:
                         row["profile"] = got["profile"]
                     rows.append(row)
+                    if args.out:  # after every row: a run cut short by a time limit keeps what it measured
+                        result_file.write_result(args.out, result())
                     print(f"tp={tp} batch={batch:3d} ctx={context:5d} {strategy:8s} attention {attn:6s} "
                           f"k-splits {k_splits} min-bucket {min_bucket} weights {weights_kind} kv {kv_cache} "
                           f"{ms:8.3f} ms/token "
@@ -441,21 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         del weights
         gc.collect()
 
-    result = {
-        **result_file.provenance(f"{jax.device_count()}x {device.device_kind}", argv, script=__file__),
-        "jax": jax.__version__,
-        "host": platform.node(),
-        "copy_bandwidth_bytes_per_s": round(bandwidth),
-        "copy_bandwidth_probes": {k: round(v) for k, v in probes.items()},
-        "xla_flags": xla_flags,
-        "xla_allocator": xla_allocator(),
-        "rows": rows,
-    }
     if peer is not None:
-        result["peer"] = peer
         print(comparison(rows, peer["rows"]), flush=True)
     if args.out:
-        result_file.write_result(args.out, result)
+        result_file.write_result(args.out, result())
     print(json.dumps(rows))
     if scratch is not None:
         scratch.cleanup()
