@@ -150,7 +150,7 @@ def launch_step(engine: Any, kv: KVManager, chunk_slot: int | None = None,
     record of it. The host time of ``engine.launch`` alone goes on ``launch_ms``."""
     if not kv.ensure_decode_blocks():
         raise RuntimeError("the KV pool ran out of blocks for the decoding sequences")
-    plan = engine.policy.plan(kv, chunk_slot)
+    plan = engine.policy.plan(kv, [] if chunk_slot is None else [chunk_slot])
     if plan is None:
         raise RuntimeError("nothing to launch: no sequence decodes and no prompt was given")
     t0 = time.perf_counter()

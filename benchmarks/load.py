@@ -431,11 +431,11 @@ class StepClock:
         t0 = time.perf_counter()
         pending = self.engine.launch(plan)
         t1 = time.perf_counter()
-        kind = "chunk" if plan.chunk is not None else "decode"
+        kind = "chunk" if plan.chunks else "decode"
         self.launch_s[kind].append(t1 - t0)
         width = plan.shape.width
         self.widths[kind].append(width)
-        end = plan.chunk.end if plan.chunk is not None else 0
+        end = max((c.end for c in plan.chunks), default=0)
         self.longest = sorted([*self.longest, (t1 - t0, kind, width, end)], reverse=True)[: self.LONGEST]
         self.launched[pending.step] = (kind, t1)
         return pending

@@ -2,13 +2,13 @@
 the scheduler's plans over them. It keeps no books: the scheduler's KV manager decides which blocks
 each sequence holds and the step policy which program each step runs (``plan.py`` is the contract).
 
-Every step is ONE forward pass (``model.budget_forward``): a token for each decode row plus, when the
-plan carries one, a chunk of a prompt; the step that carries a prompt's last chunk samples its first
-token, and the slot decodes from then on. Per-slot decode state (last token, position, sampling
-parameters and counter) lives on the devices and is donated to each step, so a decode row needs no
-input from the host.
+Every step is ONE forward pass (``model.budget_forward``): a token for each decode row plus the
+prompt chunks the plan carries (none, one, or several of different prompts); the step that carries a
+prompt's last chunk samples its first token, and the slot decodes from then on. Per-slot decode
+state (last token, position, sampling parameters and counter) lives on the devices and is donated to
+each step, so a decode row needs no input from the host.
 
-A step's changing inputs (decode rows, block tables, the chunk) and its tokens live in donated device
+A step's changing inputs (decode rows, block tables, the chunks) and its tokens live in donated device
 buffers of their own too (``_io``): small programs copy the host's new values in before a step and
 the step's tokens out after it. A step program then sees the same addresses at every launch, so XLA
 replays its command buffer as recorded; a new address anywhere makes it update the buffer's hundreds
@@ -190,10 +190,11 @@ def compile_workers() -> int:
     return min(MAX_COMPILE_WORKERS, usable_cpus())
 
 
-# A step's chunk travels as one int32 array (one host-to-device copy, not one per field):
-# [tokens (padded to idle_step_tokens, the largest chunk size), the sequence's block table, slot,
-# start, length, completes, temperature, top_k, top_p, seed, counter], temperature and top_p as
-# float32 bits. A step's program reads the first tokens, as many as its chunk size.
+# A step's chunks travel as one int32 array (one host-to-device copy, not one per field), a row per
+# chunk the policy may pack into a step: [tokens (padded to idle_step_tokens, the largest chunk size),
+# the sequence's block table, slot, start, length, completes, temperature, top_k, top_p, seed,
+# counter], temperature and top_p as float32 bits. A step's program reads the first rows, as many as
+# its chunks, and of each the first tokens, as many as its chunk size.
 _CHUNK_FIELDS = 9
 
 
@@ -209,14 +210,15 @@ def pack_chunk(chunk_tokens: int, table: np.ndarray, tokens: np.ndarray, slot: i
     return out
 
 
-def _unpack_chunk(packed: jax.Array, table_len: int, chunk_tokens: int) -> tuple[jax.Array, ...]:
-    """(tokens [chunk_tokens], table, slot, start, length, completes, (temperature, top_k, top_p, seed,
-    counter))."""
-    c = packed.shape[0] - table_len - _CHUNK_FIELDS
+def _unpack_chunks(packed: jax.Array, table_len: int, chunk_tokens: int, chunks: int) -> tuple[jax.Array, ...]:
+    """The first ``chunks`` rows of ``packed``: (tokens [K, chunk_tokens], tables [K, M], then [K] each:
+    slot, start, length, completes, (temperature, top_k, top_p, seed, counter))."""
+    packed = packed[:chunks]
+    c = packed.shape[1] - table_len - _CHUNK_FIELDS
     f = c + table_len
-    slot, start, length, completes, temp, top_k, top_p, seed, counter = (packed[f + i] for i in range(_CHUNK_FIELDS))
+    slot, start, length, completes, temp, top_k, top_p, seed, counter = (packed[:, f + i] for i in range(_CHUNK_FIELDS))
     as_float = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
-    return (packed[:chunk_tokens], packed[c:f], slot, start, length, completes != 0,
+    return (packed[:, :chunk_tokens], packed[:, c:f], slot, start, length, completes != 0,
             (as_float(temp), top_k, as_float(top_p), seed, counter))
 
 
@@ -298,13 +300,12 @@ def pool_tokens(spec: ModelSpec, config: EngineConfig, tp: int, pp: int, dtype: 
 
 @dataclasses.dataclass
 class PendingStep:
-    """A launched step whose tokens are still on the device: ``rows`` decode rows, and ``completes``
-    when its chunk was a prompt's last."""
+    """A launched step whose tokens are still on the device: ``rows`` decode rows, ``chunks`` chunks."""
 
     step: int
     tokens: jax.Array
     rows: int
-    completes: bool
+    chunks: int
 
 
 class Engine:
@@ -433,17 +434,12 @@ class Engine:
 
     def _new_io(self) -> dict[str, jax.Array]:
         """A step's inputs and tokens, replicated: ``rows`` [max_slots] (the decoding slots, then
-        max_slots), their block ``tables`` [max_slots, M], the ``chunk`` (packed) and ``out``
-        [max_slots + 1] (a token per row, then the chunk's)."""
+        max_slots), their block ``tables`` [max_slots, M], the ``chunks`` (packed, a row each) and
+        ``out`` [max_slots + chunks] (a token per row, then the chunks')."""
         rep = NamedSharding(self.mesh, P())
-        host = {**self._row_arrays(np.zeros(0, np.int64), None), "chunk": self._empty_chunk(),
-                "out": np.zeros(self.max_slots + 1, np.int32)}
+        host = {**self._row_arrays(np.zeros(0, np.int64), None), "chunks": self._pack(()),
+                "out": np.zeros(self.max_slots + self.policy.packed_chunks, np.int32)}
         return {key: jax.device_put(value, rep) for key, value in host.items()}
-
-    def _empty_chunk(self) -> np.ndarray:
-        """A packed chunk that carries no token (nothing is written)."""
-        return pack_chunk(self.policy.idle_step_tokens, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32),
-                          np.zeros(0, np.int32), 0, 0, False, SamplingParams(), 0)
 
     def _row_arrays(self, rows: np.ndarray, tables: np.ndarray | None) -> dict[str, np.ndarray]:
         """``rows`` and ``tables`` of ``_io``: the decoding slots (ascending), then ``max_slots``."""
@@ -515,11 +511,12 @@ class Engine:
 
     def _build(self, shape: StepShape, logits: bool):
         """The step program of ``shape``; with ``logits``, the same forward returning every row's logits
-        [width (+1: the chunk's last position), padded_vocab] instead of tokens, and changing nothing."""
+        [width (+ K: each chunk's last position), padded_vocab] instead of tokens, and changing nothing."""
         cfg, vocab, pp, vocab_axes = self._cfg, self.spec.vocab_size, self.pp, self._vocab_axes
         pools = [self._pool_spec] * (self.spec.num_layers // pp)
         batch, chunk_tokens, kv_len = shape.width, shape.chunk_tokens, shape.kv_len
         with_chunk = shape.with_chunk
+        n_chunks = shape.chunks if with_chunk else 0
         aligned = self.policy.chunks_block_aligned
         last = self.max_seq_len - 1
 
@@ -538,10 +535,11 @@ class Engine:
                                       top_k=top_k[rows], top_p=top_p[rows], seeds=seeds[rows],
                                       counters=counters[rows])
 
-            # The chunk's row is sampled on its own: sampling batch + 1 rows in one call fails on GPU
+            # The chunks' rows are sampled on their own: sampling batch + 1 rows in one call fails on GPU
             # (an XLA runtime error at 257 rows with top-k / top-p) where batch rows do not.
             n = tokens.shape[0]
-            tok = jnp.concatenate([sample(slice(0, n)), sample(slice(n, n + 1))]) if with_chunk else sample(slice(None))
+            tok = (jnp.concatenate([sample(slice(0, n)), sample(slice(n, n + n_chunks))]) if with_chunk
+                   else sample(slice(None)))
             return tok, k, v
 
         rep = P()
@@ -557,11 +555,10 @@ class Engine:
             write = slots < slots_count
             take = jnp.minimum(slots, slots_count - 1)
             samp = [state[key][take] for key in ("temperature", "top_k", "top_p", "seeds", "counters")]
-            c_tokens, c_table, c_slot, c_start, c_len, c_completes, c_sampling = _unpack_chunk(
-                io["chunk"], tables.shape[1], chunk_tokens)
+            c_tokens, c_table, c_slot, c_start, c_len, c_completes, c_sampling = _unpack_chunks(
+                io["chunks"], tables.shape[1], chunk_tokens, max(n_chunks, 1))
             if with_chunk:
-                samp = [jnp.concatenate([a, jnp.asarray(c)[None].astype(a.dtype)]) for a, c in zip(samp, c_sampling,
-                                                                                                  strict=True)]
+                samp = [jnp.concatenate([a, c.astype(a.dtype)]) for a, c in zip(samp, c_sampling, strict=True)]
             positions = state["positions"][take]
             tok, k, v = mapped(params, state["k"], state["v"], state["tokens"][take], positions, tables[:batch], write,
                                *samp, c_tokens, c_start, c_len, c_table)
@@ -572,38 +569,45 @@ class Engine:
             new["tokens"] = state["tokens"].at[slots].set(step_tok, mode="drop")
             new["positions"] = state["positions"].at[slots].set(jnp.minimum(positions + 1, last), mode="drop")
             new["counters"] = state["counters"].at[slots].add(1, mode="drop")
-            chunk_tok = jnp.int32(-1)
+            out = io["out"].at[:batch].set(step_tok)
             if with_chunk:
-                chunk_tok = tok[batch]
+                # A chunk that completes its prompt starts its slot decoding; the others change nothing
+                # (their index is out of range, so dropped: an empty chunk row names slot 0).
+                chunk_tok = jnp.where(c_completes, tok[batch:], -1)
+                completed = jnp.where(c_completes, c_slot, slots_count)
                 temp, top_k, top_p, seed, counter = c_sampling
                 for key, value in (("tokens", chunk_tok), ("positions", c_start + c_len), ("counters", counter + 1),
                                    ("temperature", temp), ("top_k", top_k), ("top_p", top_p), ("seeds", seed)):
-                    old = new[key][c_slot]
-                    new[key] = new[key].at[c_slot].set(jnp.where(c_completes, jnp.asarray(value, old.dtype), old))
-            out = io["out"].at[:batch].set(step_tok).at[slots_count].set(chunk_tok)
+                    new[key] = new[key].at[completed].set(value.astype(new[key].dtype), mode="drop")
+                out = out.at[slots_count: slots_count + n_chunks].set(chunk_tok)
             return new, dict(io, out=out)
 
         if logits:
             return jax.jit(step)
-        options = step_compiler_options(chunk_tokens, self.step_tokens, self.mesh.devices.flat[0].platform, os.environ)
+        options = step_compiler_options(chunk_tokens * n_chunks, self.step_tokens, self.mesh.devices.flat[0].platform,
+                                        os.environ)
         return jax.jit(step, donate_argnums=(1, 2), out_shardings=(self._state_shardings, self._io_shardings),
                        compiler_options=options)
 
     # ---- steps -----------------------------------------------------------------------------------
     def _stage(self, plan: StepPlan) -> None:
         """Write the plan's inputs into ``_io``: the decode rows and their block tables when they
-        changed, and the packed chunk when the step carries one."""
+        changed, and the packed chunks when the step carries some."""
         updates: dict[str, np.ndarray] = {}
         if plan.tables is not None:
             updates.update(self._row_arrays(plan.rows, plan.tables))
-        if plan.chunk is not None:
-            updates["chunk"] = self._pack(plan.chunk)
+        if plan.chunks:
+            updates["chunks"] = self._pack(plan.chunks)
         if updates:
             self._io = self._write_io_fn(self._io, updates)
 
-    def _pack(self, chunk: ChunkPlan) -> np.ndarray:
-        return pack_chunk(self.policy.idle_step_tokens, chunk.table, chunk.tokens, chunk.slot, chunk.start,
-                          chunk.completes, chunk.sampling, chunk.counter)
+    def _pack(self, chunks: Sequence[ChunkPlan]) -> np.ndarray:
+        """``chunks`` packed a row each, the rows past them chunks that carry no token (nothing is written)."""
+        empty = ChunkPlan(0, np.zeros(0, np.int32), 0, np.full(self.blocks_per_seq, NULL_BLOCK, np.int32), False,
+                          SamplingParams(), 0)
+        padded = [*chunks, *[empty] * (self.policy.packed_chunks - len(chunks))]
+        return np.stack([pack_chunk(self.policy.idle_step_tokens, c.table, c.tokens, c.slot, c.start, c.completes,
+                                    c.sampling, c.counter) for c in padded])
 
     def launch(self, plan: StepPlan) -> PendingStep:
         """Launch one step without waiting for it."""
@@ -612,21 +616,21 @@ class Engine:
         tokens = self._read_out_fn(self._io)
         tokens.copy_to_host_async()
         self.step_count += 1
-        completes = plan.chunk is not None and plan.chunk.completes
-        return PendingStep(self.step_count, tokens, int(plan.rows.size), completes)
+        return PendingStep(self.step_count, tokens, int(plan.rows.size), len(plan.chunks))
 
     def collect(self, pending: PendingStep) -> StepTokens:
         """Wait for a launched step's tokens."""
         out = np.asarray(pending.tokens)
-        chunk_token = int(out[self.max_slots]) if pending.completes else -1
-        return StepTokens(pending.step, out[: pending.rows].copy(), chunk_token)
+        return StepTokens(pending.step, out[: pending.rows].copy(),
+                          out[self.max_slots: self.max_slots + pending.chunks].copy())
 
     def logits(self, plan: StepPlan) -> np.ndarray:
-        """The logits the plan's step would sample from, float32 [rows (+1: the chunk's last position),
-        vocab], without launching it: nothing changes (launch the plan after). A program of its own."""
+        """The logits the plan's step would sample from, float32 [rows (+ one per chunk: its last
+        position), vocab], without launching it: nothing changes (launch the plan after). A program of
+        its own."""
         self._stage(plan)
         out = np.asarray(self._program("logits", plan.shape)(self.params, self._state, self._io), np.float32)
-        rows = [*range(plan.rows.size), *([plan.shape.width] if plan.chunk is not None else [])]
+        rows = [*range(plan.rows.size), *(plan.shape.width + j for j in range(len(plan.chunks)))]
         return out[rows, : self.spec.vocab_size]
 
     def warmup(self, store: ProgramStore | None = None,
@@ -640,7 +644,7 @@ class Engine:
         benchmark's 86 programs take 108-119 s, where 42 took 218 s one after another (benchmarks/NOTES.md)."""
         t0 = time.perf_counter()
         # The staging program once per set of inputs a step may change, so serving compiles none.
-        rows, chunk = self._row_arrays(np.zeros(0, np.int64), None), {"chunk": self._empty_chunk()}
+        rows, chunk = self._row_arrays(np.zeros(0, np.int64), None), {"chunks": self._pack(())}
         for updates in (chunk, {**rows, **chunk}, rows):
             self._io = self._write_io_fn(self._io, updates)
         shapes = self.policy.shapes()

@@ -89,7 +89,7 @@ class FakeEngine:
             self._rows, self._tables = plan.rows.copy(), plan.tables.copy()
         elif not np.array_equal(plan.rows, self._rows):
             raise FakeKVError(f"the decode rows changed ({self._rows} -> {plan.rows}) without new tables")
-        out = np.zeros(self.max_slots + 1, np.int32)
+        out = np.zeros(self.max_slots + self.policy.packed_chunks, np.int32)
         for i, slot in enumerate(plan.rows):
             state = self._slots[int(slot)]
             table = self._tables[i]
@@ -98,27 +98,28 @@ class FakeEngine:
             out[i] = token
             state.token, state.position, state.counter = token, min(state.position + 1, self.max_seq_len - 1), \
                 state.counter + 1
-        chunk = plan.chunk
-        if chunk is not None:
+        for chunk in plan.chunks:
             self._write(chunk.table, chunk.start, chunk.tokens)
+        for j, chunk in enumerate(plan.chunks):  # every chunk's K/V is written before any is read
+            out[self.max_slots + j] = -1
             if chunk.completes:
                 state = self._slots[chunk.slot]
                 state.seed, state.counter, state.greedy = chunk.sampling.seed, chunk.counter, chunk.sampling.greedy
                 token = self._next(chunk.table, chunk.end, state)
-                out[self.max_slots] = token
+                out[self.max_slots + j] = token
                 state.token, state.position, state.counter = token, chunk.end, state.counter + 1
         self.step_count += 1
         self._device_free_at = max(self._device_free_at, time.monotonic()) + self.step_seconds
         self._ready_at[self.step_count] = self._device_free_at
-        return PendingStep(self.step_count, out, int(plan.rows.size), chunk is not None and chunk.completes)
+        return PendingStep(self.step_count, out, int(plan.rows.size), len(plan.chunks))
 
     def collect(self, pending: PendingStep) -> StepTokens:
         wait = self._ready_at.pop(pending.step, 0.0) - time.monotonic()
         if wait > 0:
             time.sleep(wait)
         out = np.asarray(pending.tokens)
-        chunk_token = int(out[self.max_slots]) if pending.completes else -1
-        return StepTokens(pending.step, out[: pending.rows].copy(), chunk_token)
+        return StepTokens(pending.step, out[: pending.rows].copy(),
+                          out[self.max_slots: self.max_slots + pending.chunks].copy())
 
     # ---- the fake device -------------------------------------------------------------------------
     def _check_shape(self, plan: StepPlan) -> None:
@@ -127,10 +128,15 @@ class FakeEngine:
             raise FakeKVError(f"{plan.rows.size} decode rows in a program of width {shape.width}")
         if list(plan.rows) != sorted(set(int(r) for r in plan.rows)):
             raise FakeKVError(f"decode rows {plan.rows} are not ascending distinct slots")
-        if (plan.chunk is None) == shape.with_chunk:
-            raise FakeKVError(f"a plan {'without' if plan.chunk is None else 'with'} a chunk runs program {shape}")
-        if plan.chunk is not None and (plan.chunk.length > shape.chunk_tokens or plan.chunk.end > shape.kv_len):
-            raise FakeKVError(f"a chunk of {plan.chunk.length} tokens ending at {plan.chunk.end} in program {shape}")
+        if bool(plan.chunks) != shape.with_chunk:
+            raise FakeKVError(f"a plan {'with' if plan.chunks else 'without'} chunks runs program {shape}")
+        if len(plan.chunks) > shape.chunks:
+            raise FakeKVError(f"{len(plan.chunks)} chunks in a program of {shape.chunks}")
+        if len({c.slot for c in plan.chunks}) != len(plan.chunks) or {c.slot for c in plan.chunks} & set(plan.rows):
+            raise FakeKVError("a slot has two rows in one step (chunks of one slot, or a chunk beside its decode row)")
+        for chunk in plan.chunks:
+            if chunk.length > shape.chunk_tokens or chunk.end > shape.kv_len:
+                raise FakeKVError(f"a chunk of {chunk.length} tokens ending at {chunk.end} in program {shape}")
         if shape not in self._shapes:
             raise FakeKVError(f"program {shape} is not one the policy compiles")
 

@@ -151,20 +151,19 @@ class KVManager:
         return True
 
     def launched(self, plan: StepPlan) -> None:
-        """``plan``'s step was launched: a token for each decode row, and its chunk's prompt tokens
+        """``plan``'s step was launched: a token for each decode row, and its chunks' prompt tokens
         (whose full blocks then go to the prefix cache; after a prompt's last chunk it decodes)."""
         for slot in plan.rows:
             self._seqs[int(slot)].position += 1
-        if plan.chunk is None:
-            return
-        seq = self._seqs[plan.chunk.slot]
-        seq.computed += plan.chunk.length
-        if seq.reuse_prefix:
-            self.pool.register(seq.blocks, seq.tokens, seq.computed)
-        if seq.left == 0:
-            seq.decoding = True
-            seq.position = len(seq.tokens)
-            self._tables_changed = True  # the decode rows change
+        for chunk in plan.chunks:
+            seq = self._seqs[chunk.slot]
+            seq.computed += chunk.length
+            if seq.reuse_prefix:
+                self.pool.register(seq.blocks, seq.tokens, seq.computed)
+            if seq.left == 0:
+                seq.decoding = True
+                seq.position = len(seq.tokens)
+                self._tables_changed = True  # the decode rows change
 
     def evict(self, slot: int) -> None:
         """Free a slot and give back its blocks (cached prefix blocks stay in the prefix cache)."""

@@ -1,5 +1,5 @@
 """The forward pass of a token-budget step, written for one tensor-parallel shard (it runs inside
-``jax.shard_map``): one pass over a flat batch of decode rows and a prompt chunk, over a paged KV pool,
+``jax.shard_map``): one pass over a flat batch of decode rows and prompt chunks, over a paged KV pool,
 built from the model layer's shared layers (``service/model/layers.py``); every family
 (``service/model``) runs through it, its extra tensors applied by ``layers.qkv_projection``.
 
@@ -51,9 +51,9 @@ RowParallelNorm = Callable[..., tuple[jax.Array, jax.Array]]
 RowParallel = Callable[..., jax.Array]
 # (qkv, k_pool, v_pool, block_tables, positions, write_at) -> (out, k_pool, v_pool)
 PagedDecodeAttention = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
-# (q [C, H, D], k_pool, v_pool [blocks, kv, B, D], table [M], start, kv_len (static), k_chunk, v_chunk
-# [C, kv, D]) -> out [C, H, D]: a prompt chunk's queries against its sequence's keys before start (in
-# the pools) and, causally, its own
+# (q [K, C, H, D], k_pool, v_pool [blocks, kv, B, D], table [K, M], start [K], kv_len (static), k_chunk,
+# v_chunk [K, C, kv, D]) -> out [K, C, H, D]: K prompt chunks' queries, each against its sequence's keys
+# before its start (in the pools) and, causally, its own
 ChunkAttention = Callable[..., jax.Array]
 
 
@@ -227,56 +227,80 @@ def run_layers(
 # ---- paged KV pool: token-budget steps ------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """The prompt chunk a step carries (traced arrays): ``tokens`` [C] padded, the first ``length``
-    real; they sit at positions ``start..start + length - 1`` of the sequence whose block table is
-    ``table`` [M]. ``kv_len`` (static) covers every position the chunk attends to."""
+    """The prompt chunks a step carries (traced arrays), K of them (K static, most often 1): chunk j
+    is ``tokens[j]`` [C] padded, the first ``length[j]`` real, at positions ``start[j]..start[j] +
+    length[j] - 1`` of the sequence whose block table is ``table[j]`` [M]. A chunk of length 0
+    computes padding and writes nothing. ``kv_len`` (static) covers every position each attends to."""
 
-    tokens: jax.Array
-    start: jax.Array
-    length: jax.Array
-    table: jax.Array
+    tokens: jax.Array  # int32 [K, C]
+    start: jax.Array  # int32 [K]
+    length: jax.Array  # int32 [K]
+    table: jax.Array  # int32 [K, M]
     kv_len: int
-    block_aligned: bool = False  # (static) start is a multiple of the block size
+    block_aligned: bool = False  # (static) every start is a multiple of the block size
+
+    @property
+    def positions(self) -> jax.Array:
+        """Every chunk row's position, [K * C], in the order of :attr:`flat_tokens`."""
+        return (self.start[:, None] + jnp.arange(self.tokens.shape[1])[None, :]).reshape(-1)
+
+    @property
+    def flat_tokens(self) -> jax.Array:
+        return self.tokens.reshape(-1)
+
+    def last_rows(self, first: int) -> jax.Array:
+        """The rows, counted from ``first`` (where the chunks begin in the step's batch), of each
+        chunk's last real token (its first row when it has none)."""
+        c = self.tokens.shape[1]
+        return first + jnp.arange(self.tokens.shape[0]) * c + jnp.maximum(self.length, 1) - 1
 
 
 def _chunk_layer_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, chunk: Chunk,
                            cfg: ForwardConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A chunk's attention in one layer: its queries against the sequence's earlier keys (read from
-    its blocks) and its own; its K/V written into its blocks. qkv [C, q + 2 kv, hd] (roped)."""
+    """The chunks' attention in one layer: each chunk's queries against its sequence's earlier keys
+    (read from its blocks) and its own; their K/V written into their blocks. qkv [K * C, q + 2 kv,
+    hd] (roped); returns [K * C, q, hd] and the pools."""
     shape = cfg.shape
     kv = k_pool.shape[1]
-    q = qkv[:, : shape.q_heads]
-    k_new, v_new = qkv[:, shape.q_heads: shape.q_heads + kv], qkv[:, shape.q_heads + kv:]
+    k_chunks, c = chunk.tokens.shape
+    qkv = qkv.reshape(k_chunks, c, *qkv.shape[1:])
+    q = qkv[:, :, : shape.q_heads]
+    k_new, v_new = qkv[:, :, shape.q_heads: shape.q_heads + kv], qkv[:, :, shape.q_heads + kv:]
     attend = cfg.chunk_attention or chunk_attention
-    # The chunk's own K/V as the pool stores them, so its queries see what later steps will read.
+    # The chunks' own K/V as the pool stores them, so their queries see what later steps will read.
     out = attend(q, k_pool, v_pool, chunk.table, chunk.start, chunk.kv_len, kv_cache.stored(k_pool, k_new),
                  kv_cache.stored(v_pool, v_new))
     write = _write_chunk_blocks if chunk.block_aligned else _write_chunk_positions
+    out = out.reshape(k_chunks * c, *out.shape[2:])
     return out, write(k_pool, k_new, chunk), write(v_pool, v_new, chunk)
 
 
 def _write_chunk_positions(pool: kv_cache.Pool, new: jax.Array, chunk: Chunk) -> kv_cache.Pool:
-    """The chunk's real rows of ``new`` [C, kv, D] into the pool at their positions, one by one."""
+    """The chunks' real rows of ``new`` [K, C, kv, D] into the pool at their positions, one by one."""
     nb, _, bs, _ = pool.shape
-    m = chunk.table.shape[0]
-    c = new.shape[0]
-    pos = chunk.start + jnp.arange(c)
-    block = jnp.where(jnp.arange(c) < chunk.length, chunk.table[jnp.minimum(pos // bs, m - 1)], nb)  # nb: dropped
-    return kv_cache.write(pool, (block, slice(None), pos % bs), new)
+    m = chunk.table.shape[1]
+    k_chunks, c = new.shape[:2]
+    pos = chunk.start[:, None] + jnp.arange(c)[None, :]  # [K, C]
+    real = jnp.arange(c)[None, :] < chunk.length[:, None]
+    block = jnp.where(real, jnp.take_along_axis(chunk.table, jnp.minimum(pos // bs, m - 1), axis=1), nb)  # nb: dropped
+    return kv_cache.write(pool, (block.reshape(-1), slice(None), (pos % bs).reshape(-1)),
+                          new.reshape(k_chunks * c, *new.shape[2:]))
 
 
 def _write_chunk_blocks(pool: kv_cache.Pool, new: jax.Array, chunk: Chunk) -> kv_cache.Pool:
-    """``new`` [C, kv, D] into the pool a whole block at a time, for a chunk that starts on a block
+    """``new`` [K, C, kv, D] into the pool a whole block at a time, for chunks that start on a block
     boundary. Every block holding a real row is written whole: its positions past the chunk's end
     (only a prompt's last chunk has them) are the sequence's own, written again before they are read."""
     nb, kv, bs, d = pool.shape
-    m = chunk.table.shape[0]
-    c = new.shape[0]
+    m = chunk.table.shape[1]
+    k_chunks, c = new.shape[:2]
     n = -(-c // bs)
-    blocks = jnp.pad(new, ((0, n * bs - c), (0, 0), (0, 0))).reshape(n, bs, kv, d).transpose(0, 2, 1, 3)
-    index = chunk.start // bs + jnp.arange(n)
-    real = (index * bs < chunk.start + chunk.length) & (index < m)
-    return kv_cache.write(pool, (jnp.where(real, chunk.table[jnp.minimum(index, m - 1)], nb),), blocks)
+    blocks = jnp.pad(new, ((0, 0), (0, n * bs - c), (0, 0), (0, 0))).reshape(k_chunks, n, bs, kv, d)
+    blocks = blocks.transpose(0, 1, 3, 2, 4).reshape(k_chunks * n, kv, bs, d)
+    index = chunk.start[:, None] // bs + jnp.arange(n)[None, :]  # [K, n]
+    real = (index * bs < (chunk.start + chunk.length)[:, None]) & (index < m)
+    block = jnp.where(real, jnp.take_along_axis(chunk.table, jnp.minimum(index, m - 1), axis=1), nb)
+    return kv_cache.write(pool, (block.reshape(-1),), blocks)
 
 
 def budget_layers(
@@ -294,7 +318,7 @@ def budget_layers(
 ) -> tuple[jax.Array, jax.Array | None, list[jax.Array], list[jax.Array]]:
     """``layers`` of one token-budget step on its residual stream x [n (+ C), hidden]: a token for each
     of the ``n`` decode rows (positions, write [n], block tables [n, M]; rows where ``write`` is False
-    neither write nor matter) then, when given, the chunk's C tokens. Pools: per layer [blocks,
+    neither write nor matter) then, when given, the chunks' K * C tokens. Pools: per layer [blocks,
     kv_heads_local, block_size, head_dim]. Returns (residual, its norm with ``final_norm`` or None,
     pools); ``last_rows`` as in :func:`run_layers`."""
     shape = cfg.shape
@@ -302,9 +326,7 @@ def budget_layers(
     hd = shape.spec.head_dim
     new_k, new_v = list(k_pool), list(v_pool)
     write_at = jnp.where(write, positions, tables.shape[1] * k_pool[0].shape[2])
-    all_pos = positions
-    if chunk is not None:
-        all_pos = jnp.concatenate([positions, chunk.start + jnp.arange(chunk.tokens.shape[0])])
+    all_pos = positions if chunk is None else jnp.concatenate([positions, chunk.positions])
 
     # Rows that do not write are idle slots whose positions are stale: attending to one position
     # keeps each from costing the attention over a whole earlier sequence.
@@ -335,16 +357,14 @@ def budget_forward(
     cfg: ForwardConfig,
 ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
     """One token-budget step over a paged pool, in one forward pass: a token for each of the ``n``
-    decode rows plus, when given, one prompt chunk (:func:`budget_layers`). Returns local logits
-    [n + 1, padded_vocab / tp] (the last row: the chunk's last real position; [n, ...] without a
-    chunk) and the pools.
+    decode rows plus, when given, K prompt chunks (:func:`budget_layers`). Returns local logits
+    [n + K, padded_vocab / tp] (row n + j: chunk j's last real position; [n, ...] without chunks)
+    and the pools.
     """
     n = tokens.shape[0]
-    all_tokens = tokens if chunk is None else jnp.concatenate([tokens, chunk.tokens])
-    # Logits are wanted for the decode rows and the chunk's last real position only.
-    last_rows = None
-    if chunk is not None:
-        last_rows = jnp.concatenate([jnp.arange(n), (n + jnp.maximum(chunk.length, 1) - 1)[None]])
+    all_tokens = tokens if chunk is None else jnp.concatenate([tokens, chunk.flat_tokens])
+    # Logits are wanted for the decode rows and each chunk's last real position only.
+    last_rows = None if chunk is None else jnp.concatenate([jnp.arange(n), chunk.last_rows(n)])
     _, h, new_k, new_v = budget_layers(embed(params["embed"], all_tokens), params["layers"], k_pool, v_pool,
                                        positions, tables, write, chunk, cfg, params["final_norm"], last_rows)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)

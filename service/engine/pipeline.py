@@ -91,7 +91,7 @@ def pipeline_forward(params: dict, k_pool: list[jax.Array], v_pool: list[jax.Arr
                      positions: jax.Array, tables: jax.Array, write: jax.Array, chunk: Chunk | None,
                      cfg: ForwardConfig, pp: int) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
     """``model.budget_forward`` over the stages (module docstring), inside ``shard_map`` over
-    (pp, tp): local logits [n (+1: the chunk's last position), padded_vocab / (pp * tp)] and the
+    (pp, tp): local logits [n (+ K: each chunk's last position), padded_vocab / (pp * tp)] and the
     stage's pools."""
     stage = jax.lax.axis_index(PP)
     layers = [jax.tree.map(lambda a: a[0], layer) for layer in params["layers"]]
@@ -102,7 +102,7 @@ def pipeline_forward(params: dict, k_pool: list[jax.Array], v_pool: list[jax.Arr
         return kv_cache.map_pool(lambda a: a[None], pool)
 
     ks, vs = [unstack(p) for p in k_pool], [unstack(p) for p in v_pool]
-    all_tokens = tokens if chunk is None else jnp.concatenate([tokens, chunk.tokens])
+    all_tokens = tokens if chunk is None else jnp.concatenate([tokens, chunk.flat_tokens])
     x = embed(params["embed"], all_tokens)
     for i in range(pp):
         def run(x: jax.Array, ks: list[jax.Array], vs: list[jax.Array]) -> tuple[jax.Array, list, list]:
@@ -116,9 +116,7 @@ def pipeline_forward(params: dict, k_pool: list[jax.Array], v_pool: list[jax.Arr
         y, ks, vs = jax.lax.cond(stage == i, run, wait, x, ks, vs)
         x = jax.lax.psum(jnp.where(stage == i, y, jnp.zeros_like(y)), PP)
     n = tokens.shape[0]
-    rows = jnp.arange(n)
-    if chunk is not None:
-        rows = jnp.concatenate([rows, (n + jnp.maximum(chunk.length, 1) - 1)[None]])
+    rows = jnp.arange(n) if chunk is None else jnp.concatenate([jnp.arange(n), chunk.last_rows(n)])
     h = rmsnorm(x[rows], params["final_norm"], cfg.shape.spec.rms_norm_eps)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, [restack(p) for p in ks], [restack(p) for p in vs]

@@ -3,9 +3,10 @@
 A :class:`StepPlan` names the compiled program (:class:`~switchyard.service.engine.step_policy.StepShape`),
 the decode rows (the decoding slots, ascending: row i decodes slot ``rows[i]``, at the position that
 slot's state on the device holds, with the token it made last), their block tables when they changed,
-and the prompt chunk the step carries, if any (its tokens, where they go, its block table, and the
-sampling of the token its last chunk makes). The engine launches a plan and, later, hands back a token
-per decode row and the chunk's token (:class:`StepTokens`); it keeps no books of its own.
+and the prompt chunks the step carries, none or several, each of another sequence (its tokens, where
+they go, its block table, and the sampling of the token its last chunk makes). The engine launches a
+plan and, later, hands back a token per decode row and one per chunk that completed its prompt
+(:class:`StepTokens`); it keeps no books of its own.
 """
 
 from __future__ import annotations
@@ -45,24 +46,30 @@ class StepPlan:
     shape: StepShape
     rows: np.ndarray  # int64 [n <= shape.width]: the decoding slots, ascending
     tables: np.ndarray | None  # int32 [max_slots, M]: row i's block table (None: as in the last plan)
-    chunk: ChunkPlan | None = None
+    chunks: tuple[ChunkPlan, ...] = ()  # at most shape.chunks, of distinct slots
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Prompt tokens the step computes."""
+        return sum(c.length for c in self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTokens:
-    """A step's tokens: one per decode row (``tokens[i]`` is slot ``plan.rows[i]``'s), and the first
-    output token of the prompt the step completed (-1 when it completed none)."""
+    """A step's tokens: one per decode row (``tokens[i]`` is slot ``plan.rows[i]``'s), and one per
+    chunk of the plan (``chunk_tokens[j]``: the first output token of chunk j's prompt when the chunk
+    completed it, else -1)."""
 
     step: int
     tokens: np.ndarray  # int32 [len(plan.rows)]
-    chunk_token: int
+    chunk_tokens: np.ndarray  # int32 [len(plan.chunks)]
 
 
 # ---- a plan as int32 words (what stage 0 sends the other stages of a pipeline group) --------------
-# [width, chunk_tokens, kv_len, greedy, rows n, tables given, chunk given, rows (n),
-#  tables (if given: slots, M, slots * M words), chunk (if given: slot, start, length, completes,
+# [width, chunk_tokens, kv_len, greedy, chunk slots, rows n, tables given, chunks given, rows (n),
+#  tables (if given: slots, M, slots * M words), per chunk: (slot, start, length, completes,
 #  temperature bits, top_k, top_p bits, seed, counter, tokens (length), M, table (M))]
-_HEADER = 7
+_HEADER = 8
 _CHUNK_HEADER = 9
 
 
@@ -76,13 +83,13 @@ def _bits_f32(x: int) -> float:
 
 def encode_plan(plan: StepPlan) -> np.ndarray:
     """``plan`` as an int32 vector (:func:`decode_plan` reads it back exactly)."""
-    shape, chunk = plan.shape, plan.chunk
-    words = [shape.width, shape.chunk_tokens, shape.kv_len, int(shape.greedy), plan.rows.size,
-             int(plan.tables is not None), int(chunk is not None)]
+    shape = plan.shape
+    words = [shape.width, shape.chunk_tokens, shape.kv_len, int(shape.greedy), shape.chunks, plan.rows.size,
+             int(plan.tables is not None), len(plan.chunks)]
     parts = [np.array(words, np.int32), plan.rows.astype(np.int32)]
     if plan.tables is not None:
         parts += [np.array(plan.tables.shape, np.int32), plan.tables.astype(np.int32).ravel()]
-    if chunk is not None:
+    for chunk in plan.chunks:
         s = chunk.sampling
         parts += [np.array([chunk.slot, chunk.start, chunk.length, int(chunk.completes), _f32_bits(s.temperature),
                             s.top_k, _f32_bits(s.top_p), s.seed, chunk.counter], np.int32),
@@ -92,7 +99,7 @@ def encode_plan(plan: StepPlan) -> np.ndarray:
 
 def decode_plan(words: np.ndarray) -> StepPlan:
     """The plan :func:`encode_plan` wrote."""
-    width, chunk_tokens, kv_len, greedy, n, has_tables, has_chunk = (int(w) for w in words[:_HEADER])
+    width, chunk_tokens, kv_len, greedy, chunk_slots, n, has_tables, n_chunks = (int(w) for w in words[:_HEADER])
     at = _HEADER
     rows = words[at: at + n].astype(np.int64)
     at += n
@@ -101,8 +108,8 @@ def decode_plan(words: np.ndarray) -> StepPlan:
         slots, m = (int(w) for w in words[at: at + 2])
         tables = words[at + 2: at + 2 + slots * m].reshape(slots, m).copy()
         at += 2 + slots * m
-    chunk = None
-    if has_chunk:
+    chunks = []
+    for _ in range(n_chunks):
         fields = (int(w) for w in words[at: at + _CHUNK_HEADER])
         slot, start, length, completes, temp, top_k, top_p, seed, counter = fields
         at += _CHUNK_HEADER
@@ -112,7 +119,7 @@ def decode_plan(words: np.ndarray) -> StepPlan:
         table = words[at + 1: at + 1 + m].copy()
         at += 1 + m
         sampling = SamplingParams(temperature=_bits_f32(temp), top_k=top_k, top_p=_bits_f32(top_p), seed=seed)
-        chunk = ChunkPlan(slot, tokens, start, table, bool(completes), sampling, counter)
+        chunks.append(ChunkPlan(slot, tokens, start, table, bool(completes), sampling, counter))
     if at != words.size:
         raise ValueError(f"a plan of {words.size} words has {words.size - at} left over")
-    return StepPlan(StepShape(width, chunk_tokens, kv_len, bool(greedy)), rows, tables, chunk)
+    return StepPlan(StepShape(width, chunk_tokens, kv_len, bool(greedy), chunk_slots), rows, tables, tuple(chunks))

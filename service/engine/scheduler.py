@@ -9,8 +9,9 @@ It owns the KV manager (``kv_manager.py``: slots, blocks, tables, the prefix cac
 policy (``step_policy.py``: how much a step carries, in which compiled shape); the engine only
 launches the plans (``plan.py``). A request is admitted, first come first served, when a slot is free
 and the pool has blocks for its prompt; each step carries one token for every decoding request plus
-the next chunk of the oldest prompt not yet computed, so no prompt waits behind a later one and no
-decoding stream waits for a whole prompt. When the pool runs short for the decoding requests' next
+the next chunk of the oldest prompt not yet computed (beside the whole remainders of later short
+ones, as the step policy packs them), so no prompt waits behind a later one and no decoding stream
+waits for a whole prompt. When the pool runs short for the decoding requests' next
 tokens, the request admitted last is preempted: its blocks go back, and it returns to the head of
 the queue to be recomputed (prompt and tokens so far) and continue where it stopped.
 
@@ -80,9 +81,11 @@ class _Live:
 
 class _Launched:
     """A launched step and whose tokens it makes: the decode rows' requests (each in the epoch it was
-    planned in) and the request whose prompt its chunk completes."""
+    planned in) and, per chunk of the plan, the request whose prompt it completes (None: it completes
+    none)."""
 
-    def __init__(self, pending: Any, rows: list[tuple[_Live, int]], completing: tuple[_Live, int] | None) -> None:
+    def __init__(self, pending: Any, rows: list[tuple[_Live, int]],
+                 completing: list[tuple[_Live, int] | None]) -> None:
         self.pending = pending
         self.rows = rows
         self.completing = completing
@@ -279,12 +282,12 @@ class Scheduler:
 
     def _launch(self) -> _Launched | None:
         """Room for the decoding requests' next tokens (preempting the latest admitted when short),
-        then one step with them and the oldest unfinished prompt's next chunk."""
+        then one step with them and the unfinished prompts' next chunks, oldest first."""
         kv = self.kv
         while not kv.ensure_decode_blocks():
             self._preempt(self._admitted[-1])
-        owner = next((live for live in self._admitted if kv.sequence(live.slot).left > 0), None)
-        plan = self.policy.plan(kv, None if owner is None else owner.slot, self._backlog())
+        prompting = [live.slot for live in self._admitted if kv.sequence(live.slot).left > 0]
+        plan = self.policy.plan(kv, prompting, self._backlog())
         if plan is None:
             return None
         rows = [(live, live.epoch) for live in (self._slots[int(s)] for s in plan.rows)]
@@ -296,14 +299,14 @@ class Scheduler:
                 self._fail_all(err)
             return None
         kv.launched(plan)
-        completing = None
-        if plan.chunk is not None:
-            assert owner is not None
+        completing: list[tuple[_Live, int] | None] = []
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            owner = self._slots[chunk.slot]
             owner.chunk_steps.append(pending.step)
-            owner.chunk_times.append(time.monotonic())
-            owner.chunk_tokens.append(plan.chunk.length)
-            if plan.chunk.completes:
-                completing = (owner, owner.epoch)
+            owner.chunk_times.append(now)
+            owner.chunk_tokens.append(chunk.length)
+            completing.append((owner, owner.epoch) if chunk.completes else None)
         return _Launched(pending, rows, completing)
 
     def _backlog(self) -> int:
@@ -341,10 +344,10 @@ class Scheduler:
         for (live, epoch), token in zip(launched.rows, result.tokens, strict=True):
             if live.epoch == epoch and not live.done:
                 self._emit_token(live, int(token), step=result.step, batch=batch, now=now)
-        if launched.completing is not None:
-            live, epoch = launched.completing
-            if live.epoch == epoch and not live.done:
-                self._emit_token(live, result.chunk_token, step=result.step, batch=batch + 1, now=now)
+        batch += sum(c is not None for c in launched.completing)
+        for completing, token in zip(launched.completing, result.chunk_tokens, strict=True):
+            if completing is not None and completing[0].epoch == completing[1] and not completing[0].done:
+                self._emit_token(completing[0], int(token), step=result.step, batch=batch, now=now)
 
     def _fail_all(self, err: FatalEngineError) -> None:
         """The engine is gone for good: fail everything queued too, then stop the loop (the server

@@ -3,8 +3,12 @@ plans every step with it; the engine compiles the shapes it lists.
 
 Every step is one forward pass: a token for each decoding sequence, plus (while a prompt waits) a
 chunk of up to ``step_tokens`` of one prompt, so the weights are read once for both and a long prompt
-never holds the decoding streams behind it. When nothing decodes, nothing waits behind a step: a
-prompt with at least ``idle_step_tokens`` left goes in a chunk of that many. Under a burst (more than
+never holds the decoding streams behind it. Short prompts (or what is left of them, after a cached
+prefix or earlier chunks) share a step: when the next prompt's remainder fits the small chunk size
+(a quarter of the budget), the step carries the whole remainders of up to four waiting prompts that
+fit it too, each in a chunk of that size, so a burst of short prompts takes a quarter of the steps.
+When nothing decodes, nothing waits behind a step: a prompt with at least ``idle_step_tokens`` left
+goes in a chunk of that many. Under a burst (more than
 ``SURGE_BACKLOG_BUDGETS`` budgets of prompt tokens not yet computed) a step carries up to twice the
 budget, so the burst drains faster.
 
@@ -19,6 +23,7 @@ is a small part of a chunk step (benchmarks/NOTES.md).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,13 +65,15 @@ def doubling_buckets(limit: int, start: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class StepShape:
-    """One compiled step program: ``width`` decode rows, and a chunk of ``chunk_tokens`` attending to
-    ``kv_len`` positions of its sequence (both 0: no chunk); ``greedy``: every row samples greedily."""
+    """One compiled step program: ``width`` decode rows, and ``chunks`` chunks of ``chunk_tokens``
+    each attending to at most ``kv_len`` positions of its sequence (``kv_len`` 0: no chunk);
+    ``greedy``: every row samples greedily."""
 
     width: int
     chunk_tokens: int = 0
     kv_len: int = 0
     greedy: bool = True
+    chunks: int = 1
 
     @property
     def with_chunk(self) -> bool:
@@ -102,6 +109,8 @@ class StepPolicy:
         # work. Each size is a program per context bucket to compile, hence few.
         small = step_tokens // 4
         self.chunk_sizes = [small, step_tokens] if small >= block_size else [step_tokens]
+        # Chunks of that size a step may carry side by side (module docstring): 1 without the small size.
+        self.packed_chunks = step_tokens // small if small >= block_size else 1
         if self.surge_step_tokens > step_tokens:
             self.chunk_sizes.append(self.surge_step_tokens)
         self.batch_widths = doubling_buckets(max_slots, min(min_width, max_slots))
@@ -138,37 +147,49 @@ class StepPolicy:
             budget = self.surge_step_tokens
         return min(budget, left)
 
-    def shape(self, decoding: int, chunk_end: int | None, chunk_length: int, greedy: bool) -> StepShape:
+    def shape(self, decoding: int, chunk_end: int | None, chunk_length: int, greedy: bool,
+              chunks: int = 1) -> StepShape:
         """The program of a step with ``decoding`` decode rows and, when ``chunk_end`` is given, a
-        chunk of ``chunk_length`` tokens ending at position ``chunk_end`` of its sequence."""
+        chunk of ``chunk_length`` tokens ending at position ``chunk_end`` of its sequence, or
+        ``chunks`` > 1 small chunks the last of which ends there."""
         if chunk_end is None:
             return StepShape(next(w for w in self.batch_widths if w >= decoding), greedy=greedy)
         width = next(w for w in self.chunk_widths if w >= decoding)
         kv_len = next(b for b in self.kv_buckets if b >= chunk_end)
+        if chunks > 1:
+            return StepShape(width, self.chunk_sizes[0], kv_len, greedy=False, chunks=self.packed_chunks)
         return StepShape(width, self.chunk_size_for(chunk_length), kv_len, greedy=False)
 
-    def plan(self, kv: KVManager, chunk_slot: int | None, backlog: int = 0) -> StepPlan | None:
+    def plan(self, kv: KVManager, chunk_slots: Sequence[int], backlog: int = 0) -> StepPlan | None:
         """The next step over ``kv``'s books: a token for every decoding sequence (their blocks must
-        be in place: ``kv.ensure_decode_blocks``), and the next chunk of ``chunk_slot``'s prompt when
-        given; ``backlog``: the prompt tokens not yet computed, for :meth:`chunk_length`. None when
-        there is nothing to do."""
+        be in place: ``kv.ensure_decode_blocks``), and the next chunk of the first of ``chunk_slots``
+        (the sequences with prompt tokens left, oldest first), beside the whole remainders of later
+        ones when all fit the small chunk size (module docstring); ``backlog``: the prompt tokens not
+        yet computed, for :meth:`chunk_length`. None when there is nothing to do."""
         from switchyard.service.engine.plan import ChunkPlan, StepPlan
 
         rows = kv.decoding()
-        if chunk_slot is None and rows.size == 0:
+        if not chunk_slots and rows.size == 0:
             return None
         greedy = all(kv.sequence(int(s)).sampling.greedy for s in rows)
-        chunk = None
-        if chunk_slot is not None:
-            seq = kv.sequence(chunk_slot)
-            length = self.chunk_length(seq.left, rows.size > 0, backlog)
+        chunks: list[ChunkPlan] = []
+        for slot in chunk_slots:
+            seq = kv.sequence(slot)
+            if chunks and (len(chunks) == self.packed_chunks or seq.left > self.chunk_sizes[0]):
+                continue
+            length = self.chunk_length(seq.left, rows.size > 0, backlog) if not chunks else seq.left
             tokens = np.asarray(seq.tokens[seq.computed: seq.computed + length], np.int32)
-            chunk = ChunkPlan(chunk_slot, tokens, seq.computed, kv.table(chunk_slot).copy(), length == seq.left,
-                              seq.sampling, seq.counter)
-            greedy = greedy and seq.sampling.greedy
-        shape = self.shape(rows.size, None if chunk is None else chunk.end, 0 if chunk is None else chunk.length,
-                           greedy)
-        return StepPlan(shape, rows, kv.row_tables(rows), chunk)
+            chunks.append(ChunkPlan(slot, tokens, seq.computed, kv.table(slot).copy(), length == seq.left,
+                                    seq.sampling, seq.counter))
+            if self.packed_chunks == 1 or length > self.chunk_sizes[0]:
+                break  # a chunk larger than the small size goes alone
+        if len(chunks) > 1:
+            chunks.sort(key=lambda c: c.end)  # the program's context bucket is the last one's
+        if chunks:
+            greedy = False  # chunk programs are sampled only
+        shape = self.shape(rows.size, chunks[-1].end if chunks else None, chunks[-1].length if chunks else 0, greedy,
+                           len(chunks))
+        return StepPlan(shape, rows, kv.row_tables(rows), tuple(chunks))
 
     def chunk_size_for(self, length: int) -> int:
         """The compiled chunk size a chunk of ``length`` tokens runs in."""
@@ -179,12 +200,15 @@ class StepPolicy:
         """Every step program serving can run: decode-only steps at each width; a chunk of up to
         step_tokens, which may end anywhere, beside either chunk width; a surge chunk longer than
         step_tokens, which ends past step_tokens; an idle-step chunk, which is whole and so ends at
-        idle_step_tokens or later, with nothing decoding beside it (the narrower width). Decode-only
-        steps greedy and sampled; those with a chunk sampled (module docstring)."""
+        idle_step_tokens or later, with nothing decoding beside it (the narrower width); small chunks
+        side by side, beside either chunk width, ending anywhere. Decode-only steps greedy and
+        sampled; those with chunks sampled (module docstring)."""
         chunked = [(w, size, kv) for w in self.chunk_widths for size in self.chunk_sizes for kv in self.kv_buckets
                    if size <= self.step_tokens or kv > self.step_tokens]
         if self.idle_step_tokens not in self.chunk_sizes:
             chunked += [(self.chunk_widths[0], self.idle_step_tokens, kv) for kv in self.kv_buckets
                         if kv >= self.idle_step_tokens]
+        packed = [StepShape(w, self.chunk_sizes[0], kv, False, self.packed_chunks) for w in self.chunk_widths
+                  for kv in self.kv_buckets] if self.packed_chunks > 1 else []
         return ([StepShape(w, greedy=greedy) for greedy in (True, False) for w in self.batch_widths]
-                + [StepShape(w, c, kv, greedy=False) for w, c, kv in chunked])
+                + [StepShape(w, c, kv, greedy=False) for w, c, kv in chunked] + packed)

@@ -40,7 +40,7 @@ def test_seated_sequences_decode_at_the_context_over_their_prompts_kv(engine):
     # The next step's logits for the last seated sequence are those of its prompt run alone: its KV
     # holds the prompt's values, computed by the model.
     assert kv.ensure_decode_blocks()
-    seated = engine.logits(engine.policy.plan(kv, None))[2]
+    seated = engine.logits(engine.policy.plan(kv, []))[2]
     _, alone = greedy_and_logits(engine, prompts[2], 2)  # its own books: after the seated step's logits
     np.testing.assert_allclose(seated, alone[1], rtol=1e-4, atol=1e-4 * np.abs(alone[1]).max())
     with pytest.raises(ValueError, match="empty books"):

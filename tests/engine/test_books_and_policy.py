@@ -49,13 +49,13 @@ def test_kv_manager_books_a_sequence_from_its_prompt_to_its_eviction():
     assert kv.row_tables(kv.decoding()) is None, "unchanged since the last plan"
     policy = StepPolicy(max_slots=3, max_seq_len=64, block_size=BLOCK, step_tokens=BLOCK)
     for _ in range(3):  # 16 + 16 + 8: the last chunk completes the prompt
-        plan = policy.plan(kv, 1)
+        plan = policy.plan(kv, [1])
         kv.launched(plan)
     assert list(kv.decoding()) == [1] and kv.sequence(1).position == 40 and kv.prefilling() == []
     # Decoding fills the third block; the 49th position needs a fourth.
     for _ in range(8):
         assert kv.ensure_decode_blocks()
-        kv.launched(policy.plan(kv, None))
+        kv.launched(policy.plan(kv, []))
     assert kv.sequence(1).position == 48 and kv.decode_blocks_needed() == 1
     assert kv.ensure_decode_blocks() and kv.held_blocks() == 4
     tables = kv.row_tables(kv.decoding())
@@ -95,10 +95,41 @@ def test_policy_sizes_and_the_shapes_it_compiles(monkeypatch):
     serving = StepPolicy(max_slots=64, max_seq_len=4352, block_size=64, step_tokens=256)
     assert serving.kv_buckets == [256, 512, 1024, 2048, 4352]
     assert serving.shape(4, 4000, 256, True).kv_len == 4352 and serving.shape(4, 2000, 256, True).kv_len == 2048
-    assert len(serving.shapes()) == 42  # 12 decode-only, 30 with a chunk
+    assert len(serving.shapes()) == 52  # 12 decode-only, 30 with a chunk, 10 with four small chunks
     assert StepPolicy(max_slots=4, max_seq_len=6144, block_size=64, step_tokens=256).kv_buckets[-2:] == [4096, 6144]
     monkeypatch.setattr(step_policy, "NARROW_CHUNK_MIN_ROWS", 2)
     assert StepPolicy(max_slots=4, max_seq_len=128, block_size=BLOCK).chunk_widths == [2, 4]
+
+
+def test_short_remainders_share_a_step_and_a_longer_chunk_goes_alone():
+    kv = KVManager(max_slots=8, max_seq_len=128, kv_tokens=32 * BLOCK, block_size=BLOCK)
+    policy = StepPolicy(max_slots=8, max_seq_len=128, block_size=BLOCK, step_tokens=4 * BLOCK)
+    assert policy.packed_chunks == 4 and policy.chunk_sizes[0] == BLOCK
+    lengths = {0: 5, 1: 3 * BLOCK, 2: BLOCK, 3: 1, 4: 7, 5: 2, 6: 3}
+    for slot, n in lengths.items():
+        kv.begin(slot, [100 + slot] * n, SamplingParams(), reuse_prefix=False)
+    # The oldest fits the small size: the whole remainders of the next that fit go beside it (slot 1's
+    # does not), four at most, the context bucket the furthest end's.
+    plan = policy.plan(kv, list(lengths))
+    assert sorted(c.slot for c in plan.chunks) == [0, 2, 3, 4] and all(c.completes for c in plan.chunks)
+    assert policy.chunk_widths == [8] and policy.kv_buckets == [4 * BLOCK, 8 * BLOCK]
+    assert plan.shape == StepShape(8, BLOCK, 4 * BLOCK, False, 4) and plan.chunk_tokens == 5 + BLOCK + 1 + 7
+    kv.launched(plan)
+    assert sorted(kv.decoding().tolist()) == [0, 2, 3, 4] and kv.prefilling() == [1, 5, 6]
+    # A chunk larger than the small size goes alone, though short ones wait behind it.
+    assert kv.ensure_decode_blocks()
+    plan = policy.plan(kv, [1, 5, 6])
+    assert [c.slot for c in plan.chunks] == [1] and plan.shape.chunks == 1 and plan.chunks[0].length == 3 * BLOCK
+    kv.launched(plan)
+    assert kv.ensure_decode_blocks()
+    plan = policy.plan(kv, [5, 6])
+    assert [c.slot for c in plan.chunks] == [5, 6] and plan.shape.chunks == 4
+    # One short remainder alone runs in the single small chunk's program.
+    kv.launched(plan)
+    kv.begin(7, [1, 2, 3], SamplingParams(), reuse_prefix=False)
+    assert kv.ensure_decode_blocks()
+    assert policy.plan(kv, [7]).shape.chunks == 1
+    assert [s for s in policy.shapes() if s.chunks > 1] == [StepShape(8, BLOCK, kv, False, 4) for kv in (64, 128)]
 
 
 def test_a_backlog_of_more_than_the_surge_budgets_doubles_the_budget():
@@ -115,18 +146,19 @@ def test_a_plan_travels_as_words_and_comes_back_whole():
     kv = KVManager(max_slots=3, max_seq_len=64, kv_tokens=8 * BLOCK, block_size=BLOCK)
     policy = StepPolicy(max_slots=3, max_seq_len=64, block_size=BLOCK, step_tokens=BLOCK)
     kv.begin(0, list(range(5)), SamplingParams())
-    kv.launched(policy.plan(kv, 0))  # slot 0 decodes from now on
+    kv.launched(policy.plan(kv, [0]))  # slot 0 decodes from now on
     kv.begin(2, list(range(50, 90)), SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=123), counter=3)
-    plan = policy.plan(kv, 2)
-    assert plan.tables is not None and plan.chunk is not None and plan.rows.tolist() == [0]
+    plan = policy.plan(kv, [2])
+    assert plan.tables is not None and len(plan.chunks) == 1 and plan.rows.tolist() == [0]
     back = decode_plan(encode_plan(plan))
     assert back.shape == plan.shape and back.rows.tolist() == [0] and np.array_equal(back.tables, plan.tables)
-    assert (back.chunk.slot, back.chunk.start, back.chunk.completes, back.chunk.counter) == (2, 0, False, 3)
+    (chunk,), (sent,) = back.chunks, plan.chunks
+    assert (chunk.slot, chunk.start, chunk.completes, chunk.counter) == (2, 0, False, 3)
     as_f32 = lambda s: (np.float32(s.temperature), s.top_k, np.float32(s.top_p), s.seed)  # noqa: E731 (the device's)
-    assert as_f32(back.chunk.sampling) == as_f32(plan.chunk.sampling)
-    assert np.array_equal(back.chunk.tokens, plan.chunk.tokens) and np.array_equal(back.chunk.table, plan.chunk.table)
+    assert as_f32(chunk.sampling) == as_f32(sent.sampling)
+    assert np.array_equal(chunk.tokens, sent.tokens) and np.array_equal(chunk.table, sent.table)
     kv.launched(plan)
-    decode = policy.plan(kv, None)
-    assert decode_plan(encode_plan(decode)).tables is None and decode_plan(encode_plan(decode)).chunk is None
+    decode = policy.plan(kv, [])
+    assert decode_plan(encode_plan(decode)).tables is None and decode_plan(encode_plan(decode)).chunks == ()
     with pytest.raises(ValueError, match="left over"):
         decode_plan(np.concatenate([encode_plan(plan), [7]]).astype(np.int32))

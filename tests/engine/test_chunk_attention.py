@@ -1,6 +1,7 @@
-"""A prompt chunk's attention, split into its earlier keys (in a paged pool, through a block table)
-and its own and merged by log-sum-exp, against a float64 attention over the whole causal context; on
-CPU through XLA's ops, on a GPU through cuDNN."""
+"""Prompt chunks' attention, split into their earlier keys (in a paged pool, through a block table)
+and their own and merged by log-sum-exp, against a float64 attention over the whole causal context
+(one chunk, and several of different sequences side by side); on CPU through XLA's ops, on a GPU
+through cuDNN."""
 
 from __future__ import annotations
 
@@ -58,12 +59,34 @@ def _paged(seq: jax.Array, block: int, order: np.ndarray) -> tuple[jax.Array, ja
 
 
 def _run(fn, rng, args, start: int, block: int) -> jax.Array:
-    """``fn`` on the inputs of :func:`_inputs`, the earlier keys paged in shuffled blocks among 3 spare ones."""
+    """``fn`` on the inputs of :func:`_inputs` as a batch of one chunk, the earlier keys paged in
+    shuffled blocks among 3 spare ones."""
     q, k_earlier, v_earlier, k_chunk, v_chunk = args
     order = rng.permutation(k_earlier.shape[0] // block + 3)
     (k_pool, table), (v_pool, _) = _paged(k_earlier, block, order), _paged(v_earlier, block, order)
-    return jax.jit(fn, static_argnums=5)(q, k_pool, v_pool, table, jnp.int32(start), k_earlier.shape[0], k_chunk,
-                                         v_chunk)
+    one = lambda a: a[None]  # noqa: E731
+    return jax.jit(fn, static_argnums=5)(one(q), k_pool, v_pool, one(table), jnp.array([start], jnp.int32),
+                                         k_earlier.shape[0], one(k_chunk), one(v_chunk))[0]
+
+
+def _run_side_by_side(fn, rng, inputs: list[tuple], starts: list[int], block: int) -> jax.Array:
+    """``fn`` on several chunks of :func:`_inputs` (one context length) at once, each sequence's
+    earlier keys in blocks of its own, all shuffled into one pool with 3 spare blocks."""
+    context = inputs[0][1].shape[0]
+    n = context // block
+    order = rng.permutation(len(inputs) * n + 3)
+    pools = []
+    for part in (1, 2):
+        pool = np.full((len(order), *np.asarray(inputs[0][part]).shape[1:2], block, inputs[0][part].shape[2]), POISON,
+                       np.float32)
+        for i, args in enumerate(inputs):
+            seq = np.asarray(args[part].astype(jnp.float32))
+            pool[order[i * n: (i + 1) * n]] = seq.reshape(n, block, *seq.shape[1:]).transpose(0, 2, 1, 3)
+        pools.append(jnp.asarray(pool, inputs[0][part].dtype))
+    tables = jnp.asarray(np.stack([order[i * n: (i + 1) * n] for i in range(len(inputs))]), jnp.int32)
+    stack = lambda j: jnp.stack([args[j] for args in inputs])  # noqa: E731
+    return jax.jit(fn, static_argnums=5)(stack(0), *pools, tables, jnp.asarray(starts, jnp.int32), context,
+                                         stack(3), stack(4))
 
 
 @pytest.mark.parametrize(("chunk", "context", "start", "length", "heads", "kv", "dim"), [
@@ -79,6 +102,19 @@ def test_split_attention_matches_float64(rng, chunk, context, start, length, hea
     out = np.asarray(_run(chunk_attention, rng, args, start, block=8))
     assert np.isfinite(out).all()  # padded queries included
     assert np.abs(out[:length] - expected).max() < 1e-4
+
+
+def test_chunks_side_by_side_each_match_their_own_float64(rng):
+    """Chunks of four sequences in one call (a first chunk among them, and one whose real length is
+    1): each attends to its own sequence's keys only."""
+    chunk, context, heads, kv, dim = 8, 48, 4, 2, 8
+    starts, lengths = [0, 13, 40, 29], [8, 1, 8, 5]
+    inputs = [_inputs(rng, chunk, context, s, heads, kv, dim, jnp.float32) for s in starts]
+    out = np.asarray(_run_side_by_side(chunk_attention, rng, inputs, starts, block=8))
+    assert np.isfinite(out).all()
+    for i, (args, start, length) in enumerate(zip(inputs, starts, lengths, strict=True)):
+        expected = float64_chunk_attention(*args[:3], start, *args[3:], length)
+        assert np.abs(out[i, :length] - expected).max() < 1e-4, i
 
 
 def test_merge_of_two_halves_is_the_whole(rng):
@@ -117,6 +153,20 @@ def test_cudnn_split_attention_matches_float64(rng, chunk, context, start, lengt
         assert np.abs(out[:length] - expected).max() < 2e-2, fn.__name__
 
 
+@pytest.mark.gpu
+def test_cudnn_chunks_side_by_side_each_match_their_own_float64(rng):
+    """Four small chunks of four sequences in one cuDNN call per part, as a step packs short prompts."""
+    chunk, context, heads, kv, dim = 64, 1024, 32, 8, 128
+    starts, lengths = [0, 960, 448, 64], [64, 1, 33, 64]
+    inputs = [_inputs(rng, chunk, context, s, heads, kv, dim, jnp.bfloat16) for s in starts]
+    for fn in (cudnn_chunk_attention, chunk_attention):
+        out = np.asarray(_run_side_by_side(fn, rng, inputs, starts, block=64), np.float64)
+        assert np.isfinite(out).all(), fn.__name__
+        for i, (args, start, length) in enumerate(zip(inputs, starts, lengths, strict=True)):
+            expected = float64_chunk_attention(*args[:3], start, *args[3:], length)
+            assert np.abs(out[i, :length] - expected).max() < 2e-2, (fn.__name__, i)
+
+
 @pytest.mark.parametrize(("start_block", "length", "chunk"), [(2, 12, 24), (0, 24, 24), (3, 1, 8), (5, 8, 24)])
 def test_block_writes_put_each_real_row_where_position_writes_do(rng, start_block, length, chunk):
     """A chunk's K/V written a block at a time (chunks that start on a block boundary) against one
@@ -126,9 +176,10 @@ def test_block_writes_put_each_real_row_where_position_writes_do(rng, start_bloc
     pool = jnp.asarray(rng.standard_normal((12, kv, bs, dim)), jnp.float32)
     table = jnp.asarray(rng.permutation(12)[:m], jnp.int32)
     new = jnp.asarray(rng.standard_normal((chunk, kv, dim)), jnp.float32)
-    c = Chunk(jnp.zeros(chunk, jnp.int32), jnp.int32(start_block * bs), jnp.int32(length), table, m * bs, True)
-    by_block = np.asarray(jax.jit(lambda p, n: _write_chunk_blocks(p, n, c))(pool, new))
-    by_position = np.asarray(jax.jit(lambda p, n: _write_chunk_positions(p, n, c))(pool, new))
+    one = lambda x: jnp.array([x], jnp.int32)  # noqa: E731
+    c = Chunk(jnp.zeros((1, chunk), jnp.int32), one(start_block * bs), one(length), table[None], m * bs, True)
+    by_block = np.asarray(jax.jit(lambda p, n: _write_chunk_blocks(p, n[None], c))(pool, new))
+    by_position = np.asarray(jax.jit(lambda p, n: _write_chunk_positions(p, n[None], c))(pool, new))
     positions = np.arange(start_block * bs, start_block * bs + length)
     blocks, offsets = np.asarray(table)[positions // bs], positions % bs
     assert (by_position[blocks, :, offsets] == np.asarray(new)[:length]).all()

@@ -1,6 +1,6 @@
 """Continuous batching with the real sampler: requests joining a running batch get the tokens they get
-alone (greedy and sampled), seeds reproduce, top_k 1 is greedy, and sampled tokens follow the model's
-distribution."""
+alone (greedy and sampled), short prompts packed into one step get their own logits and tokens, seeds
+reproduce, top_k 1 is greedy, and sampled tokens follow the model's distribution."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def first_token_logits(engine, prompt) -> np.ndarray:
     kv = KVManager(max_slots=engine.max_slots, max_seq_len=engine.max_seq_len, kv_tokens=engine.kv_tokens,
                    block_size=engine.kv_block_size)
     kv.begin(0, prompt, SamplingParams())
-    return engine.logits(engine.policy.plan(kv, 0))[-1].astype(np.float64)
+    return engine.logits(engine.policy.plan(kv, [0]))[-1].astype(np.float64)
 
 
 def test_sampled_tokens_follow_the_distribution(engine):
@@ -87,3 +87,57 @@ def test_sampled_tokens_follow_the_distribution(engine):
     for t in top:
         freq = np.mean(np.array(draws) == t)
         assert abs(freq - p[t]) < 4 * np.sqrt(p[t] * (1 - p[t]) / 400) + 0.01, (t, freq, p[t])
+
+
+@pytest.fixture(scope="module")
+def packing_engine(tiny_checkpoint_dir):
+    """Blocks of 4 and a budget of 16: prompt remainders of up to 4 tokens go four to a step."""
+    engine = tiny_engine(tiny_checkpoint_dir, tp=2, slots=4, max_seq_len=64, step_tokens=16, block_size=4)
+    assert engine.policy.packed_chunks == 4 and engine.policy.chunk_sizes[0] == 4
+    return engine
+
+
+def test_short_prompts_packed_into_one_step_get_their_own_logits_and_tokens(packing_engine):
+    engine = packing_engine
+    short = [[1, 40, 41], [1, 250], [1, 7, 300, 12], [1]]
+    kv = KVManager(max_slots=4, max_seq_len=64, kv_tokens=engine.kv_tokens, block_size=4)
+    for slot, prompt in enumerate(short):
+        kv.begin(slot, prompt, SamplingParams(), reuse_prefix=False)
+    plan = engine.policy.plan(kv, [0, 1, 2, 3])
+    assert plan.shape.chunks == 4 and len(plan.chunks) == 4
+    packed = engine.logits(plan).astype(np.float64)
+    for row, chunk in enumerate(plan.chunks):
+        own = first_token_logits(engine, short[chunk.slot])
+        assert np.abs(packed[row] - own).max() < 2e-2 * np.abs(own).max(), chunk.slot
+    # Through the scheduler: a longer prompt decodes while the short ones arrive and are packed beside it.
+    n = 10
+    prompts = [[1, *range(3, 14)], *short[:3]]
+    sampling = [SamplingParams(), SamplingParams(temperature=0.9, seed=11), SamplingParams(), SAMPLING[2]]
+    solo = [alone(engine, p, s, n) for p, s in zip(prompts, sampling, strict=True)]
+    launched = []
+    scheduler = Scheduler(_Recording(engine, launched))
+    outputs: dict[str, list[int]] = {}
+    for i, (prompt, samp) in enumerate(zip(prompts, sampling, strict=True)):
+        scheduler.submit(GenerationRequest(f"r{i}", prompt, n, samp, ignore_eos=True,
+                                           on_event=lambda e: outputs.setdefault(e.request_id, []).append(e.token_id)))
+        if i == 0:
+            for _ in range(3):
+                scheduler.step()
+    while scheduler.in_flight:
+        scheduler.step()
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == solo
+    assert any(len(p.chunks) == 3 and p.rows.size == 1 for p in launched), "the short prompts were not packed"
+
+
+class _Recording:
+    """An engine that keeps every plan it launches."""
+
+    def __init__(self, engine, plans: list) -> None:
+        self._engine, self._plans = engine, plans
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def launch(self, plan):
+        self._plans.append(plan)
+        return self._engine.launch(plan)

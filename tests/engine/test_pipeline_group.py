@@ -136,7 +136,7 @@ def test_a_failed_launch_on_stage_0_breaks_the_group_and_nothing_more_is_sent():
     leader = LeaderEngine(engine, channel)
     kv = KVManager(max_slots=2, max_seq_len=64, kv_tokens=engine.kv_tokens, block_size=engine.kv_block_size)
     kv.begin(0, [1, 2, 3], SamplingParams())
-    plan = engine.policy.plan(kv, 0)
+    plan = engine.policy.plan(kv, [0])
     with pytest.raises(GroupBrokenError, match="device lost"):
         leader.launch(plan)
     assert leader.broken is not None

@@ -228,9 +228,29 @@ def test_decoding_slots_run_as_the_first_rows_in_the_narrowest_width():
     run(s, *[GenerationRequest(f"s{i}", [5, 6], 1, ignore_eos=True) for i in range(6)])
     events = run(s, GenerationRequest("a", PROMPTS[3], 12, ignore_eos=True),
                  GenerationRequest("b", PROMPTS[6], 12, ignore_eos=True))
-    decode_only = [p for p in engine.plans if p.chunk is None]
+    decode_only = [p for p in engine.plans if not p.chunks]
     assert decode_only and {p.shape.width for p in decode_only if p.rows.size <= 2} == {2}
     assert tokens_of(events["a"]) == alone()[3] and tokens_of(events["b"]) == alone()[6]
+
+
+def test_a_burst_of_short_prompts_shares_steps_and_each_gets_its_own_tokens():
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 500, n)] for n in (3, 16, 1, 9, 12, 5, 2, 16, 7, 4)]
+    sampling = [SamplingParams(temperature=0.8, seed=i) if i % 3 == 0 else SamplingParams() for i in range(10)]
+    requests = lambda: [GenerationRequest(f"r{i}", list(p), 6, sampling[i], ignore_eos=True)  # noqa: E731
+                        for i, p in enumerate(prompts)]
+    solo = [tokens_of(run(Scheduler(fake(slots=8, max_seq_len=128, step_tokens=4 * BLOCK)), r)[r.request_id])
+            for r in requests()]
+    engine = fake(slots=8, max_seq_len=128, step_tokens=4 * BLOCK)
+    records = {}
+    s = Scheduler(engine, max_queue=16, on_finish=lambda r: records.__setitem__(r.request_id, r))
+    events = run(s, *requests())
+    assert [tokens_of(events[f"r{i}"]) for i in range(10)] == solo
+    packed = [p for p in engine.plans if len(p.chunks) > 1]
+    assert packed and max(len(p.chunks) for p in packed) == 4
+    # Ten prompts of at most the small chunk each: their first tokens come from three steps, not ten.
+    assert len({int(r.chunk_steps[-1]) for r in records.values()}) == 3
+    assert all(len(r.chunk_steps) == 1 for r in records.values())
 
 
 def test_idle_steps_carry_the_larger_chunk_and_nothing_decodes_beside_it():
@@ -241,7 +261,7 @@ def test_idle_steps_carry_the_larger_chunk_and_nothing_decodes_beside_it():
     run(s, GenerationRequest("alone", list(longest), 4, ignore_eos=True))
     assert list(records["alone"].chunk_tokens) == [2 * BLOCK, 2 * BLOCK, len(longest) - 4 * BLOCK]
     for plan in engine.plans:
-        if plan.chunk is not None and plan.chunk.length > BLOCK:
+        if plan.chunks and plan.chunks[0].length > BLOCK:
             assert plan.rows.size == 0, "a sequence decoded beside an idle-step chunk"
 
 

@@ -63,11 +63,11 @@ def check_engine() -> None:
             tokens, logits = [], []
             while len(tokens) < 16:  # the prompt in one chunk, then a token a step
                 assert kv.ensure_decode_blocks()
-                plan = engine.policy.plan(kv, 0 if kv.sequence(0).left else None)
+                plan = engine.policy.plan(kv, [0] if kv.sequence(0).left else [])
                 logits.append(engine.logits(plan)[-1])
                 result = engine.collect(engine.launch(plan))
                 kv.launched(plan)
-                tokens.append(result.chunk_token if plan.chunk is not None else int(result.tokens[0]))
+                tokens.append(int(result.chunk_tokens[0]) if plan.chunks else int(result.tokens[0]))
             outs[tp] = tokens, np.stack(logits)
         assert outs[1][0] == outs[WORLD][0], "TP=8 tokens differ from TP=1"
         rel = np.abs(outs[1][1] - outs[WORLD][1]).max() / np.abs(outs[1][1]).max()

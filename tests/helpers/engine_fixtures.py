@@ -78,17 +78,17 @@ def greedy_and_logits(engine: Engine, prompt: Sequence[int], n: int) -> tuple[li
     while len(tokens) < n:
         assert kv.ensure_decode_blocks()
         seq = kv.sequence(0)
-        plan = engine.policy.plan(kv, 0 if seq.left else None)
+        plan = engine.policy.plan(kv, [0] if seq.left else [])
         # Only steps that make a token have logits to compare: a chunk that does not end its prompt
         # gets no logits program compiled.
-        makes_token = plan.chunk is None or plan.chunk.completes
+        makes_token = not plan.chunks or plan.chunks[0].completes
         step_logits = engine.logits(plan) if makes_token else None
         result = engine.collect(engine.launch(plan))
         kv.launched(plan)
-        if plan.chunk is not None and plan.chunk.completes:
-            tokens.append(result.chunk_token)
+        if plan.chunks and plan.chunks[0].completes:
+            tokens.append(int(result.chunk_tokens[0]))
             logits.append(step_logits[-1])
-        elif plan.chunk is None:
+        elif not plan.chunks:
             tokens.append(int(result.tokens[0]))
             logits.append(step_logits[0])
     return tokens, np.asarray(logits, np.float64)
