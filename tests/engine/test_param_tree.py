@@ -52,7 +52,7 @@ def lowered_step(spec, tp: int, unwrap: bool) -> str:
     pool = jax.ShapeDtypeStruct((8, spec.num_kv_heads, 4, spec.head_dim), dtype, sharding=NamedSharding(mesh, POOL))
     pools = [pool] * spec.num_layers
     rows, m = 4, 8
-    ints = [jax.ShapeDtypeStruct(s, jnp.int32) for s in ((rows,), (rows,), (rows, m), (8,), (), (), (m,))]
+    ints = [jax.ShapeDtypeStruct(s, jnp.int32) for s in ((rows,), (rows,), (rows, m), (1, 8), (1,), (1,), (1, m))]
     write = jax.ShapeDtypeStruct((rows,), jnp.bool_)
 
     def body(params, k, v, tokens, positions, tables, write, c_tokens, c_start, c_len, c_table):
