@@ -85,11 +85,14 @@ def engine_on(weights: Weights, config: EngineConfig) -> Engine:
 
 def serving_layout(args: Any) -> ServingLayout:
     """The layout of a serving benchmark's arguments (``tp``, ``strategy``, ``batch_slots``,
-    ``max_seq_len``, and optionally ``kv_tokens``, ``kv_memory_fraction``, ``step_tokens``)."""
+    ``max_seq_len``, and optionally ``kv_tokens``, ``kv_memory_fraction``, ``step_tokens``,
+    ``quantization``, ``kv_cache_dtype``)."""
     return ServingLayout(tp=args.tp, strategy=args.strategy, batch_slots=args.batch_slots,
                          max_seq_len=args.max_seq_len, kv_tokens=getattr(args, "kv_tokens", 0),
                          kv_memory_fraction=getattr(args, "kv_memory_fraction", DEFAULT_KV_MEMORY_FRACTION),
-                         step_tokens=getattr(args, "step_tokens", DEFAULT_STEP_TOKENS))
+                         step_tokens=getattr(args, "step_tokens", DEFAULT_STEP_TOKENS),
+                         quantization=getattr(args, "quantization", "auto"),
+                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def serving_tokenizer(args: Any) -> tuple[ModelSpec, Any]:

@@ -804,6 +804,9 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model_path or args.preset, "tp": args.tp, "strategy": args.strategy,
             "step_tokens": facts.step_tokens, "kv_tokens": facts.kv_tokens,
             "kv_block_size": facts.kv_block_size,
+            # What the engine served (an engine process's facts, or the engine in this process).
+            "weights": getattr(facts, "weights", None) or facts.weights_label,
+            "kv_cache": getattr(facts, "kv_cache", None) or facts.kv_cache_label,
             "batch_slots": args.batch_slots, "max_seq_len": args.max_seq_len, "rates_rps": args.rates,
             "duration_s": args.duration, "timeout_s": args.timeout, "prompt_lengths": args.prompt_lengths,
             "output_lengths": args.output_lengths, "shared_prefix": args.shared_prefix, "seed": args.seed,

@@ -203,6 +203,7 @@ def overhead(value: float, base: float, *, higher_is_better: bool) -> float:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, max_seq_len: int) -> None:
     """The flags of the engine a serving benchmark runs (``drive.serving_engine`` reads them)."""
+    from switchyard.service.model.quantization import CHOICES as QUANTIZATION_CHOICES
     from switchyard.service.modelspec import DEFAULT_KV_MEMORY_FRACTION, DEFAULT_STEP_TOKENS
 
     source = parser.add_mutually_exclusive_group()
@@ -218,6 +219,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_seq_len: int) -> N
     parser.add_argument("--kv-tokens", type=int, default=0,
                         help="KV pool size in tokens (0: from the memory left after the weights)")
     parser.add_argument("--kv-memory-fraction", type=float, default=DEFAULT_KV_MEMORY_FRACTION)
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
+                        help="the layer matrices' format, as serve --quantization (fp8: quantized at load)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the KV cache's format, as serve --kv-cache-dtype")
 
 
 def main(argv: list[str] | None = None) -> int:

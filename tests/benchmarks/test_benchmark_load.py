@@ -215,6 +215,7 @@ def test_load_script_on_the_tiny_preset_through_both_paths(tmp_path):
     assert set(result["warmup_s"]) == {"in-process", "grpc"}  # each path's engine, the gRPC one in its own process
     assert all(seconds > 0 for seconds in result["warmup_s"].values())
     assert result["device"].endswith("cpu")
+    assert result["config"]["weights"] and result["config"]["kv_cache"]  # the formats the engine served
     assert "p99 of its own inter-token gaps" in result["slo"]["request_meets"]
     from switchyard.service.modelspec import preset
 
@@ -236,7 +237,7 @@ def test_load_script_on_the_tiny_preset_through_both_paths(tmp_path):
         if not on_grpc:
             host = row["host"]
             assert row["engine_steps"] == host["decode_steps"] + host["chunk_steps"] > 0
-            assert host["chunk_steps"] >= len(plan)  # every prompt took at least one chunk
+            assert 4 * host["chunk_steps"] >= len(plan)  # every prompt took a chunk; at most four share a step
             assert host["chunk_launch_ms_mean"] > 0 and host["collect_wait_ms_mean"] >= 0
             assert 0 <= host["collect_found_done_fraction"] <= 1
             for kind in ("decode", "chunk"):  # every step counted at one width of the engine's
