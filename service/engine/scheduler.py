@@ -11,9 +11,9 @@ launches the plans (``plan.py``). A request is admitted, first come first served
 and the pool has blocks for its prompt; each step carries one token for every decoding request plus
 the next chunk of the oldest prompt not yet computed (beside the whole remainders of later short
 ones, as the step policy packs them), so no prompt waits behind a later one and no decoding stream
-waits for a whole prompt. When the pool runs short for the decoding requests' next
-tokens, the request admitted last is preempted: its blocks go back, and it returns to the head of
-the queue to be recomputed (prompt and tokens so far) and continue where it stopped.
+waits for a whole prompt. When the pool runs short for the decoding requests' next tokens, the
+request admitted last is preempted: its blocks go back, and it returns to the head of the queue to be
+recomputed (prompt and tokens so far) and continue where it stopped.
 
 Tokens are ids here: text (detokenizing, stop strings) is the server's (``service/api/text.py``).
 Per-token timings go into preallocated arrays (no object per token) for tracing.

@@ -8,9 +8,8 @@ prefix or earlier chunks) share a step: when the next prompt's remainder fits th
 (a quarter of the budget), the step carries the whole remainders of up to four waiting prompts that
 fit it too, each in a chunk of that size, so a burst of short prompts takes a quarter of the steps.
 When nothing decodes, nothing waits behind a step: a prompt with at least ``idle_step_tokens`` left
-goes in a chunk of that many. Under a burst (more than
-``SURGE_BACKLOG_BUDGETS`` budgets of prompt tokens not yet computed) a step carries up to twice the
-budget, so the burst drains faster.
+goes in a chunk of that many. Under a burst (more than ``SURGE_BACKLOG_BUDGETS`` budgets of prompt
+tokens not yet computed) a step carries up to twice the budget, so the burst drains faster.
 
 Programs are compiled per shape: decode-only steps per batch width, each greedy-only or sampled; steps
 with a chunk per chunk size and per bucket of the context the chunk attends to, sampled only (a greedy
@@ -174,9 +173,11 @@ class StepPolicy:
         greedy = all(kv.sequence(int(s)).sampling.greedy for s in rows)
         chunks: list[ChunkPlan] = []
         for slot in chunk_slots:
+            if len(chunks) == self.packed_chunks:
+                break
             seq = kv.sequence(slot)
-            if chunks and (len(chunks) == self.packed_chunks or seq.left > self.chunk_sizes[0]):
-                continue
+            if chunks and seq.left > self.chunk_sizes[0]:
+                continue  # only whole short remainders join the first chunk
             length = self.chunk_length(seq.left, rows.size > 0, backlog) if not chunks else seq.left
             tokens = np.asarray(seq.tokens[seq.computed: seq.computed + length], np.int32)
             chunks.append(ChunkPlan(slot, tokens, seq.computed, kv.table(slot).copy(), length == seq.left,
