@@ -162,3 +162,24 @@ def test_a_plan_travels_as_words_and_comes_back_whole():
     assert decode_plan(encode_plan(decode)).tables is None and decode_plan(encode_plan(decode)).chunks == ()
     with pytest.raises(ValueError, match="left over"):
         decode_plan(np.concatenate([encode_plan(plan), [7]]).astype(np.int32))
+
+
+def test_a_plan_of_several_chunks_travels_as_words_and_comes_back_whole():
+    kv = KVManager(max_slots=6, max_seq_len=128, kv_tokens=24 * BLOCK, block_size=BLOCK)
+    policy = StepPolicy(max_slots=6, max_seq_len=128, block_size=BLOCK, step_tokens=4 * BLOCK)
+    kv.begin(0, list(range(40)), SamplingParams())
+    kv.launched(policy.plan(kv, [0]))  # slot 0 decodes from now on
+    samplings = [SamplingParams(), SamplingParams(temperature=0.5, top_k=7, top_p=0.75, seed=9), SamplingParams()]
+    for slot, (n, sampling) in enumerate(zip((3, BLOCK, 1), samplings, strict=True), start=2):
+        kv.begin(slot, list(range(100 * slot, 100 * slot + n)), sampling, counter=slot)
+    assert kv.ensure_decode_blocks()
+    plan = policy.plan(kv, [2, 3, 4])
+    assert len(plan.chunks) == 3 and plan.shape.chunks == 4 and plan.rows.tolist() == [0]
+    back = decode_plan(encode_plan(plan))
+    assert back.shape == plan.shape and back.rows.tolist() == [0] and np.array_equal(back.tables, plan.tables)
+    as_f32 = lambda s: (np.float32(s.temperature), s.top_k, np.float32(s.top_p), s.seed)  # noqa: E731 (the device's)
+    for got, sent in zip(back.chunks, plan.chunks, strict=True):
+        fields = lambda c: (c.slot, c.start, c.completes, c.counter)  # noqa: E731
+        assert fields(got) == fields(sent)
+        assert as_f32(got.sampling) == as_f32(sent.sampling)
+        assert np.array_equal(got.tokens, sent.tokens) and np.array_equal(got.table, sent.table)

@@ -1,6 +1,7 @@
 """Pipeline stages in one process: the one engine over a (pp, tp) mesh of simulated devices gives
-exactly TP=1's tokens (greedy and sampled), with prompts in chunks over the paged pool and requests
-joining and leaving; its logits match one device's; bad pipeline shapes are refused."""
+exactly TP=1's tokens (greedy and sampled), with prompts in chunks over the paged pool (several to a
+step among them) and requests joining and leaving; its logits match one device's; bad pipeline shapes
+are refused."""
 
 from __future__ import annotations
 
@@ -52,16 +53,21 @@ def reference(checkpoint):
 
 # The warm-up compiles every shape the step policy can ask for, which takes most of a case's time; one
 # layout with both kinds of parallelism checks that it covers what serving runs. Four stages: the middle
-# ones receive and pass on.
-@pytest.mark.parametrize(("pp", "tp", "warm"), [(2, 2, True), (4, 1, False)])
-def test_pipeline_stages_give_the_tokens_of_one_device(checkpoint, reference, pp, tp, warm):
-    engine = tiny_engine(checkpoint, tp=tp, pp=pp, slots=4, max_seq_len=64, step_tokens=8, block_size=8)
+# ones receive and pass on; with blocks of 4 and a budget of 16, the short prompts' chunks share steps.
+@pytest.mark.parametrize(("pp", "tp", "warm", "step_tokens", "block_size"), [(2, 2, True, 8, 8), (4, 1, False, 16, 4)])
+def test_pipeline_stages_give_the_tokens_of_one_device(checkpoint, reference, pp, tp, warm, step_tokens, block_size):
+    engine = tiny_engine(checkpoint, tp=tp, pp=pp, slots=4, max_seq_len=64, step_tokens=step_tokens,
+                         block_size=block_size)
     if warm:
         engine.warmup()
     compiled = engine.compiled_count()
+    plans = []
+    launch = engine.launch
+    engine.launch = lambda plan: (plans.append(plan), launch(plan))[1]
     assert serve_all(engine) == reference
     if warm:
         assert engine.compiled_count() == compiled, "serving compiled a program the warm-up missed"
+    assert any(len(p.chunks) > 1 for p in plans) == (engine.policy.packed_chunks > 1)
 
 
 def test_pipeline_logits_match_one_device(checkpoint):
