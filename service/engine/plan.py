@@ -48,11 +48,6 @@ class StepPlan:
     tables: np.ndarray | None  # int32 [max_slots, M]: row i's block table (None: as in the last plan)
     chunks: tuple[ChunkPlan, ...] = ()  # at most shape.chunks, of distinct slots
 
-    @property
-    def chunk_tokens(self) -> int:
-        """Prompt tokens the step computes."""
-        return sum(c.length for c in self.chunks)
-
 
 @dataclasses.dataclass(frozen=True)
 class StepTokens:

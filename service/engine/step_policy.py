@@ -182,14 +182,11 @@ class StepPolicy:
             tokens = np.asarray(seq.tokens[seq.computed: seq.computed + length], np.int32)
             chunks.append(ChunkPlan(slot, tokens, seq.computed, kv.table(slot).copy(), length == seq.left,
                                     seq.sampling, seq.counter))
-            if self.packed_chunks == 1 or length > self.chunk_sizes[0]:
+            if length > self.chunk_sizes[0]:
                 break  # a chunk larger than the small size goes alone
-        if len(chunks) > 1:
-            chunks.sort(key=lambda c: c.end)  # the program's context bucket is the last one's
-        if chunks:
-            greedy = False  # chunk programs are sampled only
-        shape = self.shape(rows.size, chunks[-1].end if chunks else None, chunks[-1].length if chunks else 0, greedy,
-                           len(chunks))
+        # The program's context bucket holds the furthest chunk end.
+        end = max(c.end for c in chunks) if chunks else None
+        shape = self.shape(rows.size, end, chunks[0].length if chunks else 0, greedy, len(chunks))
         return StepPlan(shape, rows, kv.row_tables(rows), tuple(chunks))
 
     def chunk_size_for(self, length: int) -> int:
