@@ -111,7 +111,9 @@ class WarmUp:
     came from the store at ``folder`` (None: no store); the others were compiled (and kept there).
     ``first_runs``: the seconds of those ``seconds`` spent running each program once (a program's first
     launch loads its GPU code and builds its command buffers), of which ``chunk_first_runs`` for the
-    ``chunk_programs`` programs that take a prompt chunk (their attention differs from decode's)."""
+    ``chunk_programs`` programs that take a prompt chunk (their attention differs from decode's).
+    ``autotuner_notices``: XLA's "Delay kernel timed out" lines of the compiles, counted and not shown
+    (``service.engine.xla_notices``)."""
 
     seconds: float
     programs: int
@@ -120,10 +122,14 @@ class WarmUp:
     first_runs: float = 0.0
     chunk_programs: int = 0
     chunk_first_runs: float = 0.0
+    autotuner_notices: int = 0
 
     def describe(self) -> str:
         runs = (f"; first runs {self.first_runs:.1f} s, {self.chunk_first_runs:.1f} s of them for the "
                 f"{self.chunk_programs} with a prompt chunk")
+        if self.autotuner_notices:
+            runs += (f"; XLA's autotuner timed {self.autotuner_notices} candidates with their launch included "
+                     "while another program loaded (its 'Delay kernel timed out' lines, not shown)")
         if self.folder is None:
             return f"{self.programs} step programs compiled in {self.seconds:.1f} s (no compile cache{runs})"
         return (f"{self.programs} step programs ready in {self.seconds:.1f} s: {self.loaded} loaded from the "

@@ -70,6 +70,7 @@ from switchyard.service.engine.pipeline import (
 from switchyard.service.engine.plan import ChunkPlan, StepPlan, StepTokens
 from switchyard.service.engine.sampling import SamplingParams, sample_sharded
 from switchyard.service.engine.step_policy import MIN_BATCH_WIDTH, StepPolicy, StepShape
+from switchyard.service.engine.xla_notices import autotuner_notices_counted
 from switchyard.service.engine.xla_runtime import (
     ALLOCATOR_ENV,
     MEMORY_FRACTION_ENVS,
@@ -641,7 +642,8 @@ class Engine:
 
         Tracing holds the GIL, so programs are traced one after another here, while XLA compiles
         them in a thread pool as they come (it releases the GIL): on a 16-core H200 host the load
-        benchmark's 86 programs take 108-119 s, where 42 took 218 s one after another (benchmarks/NOTES.md)."""
+        benchmark's 86 programs take 108-119 s, where 42 took 218 s one after another (benchmarks/NOTES.md).
+        XLA's autotuner notices of those side-by-side compiles are counted, not shown (``xla_notices``)."""
         t0 = time.perf_counter()
         # The staging program once per set of inputs a step may change, so serving compiles none.
         rows, chunk = self._row_arrays(np.zeros(0, np.int64), None), {"chunks": self._pack(())}
@@ -666,7 +668,7 @@ class Engine:
                 ready += 1
                 report(ready, len(shapes))
 
-        with ThreadPoolExecutor(compile_workers()) as pool:
+        with autotuner_notices_counted() as notices, ThreadPoolExecutor(compile_workers()) as pool:
             # Stored programs load side by side (deserializing and loading onto the GPUs releases the
             # GIL); only those the store lacks are traced and compiled after.
             loading = {pool.submit(store.load, keys[shape], devices): shape for shape in shapes} if store else {}
@@ -697,4 +699,4 @@ class Engine:
         jax.block_until_ready((self._state, self._io))
         done = time.perf_counter()
         return WarmUp(done - t0, len(shapes), loaded, None if store is None else store.folder, done - t_runs,
-                      sum(s.with_chunk for s in shapes), kind_seconds[True])
+                      sum(s.with_chunk for s in shapes), kind_seconds[True], notices.dropped)
