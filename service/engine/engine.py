@@ -29,7 +29,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ from switchyard.service.engine.pipeline import (
 )
 from switchyard.service.engine.plan import ChunkPlan, StepPlan, StepTokens
 from switchyard.service.engine.sampling import SamplingParams, sample_sharded
-from switchyard.service.engine.step_policy import MIN_BATCH_WIDTH, StepPolicy, StepShape
+from switchyard.service.engine.step_policy import MIN_BATCH_WIDTH, StepPolicy, StepShape, products_first
 from switchyard.service.engine.xla_notices import autotuner_notices_counted
 from switchyard.service.engine.xla_runtime import (
     ALLOCATOR_ENV,
@@ -643,7 +643,9 @@ class Engine:
         Tracing holds the GIL, so programs are traced one after another here, while XLA compiles
         them in a thread pool as they come (it releases the GIL): on a 16-core H200 host the load
         benchmark's 86 programs take 108-119 s, where 42 took 218 s one after another (benchmarks/NOTES.md).
-        XLA's autotuner notices of those side-by-side compiles are counted, not shown (``xla_notices``)."""
+        One program of each set with equal products compiles before the rest of its set, so that XLA
+        autotunes each product once (``step_policy.products_first``). XLA's autotuner notices of those
+        side-by-side compiles are counted, not shown (``xla_notices``)."""
         t0 = time.perf_counter()
         # The staging program once per set of inputs a step may change, so serving compiles none.
         rows, chunk = self._row_arrays(np.zeros(0, np.int64), None), {"chunks": self._pack(())}
@@ -680,11 +682,34 @@ class Engine:
                     from_store.add(loading[done])
                     ready, loaded = ready + 1, loaded + 1
                     report(ready, len(shapes))
-            for shape in shapes:
-                if shape in from_store:
-                    continue
+            # One program per set of equal products compiles first; the others of its set wait for it
+            # (traced meanwhile), so that XLA autotunes each product once (step_policy.products_first).
+            leaders: dict[tuple[int, int, int], Future] = {}
+            held: list[tuple[Future, StepShape, Any]] = []
+
+            def release() -> None:
+                """Compile the held programs whose leader has finished."""
+                nonlocal held
+                still = []
+                for leader, shape, lowered in held:
+                    if leader.done():
+                        compiling[pool.submit(lowered.compile)] = shape
+                    else:
+                        still.append((leader, shape, lowered))
+                held = still
+
+            for shape in products_first([s for s in shapes if s not in from_store]):
                 lowered = self._program("step", shape).lower(self.params, self._state, self._io)
-                compiling[pool.submit(lowered.compile)] = shape
+                if shape.products in leaders:
+                    held.append((leaders[shape.products], shape, lowered))
+                else:
+                    leaders[shape.products] = future = pool.submit(lowered.compile)
+                    compiling[future] = shape
+                release()
+                collect([f for f in compiling if f.done()])
+            while held:
+                wait({h[0] for h in held}, return_when=FIRST_COMPLETED)
+                release()
                 collect([f for f in compiling if f.done()])
             collect(as_completed(list(compiling)))
         t_runs = time.perf_counter()

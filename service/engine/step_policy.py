@@ -78,6 +78,24 @@ class StepShape:
     def with_chunk(self) -> bool:
         return self.kv_len > 0
 
+    @property
+    def products(self) -> tuple[int, int, int]:
+        """What sets the shapes of the step's weight products (its token rows): shapes that differ only
+        in context bucket or sampling multiply the same matrices by the same rows."""
+        return self.width, self.chunk_tokens, self.chunks
+
+
+def products_first(shapes: Sequence[StepShape]) -> list[StepShape]:
+    """``shapes`` reordered: the first of each set of equal :attr:`StepShape.products`, then the rest, each
+    part in the given order. XLA autotunes each product once per process and keeps the result, but two
+    programs compiled side by side both autotune a product neither has finished: compiling one program
+    per product set first lets the others find every product tuned (benchmarks/NOTES.md)."""
+    first: dict[tuple[int, int, int], StepShape] = {}
+    for shape in shapes:
+        first.setdefault(shape.products, shape)
+    leaders = set(first.values())
+    return [*first.values(), *(s for s in shapes if s not in leaders)]
+
 
 class StepPolicy:
     """The budget, chunk sizes, batch widths and context buckets of one engine's steps (module

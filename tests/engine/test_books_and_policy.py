@@ -101,6 +101,22 @@ def test_policy_sizes_and_the_shapes_it_compiles(monkeypatch):
     assert StepPolicy(max_slots=4, max_seq_len=128, block_size=BLOCK).chunk_widths == [2, 4]
 
 
+def test_one_program_per_set_of_equal_products_comes_first():
+    shapes = StepPolicy(max_slots=64, max_seq_len=4352, block_size=64, step_tokens=256).shapes()
+    ordered = step_policy.products_first(shapes)
+    assert sorted(ordered) == sorted(shapes)
+    sets = {s.products for s in shapes}
+    leaders, rest = ordered[:len(sets)], ordered[len(sets):]
+    # Each set's first program in the policy's order leads it; the rest keep the policy's order.
+    assert [s.products for s in leaders] == list(dict.fromkeys(s.products for s in shapes))
+    assert all(leader == next(s for s in shapes if s.products == leader.products) for leader in leaders)
+    assert rest == [s for s in shapes if s not in leaders]
+    # 52 programs, 15 sets of products: 6 decode widths (greedy and sampled alike); each chunk width and
+    # size, whatever the context bucket (2 x 3); four small chunks at either width; the idle chunk.
+    assert len(sets) == 15 and StepShape(8, greedy=False).products == StepShape(8).products
+    assert StepShape(64, 256, 512, False).products == StepShape(64, 256, 4352, False).products
+
+
 def test_short_remainders_share_a_step_and_a_longer_chunk_goes_alone():
     kv = KVManager(max_slots=8, max_seq_len=128, kv_tokens=32 * BLOCK, block_size=BLOCK)
     policy = StepPolicy(max_slots=8, max_seq_len=128, block_size=BLOCK, step_tokens=4 * BLOCK)
