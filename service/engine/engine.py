@@ -643,9 +643,9 @@ class Engine:
         Tracing holds the GIL, so programs are traced one after another here, while XLA compiles
         them in a thread pool as they come (it releases the GIL): on a 16-core H200 host the load
         benchmark's 86 programs take 108-119 s, where 42 took 218 s one after another (benchmarks/NOTES.md).
-        One program of each set with equal products compiles before the rest of its set, so that XLA
-        autotunes each product once (``step_policy.products_first``). XLA's autotuner notices of those
-        side-by-side compiles are counted, not shown (``xla_notices``)."""
+        One program of each set with equal products compiles before the rest of its set, so that the
+        rest can find XLA's autotuning of those products done (``step_policy.products_first``). XLA's
+        autotuner notices of those side-by-side compiles are counted, not shown (``xla_notices``)."""
         t0 = time.perf_counter()
         # The staging program once per set of inputs a step may change, so serving compiles none.
         rows, chunk = self._row_arrays(np.zeros(0, np.int64), None), {"chunks": self._pack(())}
@@ -683,7 +683,7 @@ class Engine:
                     ready, loaded = ready + 1, loaded + 1
                     report(ready, len(shapes))
             # One program per set of equal products compiles first; the others of its set wait for it
-            # (traced meanwhile), so that XLA autotunes each product once (step_policy.products_first).
+            # (traced meanwhile), so that they find XLA's autotuning of its products done.
             leaders: dict[tuple[int, int, int], Future] = {}
             held: list[tuple[Future, StepShape, Any]] = []
 
