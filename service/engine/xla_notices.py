@@ -50,6 +50,11 @@ class NoticeFilter:
         return rest if rest and self._keep(rest) else b""
 
 
+def _flush_stderr() -> None:
+    if sys.stderr is not None:
+        sys.stderr.flush()
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -62,8 +67,12 @@ def autotuner_notices_counted(fd: int = 2) -> Iterator[NoticeFilter]:
     alike) goes through a :class:`NoticeFilter` to where ``fd`` pointed before; after it, ``fd`` points
     there again. Yields the filter (its ``dropped`` count is final once the block has ended)."""
     notices = NoticeFilter()
-    sys.stderr.flush()
-    restore = os.dup(fd)
+    _flush_stderr()
+    try:
+        restore = os.dup(fd)
+    except OSError:  # no stderr to filter (closed): nothing to do
+        yield notices
+        return
     target = os.dup(fd)
     read_end, write_end = os.pipe()
     os.dup2(write_end, fd)
@@ -85,7 +94,7 @@ def autotuner_notices_counted(fd: int = 2) -> Iterator[NoticeFilter]:
     try:
         yield notices
     finally:
-        sys.stderr.flush()
+        _flush_stderr()
         os.dup2(restore, fd)  # the pipe's last write end closes: the thread reads to its end
         os.close(restore)
         thread.join(DRAIN_S)

@@ -52,6 +52,20 @@ def test_the_process_stderr_is_filtered_inside_and_itself_after() -> None:
     assert done.stderr == b"before\npython inside\nc++ inside\npartial line\nafter\n" + XLA_LINE + b"\n"
 
 
+def test_a_process_without_stderr_compiles_as_before() -> None:
+    script = textwrap.dedent("""
+        import os, sys
+        from switchyard.service.engine.xla_notices import autotuner_notices_counted
+        os.close(2)
+        sys.stderr = None
+        with autotuner_notices_counted() as notices:
+            pass
+        print("done", notices.dropped)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == b"done 0", done
+
+
 def test_the_warm_up_line_says_what_was_counted() -> None:
     assert "Delay kernel" not in WarmUp(3.0, 12).describe()
     text = WarmUp(3.0, 12, autotuner_notices=4).describe()
