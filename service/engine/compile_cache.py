@@ -129,7 +129,7 @@ class WarmUp:
                 f"{self.chunk_programs} with a prompt chunk")
         if self.autotuner_notices:
             runs += (f"; XLA's autotuner timed {self.autotuner_notices} candidates with their launch included "
-                     "while another program loaded (its 'Delay kernel timed out' lines, not shown)")
+                     "while another compile waited on the GPU (its 'Delay kernel timed out' lines, not shown)")
         if self.folder is None:
             return f"{self.programs} step programs compiled in {self.seconds:.1f} s (no compile cache{runs})"
         return (f"{self.programs} step programs ready in {self.seconds:.1f} s: {self.loaded} loaded from the "
