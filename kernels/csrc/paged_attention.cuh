@@ -31,16 +31,20 @@
 // FP8 pools (KV = __nv_fp8_e4m3, kv_cache.Fp8Pool): e4m3 rows with a float32 scale per position and
 // KV head, at the same row index in k_scale / v_scale. The ring then holds the e4m3 rows (half the
 // bytes; their 16-byte pieces permuted by row as above) and their scales, and the products read the
-// e4m3 bytes straight into their operand registers, widened exactly to T (ldmatrix moves 16-bit
+// e4m3 bytes straight into their operand registers, widened exactly to fp16 (ldmatrix moves 16-bit
 // elements only; a pass through a 16-bit stage put its latency between each stage's arrival and
 // its products). Two permutations make those reads whole words:
 // - scores: the head dimension is permuted (the same way for the queries), so that a thread's
 //   operands for two k16 steps are 8 consecutive bytes of its position's K row;
 // - P . V: output column n of tile j is dimension n * D/8 + j, so that a thread's operands for
 //   every tile are D/8 consecutive bytes of each of its two positions' V rows.
-// The scales stay out of the operands: K's multiplies the scores (fp32), V's the probabilities
-// (fp32, before they are rounded to bf16; fp16's range is too narrow for that, so fp16 multiplies
-// V's operands by the scales instead, as the pure-JAX path rounds them).
+// Both products run in fp16 whatever T is: e4m3 widens to fp16 exactly in one instruction per
+// pair (to bf16 it took five, and the kernel is bound by issuing instructions, not by bytes).
+// bf16 queries are scaled per head by a power of two into fp16's top binade (exact for every value
+// within 2^28 of the head's largest); the scores undo it. The scales stay out of the operands: K's
+// multiplies the scores (fp32); V's joins the probabilities' exponent (log2 of the scale added to
+// the score) with a running max of its own, so that the fp16 weights stay in (0, 1] whatever the
+// scale; the accumulators take the softmax's own max back at the end.
 // The new K/V are rounded to e4m3 with a scale of their own as kv_cache.write rounds them (the
 // row's largest magnitude over 448), stored so, and attended as stored.
 #pragma once
@@ -130,26 +134,13 @@ __device__ __forceinline__ int paged_fp8_offset(int r, int piece) {
   return r * D + ((piece ^ (r & kMask)) * 16);
 }
 
-// Four e4m3 values (w's bytes, the first lowest) as two registers of two T each, exactly: bytes 0, 1
-// in lo, bytes 2, 3 in hi. bf16: the sign, exponent and mantissa bits moved into place, then the
-// exponent bias corrected by a multiply by 2^120 (subnormal e4m3 become normal bf16 through it).
-template <typename T>
+// Four e4m3 values (w's bytes, the first lowest) as two registers of two fp16 each, exactly: bytes
+// 0, 1 in lo, bytes 2, 3 in hi.
 __device__ __forceinline__ void paged_e4m3x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    const __nv_bfloat162 bias = __halves2bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80));
-    auto widen = [&](uint32_t t) {  // t = [0, x0, 0, x1]: each e4m3 in the high byte of its half
-      const uint32_t bits = (t & 0x80008000u) | ((t >> 4) & 0x07F007F0u);
-      const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), bias);
-      return *reinterpret_cast<const uint32_t*>(&v);
-    };
-    lo = widen(__byte_perm(w, 0u, 0x1404));
-    hi = widen(__byte_perm(w, 0u, 0x3424));
-  } else {
-    const __half2_raw l = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-    lo = *reinterpret_cast<const uint32_t*>(&l);
-    hi = *reinterpret_cast<const uint32_t*>(&h);
-  }
+  const __half2_raw l = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
 }
 
 __device__ __forceinline__ uint32_t paged_smem_addr(const void* p) {
@@ -317,6 +308,34 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       qa[k][1] = *reinterpret_cast<const uint32_t*>(qg + (kFp8 ? 2 : 8));
     }
   }
+  // FP8 with bf16 queries: row g_row times 2^shift as fp16, its largest magnitude in [2^14, 2^15);
+  // q_unscale undoes it in the scores. The four threads of a row hold all of its D values.
+  float q_unscale = 1.f;
+  if constexpr (kFp8 && std::is_same<T, __nv_bfloat16>::value) {
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < KS; ++k)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa[k][i]));
+        amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+      }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    int exponent;
+    frexpf(amax, &exponent);  // amax < 2^exponent (exponent 0 for a zero row)
+    const int shift = min(15 - exponent, 120);
+    const float up = ldexpf(1.f, shift);
+    q_unscale = ldexpf(1.f, -shift);
+#pragma unroll
+    for (int k = 0; k < KS; ++k)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa[k][i]));
+        qa[k][i] = paged_pack<__half>(v.x * up, v.y * up);
+      }
+  }
+  using P = typename std::conditional<kFp8, __half, T>::type;  // the products' operand type
   // The output dimension of this thread's column c of tile j (FP8 permutes them, see the top).
   auto out_dim = [&](int j, int c) { return kFp8 ? (2 * quad + c) * NT + j : 8 * j + 2 * quad + c; };
   constexpr int E = D / 32;
@@ -354,11 +373,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
   }
   // The new K/V as the pool gives them back: qkv's own, or (FP8) their rounding.
   auto new_k = [&](int i) { return kFp8 ? to_f32(k_round.stored<T>(to_f32(kn[i]))) : to_f32(kn[i]); };
-  auto new_v = [&](int i) { return kFp8 ? to_f32(v_round.stored<T>(to_f32(vn[i]))) : to_f32(vn[i]); };
+  // The new V for the tail's accumulators: its own, or (FP8) its e4m3 values, whose scale goes into m_v.
+  auto new_v = [&](int i) { return kFp8 ? static_cast<float>(v_round.quantize(to_f32(vn[i]))) : to_f32(vn[i]); };
 
   // This thread's share of its warp's running softmax: row g_row, output columns 8j + 2 quad + {0, 1}.
   const float scale = a.scale * kLog2e;
+  const float score_scale = scale * q_unscale;
   float m = kAttnFloor, l = 0.f;
+  float m_v = kAttnFloor;  // FP8: the running max of score + log2(V's scale); acc is relative to it
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -375,6 +397,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
 #pragma unroll
       for (int g = 0; g < G; ++g)
         if (g == g_row) m = part[g] * scale;
+      // FP8: acc holds the new V's e4m3 values, as the cached positions' (their scale in m_v).
+      if constexpr (kFp8) m_v = m + __log2f(v_round.scale);
       l = quad == 0 ? 1.f : 0.f;  // the four threads of a row sum their l at the end
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -439,10 +463,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
         const int byte = 16 * k + 8 * quad;  // dimension 32 (k / 2) + 8 quad
         const uint2 w = *reinterpret_cast<const uint2*>(st + paged_fp8_offset<D>(r, byte / 16) + byte % 16);
         uint32_t kb[4];
-        paged_e4m3x4<T>(w.x, kb[0], kb[1]);
-        paged_e4m3x4<T>(w.y, kb[2], kb[3]);
-        paged_mma_k16<T>(c0, qa[k][0], qa[k][1], kb[0], kb[1]);
-        paged_mma_k16<T>(c1, qa[k + 1][0], qa[k + 1][1], kb[2], kb[3]);
+        paged_e4m3x4(w.x, kb[0], kb[1]);
+        paged_e4m3x4(w.y, kb[2], kb[3]);
+        paged_mma_k16<P>(c0, qa[k][0], qa[k][1], kb[0], kb[1]);
+        paged_mma_k16<P>(c1, qa[k + 1][0], qa[k + 1][1], kb[2], kb[3]);
       }
     } else {
 #pragma unroll
@@ -462,29 +486,40 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       v_scale = *reinterpret_cast<const float2*>(v_scales + pos);
     }
     const bool valid0 = first + 2 * quad < t1, valid1 = first + 2 * quad + 1 < t1;
-    const float s0 = (c0[0] + c1[0]) * (k_scale.x * scale), s1 = (c0[1] + c1[1]) * (k_scale.y * scale);
+    const float s0 = (c0[0] + c1[0]) * (k_scale.x * score_scale), s1 = (c0[1] + c1[1]) * (k_scale.y * score_scale);
     float mx = fmaxf(valid0 ? s0 : kAttnFloor, valid1 ? s1 : kAttnFloor);
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m, mx);
     const float corr = exp2f(m - m_new);
-    // Once the running max settles, corr is exactly 1 for the whole warp: skip the rescaling then.
-    if (__any_sync(0xffffffffu, m_new > m)) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        acc[j][0] *= corr;
-        acc[j][1] *= corr;
-      }
-    }
     const float p0 = valid0 ? exp2f(s0 - m_new) : 0.f, p1 = valid1 ? exp2f(s1 - m_new) : 0.f;
     l = l * corr + p0 + p1;
     m = m_new;
+    // FP8: the weights of P . V are exp2(score + log2(V's scale) - m_v), under a running max of their own.
+    float w0 = p0, w1 = p1, acc_corr = corr;
+    if constexpr (kFp8) {
+      const float u0 = valid0 ? s0 + __log2f(v_scale.x) : kAttnFloor, u1 = valid1 ? s1 + __log2f(v_scale.y) : kAttnFloor;
+      float mu = fmaxf(u0, u1);
+      mu = fmaxf(mu, __shfl_xor_sync(0xffffffffu, mu, 1));
+      mu = fmaxf(mu, __shfl_xor_sync(0xffffffffu, mu, 2));
+      const float m_v_new = fmaxf(m_v, mu);
+      acc_corr = exp2f(m_v - m_v_new);
+      w0 = valid0 ? exp2f(u0 - m_v_new) : 0.f;
+      w1 = valid1 ? exp2f(u1 - m_v_new) : 0.f;
+      m_v = m_v_new;
+    }
+    // Once the running max settles, the factor is exactly 1 for the whole warp: skip the rescaling then.
+    if (__any_sync(0xffffffffu, acc_corr != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        acc[j][0] *= acc_corr;
+        acc[j][1] *= acc_corr;
+      }
+    }
     if constexpr (kFp8) {
       // B's column g_row of tile j is dimension g_row * NT + j: NT consecutive bytes of each of
       // this thread's two V rows give every tile.
-      constexpr bool kScaleP = std::is_same<T, __nv_bfloat16>::value;
-      const uint32_t pa = kScaleP ? paged_pack<T>(p0 * v_scale.x, p1 * v_scale.y) : paged_pack<T>(p0, p1);
-      const uint32_t vsc = paged_pack<T>(v_scale.x, v_scale.y);
+      const uint32_t pa = paged_pack<__half>(w0, w1);
       constexpr int kWords = NT / 4, kChunk = NT < 16 ? NT : 16;  // bytes per load
       uint32_t va[kWords], vb[kWords];
 #pragma unroll
@@ -507,16 +542,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
         uint32_t b[4];  // tiles 4w .. 4w + 3: (position 2 quad, position 2 quad + 1) of each
-        paged_e4m3x4<T>(__byte_perm(va[w], vb[w], 0x5140), b[0], b[1]);
-        paged_e4m3x4<T>(__byte_perm(va[w], vb[w], 0x7362), b[2], b[3]);
+        paged_e4m3x4(__byte_perm(va[w], vb[w], 0x5140), b[0], b[1]);
+        paged_e4m3x4(__byte_perm(va[w], vb[w], 0x7362), b[2], b[3]);
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          if constexpr (!kScaleP) {
-            const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&b[t]), *reinterpret_cast<const __half2*>(&vsc));
-            b[t] = *reinterpret_cast<const uint32_t*>(&v);
-          }
-          paged_mma_k8<T>(acc[4 * w + t], pa, b[t]);
-        }
+        for (int t = 0; t < 4; ++t) paged_mma_k8<__half>(acc[4 * w + t], pa, b[t]);
       }
     } else {
       const uint32_t pa = paged_pack<T>(p0, p1);
@@ -551,11 +580,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       sm_l[warp * G + g_row] = l;
     }
     float* out = sm_acc + (warp * G + g_row) * D;
+    const float back = kFp8 ? exp2f(m_v - m) : 1.f;  // FP8: acc relative to the softmax's max
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       if constexpr (kFp8) {
-        out[out_dim(j, 0)] = acc[j][0];
-        out[out_dim(j, 1)] = acc[j][1];
+        out[out_dim(j, 0)] = acc[j][0] * back;
+        out[out_dim(j, 1)] = acc[j][1] * back;
       } else {
         *reinterpret_cast<float2*>(out + out_dim(j, 0)) = make_float2(acc[j][0], acc[j][1]);
       }
