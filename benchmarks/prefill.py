@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import itertools
 import json
 import os
 import runpy
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-decoding", type=int, default=16)
     parser.add_argument("--profile-context", type=int, default=1024)
     parser.add_argument("--batch-slots", type=int, default=8)
+    parser.add_argument("--weights", nargs="+", default=["bf16"], choices=sorted(sibling("decode")["WEIGHTS"]),
+                        help="layer matrices: bf16, or FP8 quantized at load (the engine's product policy); "
+                             "each format on random weights of its own, one after the other")
     parser.add_argument("--no-warmup", action="store_true",
                         help="compile each program on first use (the untimed first run of each measure) instead "
                              "of every program first; no warm-up row")
@@ -220,10 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     prompt_of = drive()["random_prompt"]
     longest = max(*args.prompt, args.shared_prefix + args.suffix)
     max_seq = -(-(longest + 64) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    rows, weights = [], None
-    for step_tokens in args.step_tokens:
+    rows = []
+    for weights_kind, step_tokens in itertools.product(args.weights, args.step_tokens):
+        if step_tokens == args.step_tokens[0]:
+            weights = None  # this format's random weights, shared by its step budgets
+        at = {"weights": weights_kind, "step_tokens": step_tokens}  # every row's
         config = EngineConfig(batch_slots=args.batch_slots, max_seq_len=max_seq, strategy="xla", dtype="bfloat16",
-                              kv_tokens=max(4, args.batch_slots // 2) * max_seq, step_tokens=step_tokens)
+                              kv_tokens=max(4, args.batch_slots // 2) * max_seq, step_tokens=step_tokens,
+                              **sibling("decode")["WEIGHTS"][weights_kind])
         if weights is None:
             engine = drive()["random_engine"](spec, config)
             weights = drive()["weights_of"](engine)
@@ -231,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             engine = drive()["engine_on"](weights, config)
         if not args.no_warmup:
             warm = engine.warmup().seconds
-            print(f"step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
-            rows.append({"kind": "warm-up", "step_tokens": step_tokens, "programs": engine.compiled_count(),
+            print(f"{weights_kind}, step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
+            rows.append({"kind": "warm-up", **at, "programs": engine.compiled_count(),
                          "s": round(warm, 1)})
         kv = drive()["books"](engine)
         for length in args.prompt:
@@ -243,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                 if i:
                     times.append(elapsed)
             ms = 1000 * statistics.median(times)
-            rows.append({"kind": "prompt alone", "step_tokens": step_tokens, "prompt": length, "ms": round(ms, 3),
+            rows.append({"kind": "prompt alone", **at, "prompt": length, "ms": round(ms, 3),
                          "steps": steps})
             print(f"  prompt {length:5d} alone: {ms:8.2f} ms ({steps} steps)", flush=True)
         firsts, seconds = [], []
@@ -259,14 +267,14 @@ def main(argv: list[str] | None = None) -> int:
                 firsts.append(first)
                 seconds.append(second)
         f_ms, s_ms = 1000 * statistics.median(firsts), 1000 * statistics.median(seconds)
-        rows.append({"kind": "shared prefix", "step_tokens": step_tokens, "shared_prefix": args.shared_prefix,
+        rows.append({"kind": "shared prefix", **at, "shared_prefix": args.shared_prefix,
                      "suffix": args.suffix, "first_ms": round(f_ms, 3), "second_ms": round(s_ms, 3),
                      "cached_tokens": cached, "second_over_first": round(s_ms / f_ms, 4)})
         print(f"  shared prefix {args.shared_prefix} + {args.suffix}: first {f_ms:.2f} ms, second {s_ms:.2f} ms "
               f"({100 * s_ms / f_ms:.1f}%)", flush=True)
         if args.profile_dir:
-            rows.append({"kind": "profile", "step_tokens": step_tokens,
-                         **profile(engine, kv, rng, args, f"{args.profile_dir}/{step_tokens}")})
+            rows.append({"kind": "profile", **at,
+                         **profile(engine, kv, rng, args, f"{args.profile_dir}/{weights_kind}-{step_tokens}")})
         del engine, kv
         gc.collect()
     device = jax.devices()[0]

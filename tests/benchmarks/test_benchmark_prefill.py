@@ -25,6 +25,7 @@ def test_prefill_benchmark_on_the_tiny_preset(tmp_path):
     # 40 tokens in 16-token chunks: nothing decodes beside them, but the idle chunk (the whole
     # 192-token table) is longer than the prompt
     assert (alone["kind"], alone["prompt"], alone["steps"]) == ("prompt alone", 40, 3) and alone["ms"] > 0
+    assert {row["weights"] for row in result["rows"]} == {"bf16"}  # the default format, named in every row
     # the prefix's whole 64-token block comes from the cache; the rest is computed
     assert shared["kind"] == "shared prefix" and shared["cached_tokens"] == 64
     assert shared["first_ms"] > 0 and shared["second_ms"] > 0
