@@ -242,7 +242,8 @@ def paged_decode_attention_packed(
     """As :func:`reference_paged_decode_attention_packed`; on CUDA with the kernel library, one launch
     of the decode-attention kernel that finds each position's K/V through the block table (the pools
     are updated in place when donated). FP8 pools (``kv_cache.Fp8Pool``) go to the kernel's FP8
-    variant, whose products read the e4m3 rows and take their scales in fp32."""
+    variant, whose products read the e4m3 rows widened to fp16 (whatever the queries' dtype) and take
+    their scales in fp32."""
     _check_paged(qkv, k_pool, v_pool, block_tables, positions, write_at)
     args = (qkv, k_pool, v_pool, block_tables, positions, write_at)
     num_blocks, kv, bs, d = k_pool.shape
