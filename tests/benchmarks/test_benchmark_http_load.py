@@ -121,6 +121,10 @@ def test_each_path_gets_the_same_arrivals_and_lengths_with_texts_of_its_own(tiny
     assert [(offset, out) for offset, _, out in grpc] == [(offset, out) for offset, _, out in http]
     assert all(a != b for (_, a, _), (_, b, _) in zip(grpc, http, strict=True))
     assert grpc == http_load.plan(6, 3, args, tokenizer, 5, "grpc")
+    # A path's second attempt (its client sent fewer than planned): the same schedule, texts none has sent.
+    again = http_load.plan(6, 3, args, tokenizer, 5, "http", attempt=1)
+    assert [(offset, out) for offset, _, out in again] == [(offset, out) for offset, _, out in http]
+    assert not {text for _, text, _ in again} & {text for _, text, _ in grpc + http}
 
 
 def test_server_means_are_taken_over_what_the_histograms_observed_between_scrapes() -> None:
@@ -151,6 +155,7 @@ def test_a_run_on_the_tiny_preset_through_both_paths(tmp_path: Path) -> None:
     grpc, http = result["rows"]
     assert (grpc["path"], http["path"]) == ("grpc", "http")
     assert grpc["sent"] == http["sent"] > 0  # the same requests on both paths
+    assert grpc["attempts"] == 1 and 1 <= http["attempts"] <= http_load.CLIENT_ATTEMPTS
     for row in (grpc, http):
         assert row["finished"] == row["sent"] and row["failed"] == row["unfinished"] == 0, row
         assert row["exact_lengths"] and row["output_tokens"] == grpc["output_tokens"]  # ignore_eos on both
