@@ -224,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt_of = drive()["random_prompt"]
     longest = max(*args.prompt, args.shared_prefix + args.suffix)
     max_seq = -(-(longest + 64) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    rows = []
+    rows, weights, weights_kind_held = [], None, None
     for weights_kind, step_tokens in itertools.product(args.weights, args.step_tokens):
-        if step_tokens == args.step_tokens[0]:
-            weights = None  # this format's random weights, shared by its step budgets
+        if weights_kind != weights_kind_held:  # this format's random weights, shared by its step budgets
+            weights, weights_kind_held = None, weights_kind
         at = {"weights": weights_kind, "step_tokens": step_tokens}  # every row's
         config = EngineConfig(batch_slots=args.batch_slots, max_seq_len=max_seq, strategy="xla", dtype="bfloat16",
                               kv_tokens=max(4, args.batch_slots // 2) * max_seq, step_tokens=step_tokens,
