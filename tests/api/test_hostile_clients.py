@@ -8,7 +8,7 @@ run to their end. The server must stay SERVING; every token any call receives mu
 its own prompt at that position (so no call ever receives another request's tokens, and every
 bystander's output equals its solo run); the KV pool must hold no block afterwards; the log must
 hold no ERROR. Then, with megabyte prompts arriving, the longest gap between two tokens of the
-running streams stays within twice its value without them.
+running streams (the middle of three runs) stays within twice its worst value without them.
 """
 
 from __future__ import annotations
@@ -423,13 +423,19 @@ def test_megabyte_prompts_do_not_stall_the_running_streams(server: Server) -> No
 
     try:
         _longest_gap_ms(server, lambda: None)  # every program these streams use, compiled
-        quiet_runs = [_longest_gap_ms(server, lambda: time.sleep(0.5)) for _ in range(2)]
-        loaded_runs = [_longest_gap_ms(server, large_prompts) for _ in range(2)]
-        quiet, loaded = max(quiet_runs), max(loaded_runs)
+        # Interleaved, so that a change in the machine's own load reaches both kinds of run alike.
+        quiet_runs: list[float] = []
+        loaded_runs: list[float] = []
+        for _ in range(3):
+            quiet_runs.append(_longest_gap_ms(server, lambda: time.sleep(0.5)))
+            loaded_runs.append(_longest_gap_ms(server, large_prompts))
+        # A stall the prompts cause shows in every run that has them; one pause of a shared host shows
+        # in one run, so the middle run with prompts is held to the worst run without.
+        quiet, loaded = max(quiet_runs), sorted(loaded_runs)[1]
     finally:
         sender.kill()
     # Refused for their length before any work on their tokens (the KServe stream carries its refusal
     # as an error message in the stream).
-    assert answers == ["KSERVE_OUT_OF_RANGE KSERVE_OUT_OF_RANGE OUT_OF_RANGE OUT_OF_RANGE OUT_OF_RANGE"] * 2, answers
+    assert answers == ["KSERVE_OUT_OF_RANGE KSERVE_OUT_OF_RANGE OUT_OF_RANGE OUT_OF_RANGE OUT_OF_RANGE"] * 3, answers
     print(f"longest gaps: {quiet_runs} ms quiet, {loaded_runs} ms with megabyte prompts arriving")
     assert loaded <= 2 * quiet, f"longest gap {loaded:.1f} ms with megabyte prompts arriving, {quiet:.1f} ms without"
