@@ -255,24 +255,32 @@ class Chunk:
         return first + jnp.arange(self.tokens.shape[0]) * c + jnp.maximum(self.length, 1) - 1
 
 
-def _chunk_layer_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, chunk: Chunk,
-                           cfg: ForwardConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _split_chunk_qkv(qkv: jax.Array, chunk: Chunk, cfg: ForwardConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The chunks' rows of qkv [K * C, q + 2 kv, hd] (roped) as q [K, C, q, hd], k and v [K, C, kv, hd]."""
+    q_heads, kv = cfg.shape.q_heads, cfg.shape.kv_heads
+    qkv = qkv.reshape(*chunk.tokens.shape, *qkv.shape[1:])
+    return qkv[:, :, :q_heads], qkv[:, :, q_heads: q_heads + kv], qkv[:, :, q_heads + kv:]
+
+
+def _write_chunk_kv(qkv: jax.Array, k_pool: kv_cache.Pool, v_pool: kv_cache.Pool, chunk: Chunk,
+                    cfg: ForwardConfig) -> tuple[kv_cache.Pool, kv_cache.Pool]:
+    """The chunks' K/V (from their rows of qkv) written into their blocks."""
+    _, k_new, v_new = _split_chunk_qkv(qkv, chunk, cfg)
+    write = _write_chunk_blocks if chunk.block_aligned else _write_chunk_positions
+    return write(k_pool, k_new, chunk), write(v_pool, v_new, chunk)
+
+
+def _chunk_layer_attention(qkv: jax.Array, k_pool: kv_cache.Pool, v_pool: kv_cache.Pool, chunk: Chunk,
+                           cfg: ForwardConfig) -> jax.Array:
     """The chunks' attention in one layer: each chunk's queries against its sequence's earlier keys
-    (read from its blocks) and its own; their K/V written into their blocks. qkv [K * C, q + 2 kv,
-    hd] (roped); returns [K * C, q, hd] and the pools."""
-    shape = cfg.shape
-    kv = k_pool.shape[1]
-    k_chunks, c = chunk.tokens.shape
-    qkv = qkv.reshape(k_chunks, c, *qkv.shape[1:])
-    q = qkv[:, :, : shape.q_heads]
-    k_new, v_new = qkv[:, :, shape.q_heads: shape.q_heads + kv], qkv[:, :, shape.q_heads + kv:]
+    (read from its blocks, positions before its start) and its own. qkv [K * C, q + 2 kv, hd] (roped);
+    returns [K * C, q, hd]. The pools may already hold the chunks' own K/V: no query reads them there."""
+    q, k_new, v_new = _split_chunk_qkv(qkv, chunk, cfg)
     attend = cfg.chunk_attention or chunk_attention
     # The chunks' own K/V as the pool stores them, so their queries see what later steps will read.
     out = attend(q, k_pool, v_pool, chunk.table, chunk.start, chunk.kv_len, kv_cache.stored(k_pool, k_new),
                  kv_cache.stored(v_pool, v_new))
-    write = _write_chunk_blocks if chunk.block_aligned else _write_chunk_positions
-    out = out.reshape(k_chunks * c, *out.shape[2:])
-    return out, write(k_pool, k_new, chunk), write(v_pool, v_new, chunk)
+    return out.reshape(-1, *out.shape[2:])
 
 
 def _write_chunk_positions(pool: kv_cache.Pool, new: jax.Array, chunk: Chunk) -> kv_cache.Pool:
@@ -334,10 +342,15 @@ def budget_layers(
 
     def layer_attention(i: int, h: jax.Array) -> jax.Array:
         qkv = _qkv(h, layers[i], all_pos, cfg)
+        # Every write to a layer's pools comes before every read of them that is not the writer's own,
+        # each taking the one before's result: XLA then updates the pools in place. A read that could
+        # run before a write would make XLA copy the whole pool first (two copies a layer per step).
+        if chunk is not None:
+            new_k[i], new_v[i] = _write_chunk_kv(qkv[n:], new_k[i], new_v[i], chunk, cfg)
         out, new_k[i], new_v[i] = cfg.paged_decode_attention(qkv[:n], new_k[i], new_v[i], tables, attend_to,
                                                              write_at)
         if chunk is not None:
-            c_out, new_k[i], new_v[i] = _chunk_layer_attention(qkv[n:], new_k[i], new_v[i], chunk, cfg)
+            c_out = _chunk_layer_attention(qkv[n:], new_k[i], new_v[i], chunk, cfg)
             out = jnp.concatenate([out.astype(h.dtype), c_out.astype(h.dtype)])
         return out.reshape(h.shape[0], shape.q_heads * hd).astype(h.dtype)
 
