@@ -3,12 +3,14 @@
 Products (Llama shapes, ``--model``'s at TP=1): for each matrix [K, N] and each count of activation
 rows, the bf16 product, the FP8 weight-only product (W8A16: the e4m3 weight converted inside the
 product, a scale per output channel; and with 128-wide block scales) and FP8 x FP8 (W8A8: the
-activation quantized per token, XLA's FP8 GEMM). Each is checked against a float32 product of the same
-dequantized weight (W8A16 to 2% of the largest output, bf16's own rounding; W8A8 a cosine of 0.999 per
-row) and timed over ``--layers`` distinct weights in one program (more bytes than the L2 cache holds,
-so each product reads its weight from HBM), as µs per product and the weight bytes' rate against the
-copy bandwidth. The compiled program says whether XLA ran the FP8 GEMM (``cublas$lt$matmul$f8``). The
-rows where W8A8 starts to beat W8A16 on every shape are what ``engine.DEFAULT_W8A8_MIN_ROWS`` should be.
+activation quantized per token, XLA's FP8 GEMM; and ``w8a8-16bit-out``, the same with the GEMM's
+result in bf16 instead of float32, half the bytes written and read again). Each is checked against a
+float32 product of the same dequantized weight (W8A16 to 2% of the largest output, bf16's own
+rounding; W8A8 a cosine of 0.999 per row) and timed over ``--layers`` distinct weights in one program
+(more bytes than the L2 cache holds, so each product reads its weight from HBM), as µs per product,
+TFLOP/s and the weight bytes' rate against the copy bandwidth. The compiled program says whether XLA
+ran the FP8 GEMM (``cublas$lt$matmul$f8``). The rows where W8A8 starts to beat W8A16 on every shape
+are what ``engine.DEFAULT_W8A8_MIN_ROWS`` should be.
 
 KV: ``paged_decode_attention_packed`` over an FP8 pool (e4m3 with a scale per position and head; XLA's
 ops, which dequantize as they gather) against the bf16 pool (our CUDA kernel, and XLA's ops), at the
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from switchyard.kernels import attention, kv_cache
+from switchyard.kernels.fp8 import quantize_rows
 from switchyard.kernels.weights import Fp8Weight
 from switchyard.service.modelspec import preset
 
@@ -46,6 +49,7 @@ ROWS = (1, 8, 32, 64, 128, 256, 512, 1024, 4096)
 W8A16_BAR = 0.02  # of the largest output: bf16 operands and output round to 2^-9, summed over K
 COSINE_BAR = 0.999
 ATTENTION_BAR = 0.02
+W8A8_16BIT_OUT = "w8a8-16bit-out"
 
 
 def timed(fn: Any, *args: Any, repeats: int) -> float:
@@ -84,15 +88,27 @@ def stacked_weights(key: jax.Array, layers: int, k: int, n: int, block_k: int) -
     return dense, Fp8Weight(jnp.stack(qs), jnp.stack(scales), block_k)
 
 
+def w8a8_16bit_out(x: jax.Array, weight: Fp8Weight) -> jax.Array:
+    """FP8 x FP8 as the product runs it, but the GEMM writes its result in the activation's dtype
+    (half the bytes of float32) and the two scales are applied to that: the alternative this
+    benchmark times beside the product's float32 result."""
+    xq, x_scale = quantize_rows(x)
+    y = jax.lax.dot_general(xq, weight.w, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+    return (y.astype(jnp.float32) * x_scale * weight.scale[:, 0]).astype(x.dtype)
+
+
+def product(kind: str, x: jax.Array, weight: Any) -> jax.Array:
+    """x times ``weight`` (a dense matrix for bf16, else an FP8 weight) in ``kind``'s way."""
+    return w8a8_16bit_out(x, weight) if kind == W8A8_16BIT_OUT else x @ weight
+
+
 def product_program(kind: str, block_k: int, min_rows: int) -> Any:
     """One program: the activation times every stacked weight in turn (a scan), the outputs summed
     so that none is dropped."""
     def run(x: jax.Array, weights: Any) -> jax.Array:
         def body(acc: jax.Array, w: Any) -> tuple[jax.Array, None]:
-            if kind == "bf16":
-                return acc + (x @ w).astype(jnp.float32), None
-            fp8 = Fp8Weight(w.w, w.scale, block_k, min_rows)
-            return acc + (x @ fp8).astype(jnp.float32), None
+            weight = w if kind == "bf16" else Fp8Weight(w.w, w.scale, block_k, min_rows)
+            return acc + product(kind, x, weight).astype(jnp.float32), None
 
         n = weights.shape[-1] if kind == "bf16" else weights.w.shape[-2]
         return jax.lax.scan(body, jnp.zeros((x.shape[0], n), jnp.float32), weights)[0]
@@ -107,7 +123,7 @@ def check_product(kind: str, x: jax.Array, weight: Fp8Weight, got: jax.Array) ->
     rel = float(jnp.abs(got32 - exact).max() / jnp.abs(exact).max())
     norms = jnp.linalg.norm(got32, axis=-1) * jnp.linalg.norm(exact, axis=-1)
     cos = float((jnp.sum(got32 * exact, -1) / norms).min())
-    ok = cos >= COSINE_BAR if kind == "w8a8" else rel <= W8A16_BAR
+    ok = cos >= COSINE_BAR if kind.startswith("w8a8") else rel <= W8A16_BAR
     return {"max_error_of_largest": round(rel, 6), "min_cosine": round(cos, 6), "ok": bool(ok)}
 
 
@@ -123,7 +139,8 @@ def products(args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], bo
             dense, fp8 = stacked_weights(key, args.layers, k, n, block_k)
             for rows in args.rows:
                 x = (jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.float32)).astype(jnp.bfloat16)
-                kinds = {"w8a16": (fp8, 0)} if block_k else {"bf16": (dense, 0), "w8a16": (fp8, 0), "w8a8": (fp8, 1)}
+                kinds = {"w8a16": (fp8, 0)} if block_k else {"bf16": (dense, 0), "w8a16": (fp8, 0), "w8a8": (fp8, 1),
+                                                             W8A8_16BIT_OUT: (fp8, 1)}
                 for kind, (weights, min_rows) in kinds.items():
                     program = product_program(kind, block_k, min_rows)
                     seconds = timed(program, x, weights, repeats=args.repeats) / args.layers
@@ -131,16 +148,19 @@ def products(args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], bo
                     wbytes = (k * n * 2) if kind == "bf16" else (k * n + 4 * n * (-(-k // block_k) if block_k else 1))
                     row = {"matrix": name, "k": k, "n": n, "rows": rows, "kind": kind, "block_k": block_k,
                            "us_per_product": round(seconds * 1e6, 2),
+                           "tflops": float(f"{2 * rows * k * n / seconds / 1e12:.3g}"),
                            "weight_bytes_per_s": round(wbytes / seconds),
                            "fraction_of_copy_bandwidth": round(wbytes / seconds / bandwidth, 3),
                            "fp8_gemm": "$f8" in text}
                     if kind != "bf16":
                         single = Fp8Weight(weights.w[0], weights.scale[0], block_k, min_rows)
-                        row.update(check_product(kind, x, single, jax.jit(lambda a, w: a @ w)(x, single)))
+                        got = jax.jit(lambda a, w, kind=kind: product(kind, a, w))(x, single)
+                        row.update(check_product(kind, x, single, got))
                         all_ok &= row["ok"]
                     rows_out.append(row)
-                    print(f"{name:8s} [{k}x{n}] rows {rows:5d} {kind:6s} block {block_k:3d} "
-                          f"{row['us_per_product']:9.2f} us  {row['fraction_of_copy_bandwidth']:6.1%} of copy bw"
+                    print(f"{name:8s} [{k}x{n}] rows {rows:5d} {kind:15s} block {block_k:3d} "
+                          f"{row['us_per_product']:9.2f} us {row['tflops']:7.1f} TFLOP/s "
+                          f"{row['fraction_of_copy_bandwidth']:6.1%} of copy bw"
                           + (f"  check {'ok' if row.get('ok') else 'FAILED'} (err {row.get('max_error_of_largest')}, "
                              f"cos {row.get('min_cosine')})" if kind != "bf16" else "")
                           + ("  [FP8 GEMM]" if row["fp8_gemm"] else ""), flush=True)
