@@ -63,10 +63,14 @@ def test_no_step_copies_a_pool_shard(checkpoint, tp, pp):
 
 
 @pytest.mark.gpu
-def test_no_step_copies_a_pool_on_gpu(tmp_path):
-    """With the paged decode kernel and cuDNN's attention in the step, as served."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_no_step_copies_a_pool_on_gpu(tmp_path, tp):
+    """With the paged decode kernel and cuDNN's attention in the step, as served (at TP=2 with the
+    all-reduce kernels, where two GPUs are present)."""
+    if len(jax.devices("gpu")) < tp:
+        pytest.skip(f"needs {tp} GPUs")
     path = save_hf(hf_model(kernel_sized_spec(), seed=3), tmp_path)
-    engine = tiny_engine(path, slots=4, max_seq_len=512, kv_tokens=4 * 512, step_tokens=64, block_size=64,
+    engine = tiny_engine(path, tp=tp, slots=4, max_seq_len=512, kv_tokens=4 * 512, step_tokens=64, block_size=64,
                          dtype="bfloat16")
     for shape in chunk_shapes(engine):
         assert pool_copies(engine, shape) == [], shape
