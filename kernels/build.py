@@ -74,8 +74,7 @@ def nvcc_command(nvcc: str, output: Path, gencode: tuple[str, ...] = GENCODE,
         nvcc,
         "-std=c++17",
         "-O3",
-        # Each architecture's compile on a core of its own: the product's three targets in 26 s instead
-        # of 48 on two cores.
+        # Each architecture's compile (the product has three) on a core of its own.
         "--threads=0",
         "-shared",
         "-Xcompiler=-fPIC,-fvisibility=hidden",
