@@ -262,20 +262,19 @@ def _split_chunk_qkv(qkv: jax.Array, chunk: Chunk, cfg: ForwardConfig) -> tuple[
     return qkv[:, :, :q_heads], qkv[:, :, q_heads: q_heads + kv], qkv[:, :, q_heads + kv:]
 
 
-def _write_chunk_kv(qkv: jax.Array, k_pool: kv_cache.Pool, v_pool: kv_cache.Pool, chunk: Chunk,
-                    cfg: ForwardConfig) -> tuple[kv_cache.Pool, kv_cache.Pool]:
-    """The chunks' K/V (from their rows of qkv) written into their blocks."""
-    _, k_new, v_new = _split_chunk_qkv(qkv, chunk, cfg)
+def _write_chunk_kv(k_new: jax.Array, v_new: jax.Array, k_pool: kv_cache.Pool, v_pool: kv_cache.Pool,
+                    chunk: Chunk) -> tuple[kv_cache.Pool, kv_cache.Pool]:
+    """The chunks' K/V [K, C, kv, hd] written into their blocks."""
     write = _write_chunk_blocks if chunk.block_aligned else _write_chunk_positions
     return write(k_pool, k_new, chunk), write(v_pool, v_new, chunk)
 
 
-def _chunk_layer_attention(qkv: jax.Array, k_pool: kv_cache.Pool, v_pool: kv_cache.Pool, chunk: Chunk,
-                           cfg: ForwardConfig) -> jax.Array:
-    """The chunks' attention in one layer: each chunk's queries against its sequence's earlier keys
-    (read from its blocks, positions before its start) and its own. qkv [K * C, q + 2 kv, hd] (roped);
-    returns [K * C, q, hd]. The pools may already hold the chunks' own K/V: no query reads them there."""
-    q, k_new, v_new = _split_chunk_qkv(qkv, chunk, cfg)
+def _chunk_layer_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: kv_cache.Pool,
+                           v_pool: kv_cache.Pool, chunk: Chunk, cfg: ForwardConfig) -> jax.Array:
+    """The chunks' attention in one layer: each chunk's queries q [K, C, q, hd] against its sequence's
+    earlier keys (read from its blocks, positions before its start) and its own, k_new and v_new [K,
+    C, kv, hd] (roped); returns [K * C, q, hd]. The pools may already hold the chunks' own K/V: no
+    query reads them there."""
     attend = cfg.chunk_attention or chunk_attention
     # The chunks' own K/V as the pool stores them, so their queries see what later steps will read.
     out = attend(q, k_pool, v_pool, chunk.table, chunk.start, chunk.kv_len, kv_cache.stored(k_pool, k_new),
@@ -346,11 +345,12 @@ def budget_layers(
         # each taking the one before's result: XLA then updates the pools in place. A read that could
         # run before a write would make XLA copy the whole pool first (two copies a layer per step).
         if chunk is not None:
-            new_k[i], new_v[i] = _write_chunk_kv(qkv[n:], new_k[i], new_v[i], chunk, cfg)
+            c_q, c_k, c_v = _split_chunk_qkv(qkv[n:], chunk, cfg)
+            new_k[i], new_v[i] = _write_chunk_kv(c_k, c_v, new_k[i], new_v[i], chunk)
         out, new_k[i], new_v[i] = cfg.paged_decode_attention(qkv[:n], new_k[i], new_v[i], tables, attend_to,
                                                              write_at)
         if chunk is not None:
-            c_out = _chunk_layer_attention(qkv[n:], new_k[i], new_v[i], chunk, cfg)
+            c_out = _chunk_layer_attention(c_q, c_k, c_v, new_k[i], new_v[i], chunk, cfg)
             out = jnp.concatenate([out.astype(h.dtype), c_out.astype(h.dtype)])
         return out.reshape(h.shape[0], shape.q_heads * hd).astype(h.dtype)
 
