@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import itertools
 import json
 import os
 import runpy
@@ -224,59 +223,59 @@ def main(argv: list[str] | None = None) -> int:
     prompt_of = drive()["random_prompt"]
     longest = max(*args.prompt, args.shared_prefix + args.suffix)
     max_seq = -(-(longest + 64) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    rows, weights, weights_kind_held = [], None, None
-    for weights_kind, step_tokens in itertools.product(args.weights, args.step_tokens):
-        if weights_kind != weights_kind_held:  # this format's random weights, shared by its step budgets
-            weights, weights_kind_held = None, weights_kind
-        at = {"weights": weights_kind, "step_tokens": step_tokens}  # every row's
-        config = EngineConfig(batch_slots=args.batch_slots, max_seq_len=max_seq, strategy="xla", dtype="bfloat16",
-                              kv_tokens=max(4, args.batch_slots // 2) * max_seq, step_tokens=step_tokens,
-                              **sibling("decode")["WEIGHTS"][weights_kind])
-        if weights is None:
-            engine = drive()["random_engine"](spec, config)
-            weights = drive()["weights_of"](engine)
-        else:
-            engine = drive()["engine_on"](weights, config)
-        if not args.no_warmup:
-            warm = engine.warmup().seconds
-            print(f"{weights_kind}, step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
-            rows.append({"kind": "warm-up", **at, "programs": engine.compiled_count(),
-                         "s": round(warm, 1)})
-        kv = drive()["books"](engine)
-        for length in args.prompt:
-            times = []
+    rows = []
+    for weights_kind in args.weights:
+        weights = None  # this format's random weights, shared by its step budgets
+        for step_tokens in args.step_tokens:
+            at = {"weights": weights_kind, "step_tokens": step_tokens}  # every row's
+            config = EngineConfig(batch_slots=args.batch_slots, max_seq_len=max_seq, strategy="xla", dtype="bfloat16",
+                                  kv_tokens=max(4, args.batch_slots // 2) * max_seq, step_tokens=step_tokens,
+                                  **sibling("decode")["WEIGHTS"][weights_kind])
+            if weights is None:
+                engine = drive()["random_engine"](spec, config)
+                weights = drive()["weights_of"](engine)
+            else:
+                engine = drive()["engine_on"](weights, config)
+            if not args.no_warmup:
+                warm = engine.warmup().seconds
+                print(f"{weights_kind}, step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
+                rows.append({"kind": "warm-up", **at, "programs": engine.compiled_count(),
+                             "s": round(warm, 1)})
+            kv = drive()["books"](engine)
+            for length in args.prompt:
+                times = []
+                for i in range(args.repeats + 1):
+                    elapsed, _, steps = time_to_first_token(engine, kv, prompt_of(rng, spec.vocab_size, length),
+                                                            reuse_prefix=False)
+                    if i:
+                        times.append(elapsed)
+                ms = 1000 * statistics.median(times)
+                rows.append({"kind": "prompt alone", **at, "prompt": length, "ms": round(ms, 3),
+                             "steps": steps})
+                print(f"  prompt {length:5d} alone: {ms:8.2f} ms ({steps} steps)", flush=True)
+            firsts, seconds = [], []
             for i in range(args.repeats + 1):
-                elapsed, _, steps = time_to_first_token(engine, kv, prompt_of(rng, spec.vocab_size, length),
-                                                        reuse_prefix=False)
+                kv.pool.clear_cache()
+                prefix = prompt_of(rng, spec.vocab_size, args.shared_prefix)
+                first, cached_first, _ = time_to_first_token(
+                    engine, kv, prefix + prompt_of(rng, spec.vocab_size, args.suffix), True)
+                second, cached, _ = time_to_first_token(
+                    engine, kv, prefix + prompt_of(rng, spec.vocab_size, args.suffix), True)
+                assert cached_first == 0 and cached == args.shared_prefix // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
                 if i:
-                    times.append(elapsed)
-            ms = 1000 * statistics.median(times)
-            rows.append({"kind": "prompt alone", **at, "prompt": length, "ms": round(ms, 3),
-                         "steps": steps})
-            print(f"  prompt {length:5d} alone: {ms:8.2f} ms ({steps} steps)", flush=True)
-        firsts, seconds = [], []
-        for i in range(args.repeats + 1):
-            kv.pool.clear_cache()
-            prefix = prompt_of(rng, spec.vocab_size, args.shared_prefix)
-            first, cached_first, _ = time_to_first_token(
-                engine, kv, prefix + prompt_of(rng, spec.vocab_size, args.suffix), True)
-            second, cached, _ = time_to_first_token(
-                engine, kv, prefix + prompt_of(rng, spec.vocab_size, args.suffix), True)
-            assert cached_first == 0 and cached == args.shared_prefix // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
-            if i:
-                firsts.append(first)
-                seconds.append(second)
-        f_ms, s_ms = 1000 * statistics.median(firsts), 1000 * statistics.median(seconds)
-        rows.append({"kind": "shared prefix", **at, "shared_prefix": args.shared_prefix,
-                     "suffix": args.suffix, "first_ms": round(f_ms, 3), "second_ms": round(s_ms, 3),
-                     "cached_tokens": cached, "second_over_first": round(s_ms / f_ms, 4)})
-        print(f"  shared prefix {args.shared_prefix} + {args.suffix}: first {f_ms:.2f} ms, second {s_ms:.2f} ms "
-              f"({100 * s_ms / f_ms:.1f}%)", flush=True)
-        if args.profile_dir:
-            rows.append({"kind": "profile", **at,
-                         **profile(engine, kv, rng, args, f"{args.profile_dir}/{weights_kind}-{step_tokens}")})
-        del engine, kv
-        gc.collect()
+                    firsts.append(first)
+                    seconds.append(second)
+            f_ms, s_ms = 1000 * statistics.median(firsts), 1000 * statistics.median(seconds)
+            rows.append({"kind": "shared prefix", **at, "shared_prefix": args.shared_prefix,
+                         "suffix": args.suffix, "first_ms": round(f_ms, 3), "second_ms": round(s_ms, 3),
+                         "cached_tokens": cached, "second_over_first": round(s_ms / f_ms, 4)})
+            print(f"  shared prefix {args.shared_prefix} + {args.suffix}: first {f_ms:.2f} ms, second {s_ms:.2f} ms "
+                  f"({100 * s_ms / f_ms:.1f}%)", flush=True)
+            if args.profile_dir:
+                rows.append({"kind": "profile", **at,
+                             **profile(engine, kv, rng, args, f"{args.profile_dir}/{weights_kind}-{step_tokens}")})
+            del engine, kv
+            gc.collect()
     device = jax.devices()[0]
     result = {
         **sibling("result_file")["provenance"](f"{jax.device_count()}x {device.device_kind}", argv, script=__file__),
