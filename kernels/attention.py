@@ -28,7 +28,7 @@ KERNEL_GROUPS = (1, 2, 4, 8)  # up to kAttnMaxGroup in csrc/decode_attention.cuh
 # Splitting into more would start a second wave of blocks, which costs more than longer slices.
 TARGET_BLOCKS = 264
 MIN_SLICE = 64  # positions per block below which splitting the sequence further does not pay
-MAX_SPLITS = 8  # kAttnMaxSplits in csrc/decode_attention.cuh: the slices of a (row, head) form one cluster
+MAX_SPLITS = 16  # kAttnMaxSplits in csrc/decode_attention.cuh: the slices of a (row, head) form one cluster
 MAX_PAIRS = (1 << 31) - 1  # (row, KV head) pairs: the grid's x dimension
 # Paged pools: the block sizes the kernel is built and tested for (it needs a power of two), and the
 # pool rows (blocks x KV heads x block size) must stay below POOL_ROW_LIMIT (a row's index is 32-bit).

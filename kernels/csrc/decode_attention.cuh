@@ -24,8 +24,8 @@
 //    row one coalesced warp load), weighting them by the probabilities left in shared memory.
 // The warps then merge in shared memory.
 //
-// Merging the S slices. The S blocks of one (row, head) form a thread-block cluster (S <= 8, the
-// portable cluster size): each leaves its (m, l, acc) in its shared memory, the cluster
+// Merging the S slices. The S blocks of one (row, head) form a thread-block cluster (S <= 16,
+// Hopper's non-portable cluster size): each leaves its (m, l, acc) in its shared memory, the cluster
 // synchronises, and every block merges a share of the G x D outputs by reading all S blocks'
 // shared memory (distributed shared memory, every remote read issued before any is used), then
 // the cluster synchronises again so that no block exits while a peer still reads its shared
@@ -62,7 +62,9 @@ constexpr int kAttnWarps = 4;
 constexpr int kAttnChunk = 32;  // positions per warp per step: one per lane
 constexpr int kAttnMaxGroup = 8;  // query heads per KV head (GQA ratio) the kernel supports
 constexpr float kAttnFloor = -1e30f;
-constexpr int kAttnMaxSplits = 8;  // the portable thread-block cluster size
+// Clusters of up to 16 blocks: Hopper's non-portable size (each kernel allows it at preload); a GPU
+// that cannot run a cluster of S at once reports none, and the host lowers S.
+constexpr int kAttnMaxSplits = 16;
 
 struct AttnArgs {
   const void* qkv;  // [n, kv * G + 2 * kv, D]: each row's query heads, then its new K and V heads

@@ -91,6 +91,8 @@ template <typename T, int D, int G, Cache C>
 cudaError_t preload_attention(int device) {
   constexpr int smem = attn_smem_bytes<T, D, G, C>();
   cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, D, G, C>(), cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess && kAttnMaxSplits > 8)
+    e = cudaFuncSetAttribute(attn_kernel<T, D, G, C>(), cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   for (int S = 1; S <= kAttnMaxSplits && e == cudaSuccess; ++S) {
     AttnArgs a{};
     a.n = 1;
