@@ -28,6 +28,10 @@ KERNEL_GROUPS = (1, 2, 4, 8)  # up to kAttnMaxGroup in csrc/decode_attention.cuh
 # Splitting into more would start a second wave of blocks, which costs more than longer slices.
 TARGET_BLOCKS = 264
 MIN_SLICE = 64  # positions per block below which splitting the sequence further does not pay
+PORTABLE_SPLITS = 8  # the portable cluster size
+# Beyond the portable 8 slices, only while each keeps this many positions: on an H200 at batch 1,
+# 16 slices beat 8 at contexts of 4096 and 32768 and lost at 1024 (benchmarks/NOTES.md).
+WIDE_MIN_SLICE = 256
 MAX_SPLITS = 16  # kAttnMaxSplits in csrc/decode_attention.cuh: the slices of a (row, head) form one cluster
 MAX_PAIRS = (1 << 31) - 1  # (row, KV head) pairs: the grid's x dimension
 # Paged pools: the block sizes the kernel is built and tested for (it needs a power of two), and the
@@ -39,7 +43,10 @@ MAX_TABLE_POSITIONS = (1 << 31) - 1  # M x B: positions are int32
 
 def splits_for(n: int, kv_heads: int, cache_len: int) -> int:
     """How many slices of the sequence each (row, KV head) is split into."""
-    return max(1, min(TARGET_BLOCKS // max(n * kv_heads, 1), math.ceil(cache_len / MIN_SLICE), MAX_SPLITS))
+    fit = TARGET_BLOCKS // max(n * kv_heads, 1)
+    portable = min(fit, math.ceil(cache_len / MIN_SLICE), PORTABLE_SPLITS)
+    wide = min(fit, cache_len // WIDE_MIN_SLICE, MAX_SPLITS)
+    return max(1, portable, wide)
 
 
 def kernel_supports(dtype: jnp.dtype, head_dim: int, group: int) -> bool:

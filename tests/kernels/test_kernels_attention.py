@@ -87,7 +87,9 @@ def test_without_gpu_kernel_the_reference_runs():
 
 
 def test_split_and_support_rules():
-    assert attention.splits_for(1, 8, 1152) == 16  # few (row, head) pairs: split the sequence
+    assert attention.splits_for(1, 8, 1152) == 8  # few (row, head) pairs: split the sequence
+    assert attention.splits_for(1, 8, 4096) == 16  # beyond the portable cluster: long slices only
+    assert attention.splits_for(1, 8, 2560) == 10
     assert attention.splits_for(8, 8, 1152) == 4  # no more blocks than fit at once (264)
     assert attention.splits_for(32, 8, 1152) == 1
     assert attention.splits_for(64, 8, 1152) == 1  # enough blocks already
