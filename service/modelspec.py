@@ -38,6 +38,11 @@ IDLE_STEP_TOKENS = 2048
 STEP_TOKENS_MULTIPLE = 16
 # The share of the memory left after the weights a pool sized at start-up takes, by default and at most.
 DEFAULT_KV_MEMORY_FRACTION = 0.9
+# How long a later pipeline stage waits for stage 0's coordinator port to accept a connection before it
+# gives up (exits, to be restarted). Long enough for a stage 0 started at the same time to import,
+# check its model folder and open the port; short enough that a stage whose group cannot form exits in
+# seconds instead of waiting out the distributed runtime's initialization timeout, a C++ abort.
+DEFAULT_JOIN_TIMEOUT_S = 30.0
 MAX_KV_MEMORY_FRACTION = 0.95
 # The share of a GPU's memory XLA's GPU compiler assumes its programs may use when the allocator states
 # no limit (the virtual-memory allocator, which engine processes run, states none). A program whose
@@ -604,6 +609,7 @@ class ServingLayout:
     # and the KV cache's (auto: the model's dtype; fp8).
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S  # a later stage's wait for stage 0's coordinator port
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -628,6 +634,9 @@ class ServingLayout:
                 or not 0 < fraction <= MAX_KV_MEMORY_FRACTION:
             raise ModelSpecError(f"layout.kv_memory_fraction must be a number in (0, {MAX_KV_MEMORY_FRACTION}], "
                                  f"got {fraction!r}")
+        timeout = self.join_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ModelSpecError(f"layout.join_timeout_s must be a positive number of seconds, got {timeout!r:.40}")
         if self.strategy not in STRATEGIES:
             raise ModelSpecError(f"layout.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.quantization not in quant.CHOICES:

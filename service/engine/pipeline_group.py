@@ -40,22 +40,16 @@ class GroupBrokenError(FatalEngineError):
     """A stage of the pipeline group is gone; the group must be restarted as a unit."""
 
 
-# How long a later stage waits for stage 0's coordinator port to accept a connection before it gives up.
-# Long enough for a stage 0 started at the same time to import, check its model folder and open the
-# port; short enough that a stage whose group cannot form exits in seconds (and is restarted) instead of
-# waiting out the distributed runtime's initialization timeout, which ends in a C++ abort.
-JOIN_TIMEOUT_S = 30.0
 _PROBE_INTERVAL_S = 0.5
 
 
-def join(layout: ServingLayout, heartbeat_timeout_s: int = 10, initialization_timeout_s: int = 300,
-         coordinator_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+def join(layout: ServingLayout, heartbeat_timeout_s: int = 10, initialization_timeout_s: int = 300) -> None:
     """Connect this process to its pipeline group (no-op for a single-stage layout).
 
     The stages first meet over plain TCP on the coordinator's port (:func:`gather_stages`,
     :func:`meet_coordinator`), and only then start the distributed runtime, whose own failures to form
     end in a C++ abort: a stage 0 that cannot listen fails at once, a later stage gives up after
-    ``coordinator_timeout_s`` without an answer, and a group that stays incomplete for
+    ``layout.join_timeout_s`` without an answer, and a group that stays incomplete for
     ``initialization_timeout_s`` fails on every stage present; each with :class:`GroupFormationError`."""
     if layout.pp == 1:
         return
@@ -64,7 +58,7 @@ def join(layout: ServingLayout, heartbeat_timeout_s: int = 10, initialization_ti
     if layout.pipeline_stage == 0:
         gather_stages(layout, initialization_timeout_s)
     else:
-        meet_coordinator(layout, coordinator_timeout_s, initialization_timeout_s)
+        meet_coordinator(layout, layout.join_timeout_s, initialization_timeout_s)
     if jax.config.jax_platforms in (None, "", "cpu") and not _has_gpu_plugin():
         # Cross-process collectives on CPU (tests, CI) go through gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

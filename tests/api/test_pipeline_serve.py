@@ -91,12 +91,13 @@ def test_two_stage_group_serves_generate_like_one_device(checkpoint, tmp_path):
         assert procs[1].wait(timeout=60) == 0, "stage 1 was not released by stage 0"
 
 
-def _run_lone_stage(tmp_path, stage: int, coordinator: str,
-                    timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+def _run_lone_stage(tmp_path, stage: int, coordinator: str, timeout: float,
+                    join_timeout_s: float = 30.0) -> tuple[subprocess.CompletedProcess, float]:
     """``switchyard serve --tiny`` as one stage of a two-stage group whose other stage never comes:
     the finished process and the seconds it took."""
     (tmp_path / "layout.json").write_text(json.dumps(
-        {"tp": 1, "pp": 2, "batch_slots": 2, "max_seq_len": 256, "coordinator": coordinator}))
+        {"tp": 1, "pp": 2, "batch_slots": 2, "max_seq_len": 256, "coordinator": coordinator,
+         "join_timeout_s": join_timeout_s}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     env.update(SWITCHYARD_PIPELINE_STAGE=str(stage), XLA_FLAGS="", JAX_PLATFORMS="cpu")
     started = time.monotonic()
@@ -108,13 +109,12 @@ def _run_lone_stage(tmp_path, stage: int, coordinator: str,
 
 
 def test_a_later_stage_whose_stage_0_never_comes_exits_with_one_line(tmp_path):
-    from switchyard.service.engine.pipeline_group import JOIN_TIMEOUT_S
-
     coordinator = f"127.0.0.1:{_free_port()}"  # nothing listens there
-    done, took = _run_lone_stage(tmp_path, 1, coordinator, timeout=JOIN_TIMEOUT_S + 120)
+    done, took = _run_lone_stage(tmp_path, 1, coordinator, timeout=120, join_timeout_s=4)
     assert done.returncode > 0, (done.returncode, done.stderr[-3000:])  # an exit status, not a signal
     # The runtime's own wait would be 300 s and end in a C++ abort (a signal, a stack dump).
-    assert took < JOIN_TIMEOUT_S + 60, took
+    assert took < 4 + 60, took
+    assert "within 4 s" in done.stderr, done.stderr[-3000:]  # the layout's bound, not the default 30 s
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and coordinator in errors[0] and "stage 1 of 2" in errors[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "Check failure" not in done.stderr, done.stderr[-3000:]

@@ -113,6 +113,8 @@ def test_serving_layout_kv_pool_and_step_fields():
     assert again == layout and (again.kv_tokens, again.kv_memory_fraction, again.step_tokens) == (2560, 0.5, 512)
     assert ServingLayout(max_seq_len=100, kv_tokens=128).kv_tokens == 128  # one sequence of 100 fits
     assert ServingLayout(kv_memory_fraction=0.95).kv_memory_fraction == 0.95
+    assert default.join_timeout_s == 30.0
+    assert ServingLayout.from_json(ServingLayout(join_timeout_s=600).to_json()).join_timeout_s == 600
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -129,8 +131,14 @@ def test_serving_layout_kv_pool_and_step_fields():
     ({"step_tokens": 8}, "step_tokens must be a multiple of 16 and at least 16, got 8"),
     ({"step_tokens": 100}, "step_tokens must be a multiple of 16"),
     ({"step_tokens": 0}, "step_tokens must be a positive integer"),
+    ({"join_timeout_s": 0}, "join_timeout_s must be a positive number of seconds, got 0"),
+    ({"join_timeout_s": -5}, "join_timeout_s must be a positive number"),
+    ({"join_timeout_s": float("nan")}, "join_timeout_s must be a positive number"),
+    ({"join_timeout_s": float("inf")}, "join_timeout_s must be a positive number"),
+    ({"join_timeout_s": "30"}, "join_timeout_s must be a positive number"),
+    ({"join_timeout_s": True}, "join_timeout_s must be a positive number"),
 ])
-def test_serving_layout_rejects_bad_kv_and_step_fields(fields, message):
+def test_serving_layout_rejects_bad_kv_step_and_join_fields(fields, message):
     with pytest.raises(ModelSpecError, match=message):
         ServingLayout(**fields)
     with pytest.raises(ModelSpecError, match=message):

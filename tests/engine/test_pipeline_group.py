@@ -145,8 +145,9 @@ def test_a_failed_launch_on_stage_0_breaks_the_group_and_nothing_more_is_sent():
     assert channel.ops == [STEP]
 
 
-def _stage_1_of(coordinator: str) -> ServingLayout:
-    return ServingLayout(tp=1, pp=2, batch_slots=2, max_seq_len=64, pipeline_stage=1, coordinator=coordinator)
+def _stage_1_of(coordinator: str, join_timeout_s: float = 30.0) -> ServingLayout:
+    return ServingLayout(tp=1, pp=2, batch_slots=2, max_seq_len=64, pipeline_stage=1, coordinator=coordinator,
+                         join_timeout_s=join_timeout_s)
 
 
 def test_a_later_stage_whose_coordinator_never_answers_gives_up_at_its_bound():
@@ -155,7 +156,7 @@ def test_a_later_stage_whose_coordinator_never_answers_gives_up_at_its_bound():
     coordinator = f"127.0.0.1:{_free_port()}"  # nothing listens there
     started = time.monotonic()
     with pytest.raises(GroupFormationError, match=rf"stage 1 of 2: .*{coordinator} .*within 1.5 s") as caught:
-        join(_stage_1_of(coordinator), coordinator_timeout_s=1.5)
+        join(_stage_1_of(coordinator, join_timeout_s=1.5))
     assert 1.5 <= time.monotonic() - started < 10
     assert "\n" not in str(caught.value)
 
