@@ -38,12 +38,12 @@ IDLE_STEP_TOKENS = 2048
 STEP_TOKENS_MULTIPLE = 16
 # The share of the memory left after the weights a pool sized at start-up takes, by default and at most.
 DEFAULT_KV_MEMORY_FRACTION = 0.9
+MAX_KV_MEMORY_FRACTION = 0.95
 # How long a later pipeline stage waits for stage 0's coordinator port to accept a connection before it
 # gives up (exits, to be restarted). Long enough for a stage 0 started at the same time to import,
 # check its model folder and open the port; short enough that a stage whose group cannot form exits in
 # seconds instead of waiting out the distributed runtime's initialization timeout, a C++ abort.
 DEFAULT_JOIN_TIMEOUT_S = 30.0
-MAX_KV_MEMORY_FRACTION = 0.95
 # The share of a GPU's memory XLA's GPU compiler assumes its programs may use when the allocator states
 # no limit (the virtual-memory allocator, which engine processes run, states none). A program whose
 # parameters exceed it is scheduled against a limit of zero, with an ERROR line ("exceeds the base
