@@ -2,7 +2,8 @@
 
 Builds the diagnostic library (``-DSWITCHYARD_PHASE_TIMER``, see ``kernels/csrc/phase_timer.cuh``)
 into a temporary folder, loads it instead of the installed one, runs the same chains as
-``benchmarks/allreduce.py`` (all-reduces) and a chain of decode-attention calls, and reports for every
+``benchmarks/allreduce.py`` (all-reduces), a chain of decode-attention calls and ``benchmarks/attention.py``'s
+chains of paged decode attention over 16-bit and FP8 pools, and reports for every
 phase the mean time from a block's start to the phase's end (SM cycles and ns), plus, from the last
 launch, how far apart the blocks started and ended. Timers cost a few atomics per block: compare
 phases with each other, not the chain times with ``allreduce.py``'s.
@@ -30,11 +31,14 @@ PHASES = {
     "oneshot": ["push", "reduce", "finish"],
     "fused": ["push", "take_reduce_residual", "block_sum", "normed", "finish"],
     "attention": ["q_to_smem", "scores", "chunks", "warp_merge", "cluster_sync", "cluster_merge", "cluster_exit"],
+    # csrc/paged_attention.cuh marks no second phase: its scores and chunks are one loop over the stages.
+    "paged_attention": ["prologue", "unmarked", "stages", "warp_merge", "cluster_sync", "cluster_merge",
+                        "cluster_exit"],
 }
 
 
-def _load_allreduce_bench():
-    spec = importlib.util.spec_from_file_location("allreduce_bench", Path(__file__).with_name("allreduce.py"))
+def _load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", Path(__file__).with_name(f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -127,6 +131,49 @@ def attention_rows(ar, reps: int, shapes: list[tuple[int, int]], k: int = 64) ->
     return rows
 
 
+def paged_attention_rows(reps: int, shapes: list[tuple[int, int]], min_calls: int = 64) -> list[dict]:
+    """``benchmarks/attention.py``'s chains of paged decode attention (Llama-3-8B heads, blocks of 64,
+    shuffled tables, layers cycled through so that the pools come from HBM), over 16-bit pools and the
+    same pools rounded to FP8: per pool kind the chain's time per call and the phases."""
+    import jax
+    import jax.numpy as jnp
+    from switchyard.kernels import native
+
+    if not native.attention_ready():
+        raise SystemExit("decode-attention kernel unavailable")
+    bench = _load_bench("attention")
+    dev = jax.devices("gpu")[0]
+    kv, group, d, block = 8, 4, 128, 64
+    rows = []
+    for n, ctx in shapes:
+        p = bench.plan(n, ctx, kv, d, block, 2, min_calls)
+        key = jax.random.PRNGKey(n * 7919 + ctx)
+        _, paged, tables = bench.make_layers(key, n, kv, d, block, p["m"], p["layers"], jnp.bfloat16, True)
+        base = {"qkv": jax.random.normal(jax.random.fold_in(key, 1), (n, kv * group + 2 * kv, d), jnp.bfloat16),
+                "tables": tables, "positions": jnp.full((n,), ctx, jnp.int32)}
+        states = {"bf16": {**base, "ks": [c[0] for c in paged], "vs": [c[1] for c in paged]},
+                  "fp8": {**base, "ks": [bench.to_fp8(c[0]) for c in paged], "vs": [bench.to_fp8(c[1]) for c in paged]}}
+        del paged
+        for pool, state in states.items():
+            fn = bench.chain("paged", p["calls"], p["layers"])
+            bench.time_chain(fn, state, 2)  # compiled and warm
+            native.phase_counters(int(dev.local_hardware_id))  # clear what compilation and warm-up left
+            seconds = [bench.time_chain(fn, state, 1) / p["calls"] for _ in range(reps)]
+            row = {"kernel": "paged_attention", "pool": pool, "rows": n, "context": ctx,
+                   "splits": bench.attention.splits_for(n, kv, p["m"] * block), "calls": p["calls"],
+                   "chain_us_per_call": round(statistics.median(seconds) * 1e6, 2)}
+            row.update(summarise("paged_attention", native.phase_counters(int(dev.local_hardware_id))))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del states
+    return rows
+
+
+def pairs(text: str) -> list[tuple[int, int]]:
+    """'rows:context,...' as pairs ('' for none)."""
+    return [tuple(int(v) for v in s.split(":")) for s in text.split(",") if s]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tag", default="local")
@@ -136,8 +183,10 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="*", default=[8192, 16384, 65536])
     parser.add_argument("--attention", default="2:1024,8:1024,32:1024",
                         help="rows:context pairs for the attention chains ('' for none)")
+    parser.add_argument("--paged-attention", default="1:1024,8:1024,1:4096",
+                        help="rows:context pairs for the paged chains, 16-bit and FP8 pools ('' for none)")
     args = parser.parse_args()
-    ar = _load_allreduce_bench()
+    ar = _load_bench("allreduce")
     ar.environment()  # no NVLink multicast, command buffers on: before JAX starts
     lib = args.lib
     if lib is None:
@@ -148,8 +197,8 @@ def main() -> int:
     import jax
 
     rows = allreduce_rows(ar, args.reps, args.sizes) if len(jax.devices("gpu")) > 1 and args.sizes else []
-    shapes = [tuple(int(v) for v in s.split(":")) for s in args.attention.split(",") if s]
-    rows += attention_rows(ar, args.reps, shapes)
+    rows += attention_rows(ar, args.reps, pairs(args.attention))
+    rows += paged_attention_rows(args.reps, pairs(args.paged_attention))
     if args.out:
         device = f"{len(jax.devices('gpu'))}x {jax.devices('gpu')[0].device_kind}"
         result_file.write_result(args.out, {**result_file.provenance(device, script=__file__), "rows": rows}, indent=1)
