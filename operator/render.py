@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
-from switchyard.service.modelspec import ServingLayout
+from switchyard.service.modelspec import DEFAULT_JOIN_TIMEOUT_S, GROUP_FORMATION_TIMEOUT_S, ServingLayout
 
 from .crd import API_VERSION, KIND
 from .inventory import GPU_RESOURCE, GPU_TOLERATION, PRODUCT_LABEL
@@ -137,6 +137,9 @@ def serving_layout(owner: Owner, spec: Mapping[str, Any], plan: Plan, source: Mo
         pipeline_stage=0, coordinator=coordinator, kv_tokens=lay.kv_tokens,
         kv_memory_fraction=lay.kv_memory_fraction, step_tokens=lay.step_tokens,
         quantization=spec["model"]["quantization"],
+        # A group's pods may start minutes apart (one of them pulling its image), so a later stage waits
+        # for stage 0 as long as stage 0 waits for the group, instead of exiting into a restart back-off.
+        join_timeout_s=GROUP_FORMATION_TIMEOUT_S if lay.pp > 1 else DEFAULT_JOIN_TIMEOUT_S,
         extra={
             "engine": spec["engine"],
             "objective": spec["objective"],

@@ -44,6 +44,9 @@ MAX_KV_MEMORY_FRACTION = 0.95
 # check its model folder and open the port; short enough that a stage whose group cannot form exits in
 # seconds instead of waiting out the distributed runtime's initialization timeout, a C++ abort.
 DEFAULT_JOIN_TIMEOUT_S = 30.0
+# How long the stages present wait for the whole pipeline group to form (stage 0 for the later stages'
+# hellos, then every stage for the distributed runtime), after which each fails with one line.
+GROUP_FORMATION_TIMEOUT_S = 300
 # The share of a GPU's memory XLA's GPU compiler assumes its programs may use when the allocator states
 # no limit (the virtual-memory allocator, which engine processes run, states none). A program whose
 # parameters exceed it is scheduled against a limit of zero, with an ERROR line ("exceeds the base

@@ -29,7 +29,7 @@ from switchyard.service.engine.compile_cache import ProgramStore, WarmUp
 from switchyard.service.engine.engine import Engine, PendingStep
 from switchyard.service.engine.plan import StepPlan, StepTokens, decode_plan, encode_plan
 from switchyard.service.errors import FatalEngineError, GroupFormationError
-from switchyard.service.modelspec import ServingLayout
+from switchyard.service.modelspec import GROUP_FORMATION_TIMEOUT_S, ServingLayout
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class GroupBrokenError(FatalEngineError):
 _PROBE_INTERVAL_S = 0.5
 
 
-def join(layout: ServingLayout, heartbeat_timeout_s: int = 10, initialization_timeout_s: int = 300) -> None:
+def join(layout: ServingLayout, heartbeat_timeout_s: int = 10,
+         initialization_timeout_s: int = GROUP_FORMATION_TIMEOUT_S) -> None:
     """Connect this process to its pipeline group (no-op for a single-stage layout).
 
     The stages first meet over plain TCP on the coordinator's port (:func:`gather_stages`,

@@ -12,7 +12,7 @@ import yaml
 from helpers.kube.harness import H100_MIB, decode_service, gpu_node
 from switchyard.operator import inventory, planner, render
 from switchyard.operator import spec as specmod
-from switchyard.service.modelspec import ServingLayout
+from switchyard.service.modelspec import GROUP_FORMATION_TIMEOUT_S, ServingLayout
 
 K8S_VERSION = "1.31"
 
@@ -74,6 +74,7 @@ def test_latency_llama3_8b_renders_valid_objects_with_the_service_command():
     (cm,) = by_kind(objs, "ConfigMap")
     layout = ServingLayout.from_json(cm["data"]["layout.json"])
     assert (layout.tp, layout.pp, layout.dp, layout.strategy) == (4, 1, 2, "auto")
+    assert layout.join_timeout_s == 30.0  # one stage: no group to join
     assert layout.batch_slots == p.layout.batch_slots and layout.max_seq_len == 1280
     assert layout.model_path == "/models/llama-3-8b"
     # The planned KV pool and step size reach the engine through the file, and the status shows them.
@@ -124,6 +125,8 @@ def test_pipeline_groups_are_statefulsets_of_pp_pods():
         cm = next(o for o in objs if o["metadata"]["name"] == f"llama-g{i}-layout")
         layout = ServingLayout.from_json(cm["data"]["layout.json"])
         assert layout.coordinator == f"llama-g{i}-0.llama-headless.default.svc:8476" and layout.pp == lay.pp
+        # pods of a group start apart: a later stage waits for stage 0 as long as stage 0 for the group
+        assert layout.join_timeout_s == GROUP_FORMATION_TIMEOUT_S == 300
         nodes = sts["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
             "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchFields"][0]["values"]
         assert nodes == sorted(set(lay.placement[i]))
