@@ -123,8 +123,11 @@ class Fp8Weight:
 
     def _product(self, x: jax.Array) -> jax.Array:
         if self.runs_w8a8(x):
+            # The GEMM writes its result in the activation's dtype: half float32's bytes written and
+            # read again by the scaling.
             xq, x_scale = quantize_rows(x)
-            return _dot_nt(xq, self.w) * x_scale * self.scale[:, 0]
+            y = jax.lax.dot_general(xq, self.w, (((xq.ndim - 1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+            return y.astype(jnp.float32) * x_scale * self.scale[:, 0]
         if self.block_k:
             return _dot_nt(x, self.dequantized(x.dtype))
         return _dot_nt(x, self.w.astype(x.dtype)) * self.scale[:, 0]
