@@ -239,6 +239,22 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const AttnRow<T, D, G> row(a, b, h);
   const T *q = row.q, *kn = row.kn, *vn = row.vn;
+  // The queries as the A operand (row g = lane / 4; rows past G are zero), loaded first: FP8 scales
+  // them before the stages, and their latency then overlaps the row's and the block table's. Step k's
+  // columns 2 quad + {0, 1} and 2 quad + {8, 9} are those dimensions; FP8 permutes them (see the
+  // top): dimensions 32 (k / 2) + 8 quad + 4 (k % 2) + {0, 1} and + {2, 3}.
+  const int g_row = lane >> 2, quad = lane & 3;
+  uint32_t qa[KS][2];
+#pragma unroll
+  for (int k = 0; k < KS; ++k) {
+    qa[k][0] = qa[k][1] = 0u;
+    if (g_row < G) {
+      const int first = kFp8 ? 32 * (k / 2) + 8 * quad + 4 * (k % 2) : k * 16 + quad * 2;
+      const T* qg = q + g_row * D + first;
+      qa[k][0] = *reinterpret_cast<const uint32_t*>(qg);
+      qa[k][1] = *reinterpret_cast<const uint32_t*>(qg + (kFp8 ? 2 : 8));
+    }
+  }
   const int wat = row.wat, cached = row.cached;
   const bool writes = row.writes, tail = row.tail;
   // Slices start on stage boundaries, so only a slice's last stage is partial.
@@ -293,21 +309,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     paged_cp_async_commit();
   }
 
-  // The queries as the A operand (row g = lane / 4; rows past G are zero). Step k's columns
-  // 2 quad + {0, 1} and 2 quad + {8, 9} are those dimensions; FP8 permutes them (see the top):
-  // dimensions 32 (k / 2) + 8 quad + 4 (k % 2) + {0, 1} and + {2, 3}.
-  const int g_row = lane >> 2, quad = lane & 3;
-  uint32_t qa[KS][2];
-#pragma unroll
-  for (int k = 0; k < KS; ++k) {
-    qa[k][0] = qa[k][1] = 0u;
-    if (g_row < G) {
-      const int first = kFp8 ? 32 * (k / 2) + 8 * quad + 4 * (k % 2) : k * 16 + quad * 2;
-      const T* qg = q + g_row * D + first;
-      qa[k][0] = *reinterpret_cast<const uint32_t*>(qg);
-      qa[k][1] = *reinterpret_cast<const uint32_t*>(qg + (kFp8 ? 2 : 8));
-    }
-  }
   // FP8 with bf16 queries: row g_row times 2^shift as fp16, its largest magnitude in [2^14, 2^15);
   // q_unscale undoes it in the scores. The four threads of a row hold all of its D values.
   float q_unscale = 1.f;
@@ -580,15 +581,28 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       sm_l[warp * G + g_row] = l;
     }
     float* out = sm_acc + (warp * G + g_row) * D;
-    const float back = kFp8 ? exp2f(m_v - m) : 1.f;  // FP8: acc relative to the softmax's max
+    if constexpr (kFp8) {
+      // Column c of every tile is NT consecutive dimensions, (2 quad + c) NT onwards: groups of four
+      // stored as float4, group t = c NT / 4 + tile / 4. Every lane of a quarter warp would hit the same
+      // banks in the same order, so each starts at its own group (t = u + lane % 8).
+      const float back = exp2f(m_v - m);  // acc relative to the softmax's max
+      constexpr int T4 = NT / 2;  // groups of four per thread
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      if constexpr (kFp8) {
-        out[out_dim(j, 0)] = acc[j][0] * back;
-        out[out_dim(j, 1)] = acc[j][1] * back;
-      } else {
-        *reinterpret_cast<float2*>(out + out_dim(j, 0)) = make_float2(acc[j][0], acc[j][1]);
+      for (int u = 0; u < T4; ++u) {
+        const int t = (u + (lane & 7)) % T4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int j = 0; j < NT; j += 4)
+            if (t == c * (NT / 4) + j / 4)
+              v = make_float4(acc[j][c] * back, acc[j + 1][c] * back, acc[j + 2][c] * back, acc[j + 3][c] * back);
+        *reinterpret_cast<float4*>(out + (2 * quad) * NT + 4 * t) = v;
       }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+        *reinterpret_cast<float2*>(out + out_dim(j, 0)) = make_float2(acc[j][0], acc[j][1]);
     }
   }
   attn_finish<T, D, G>(a, b, h, sm_m, sm_l, sm_acc, blk_m, blk_l, blk_acc, clock);
