@@ -3,16 +3,15 @@
 Products (Llama shapes, ``--model``'s at TP=1): for each matrix [K, N] and each count of activation
 rows, the bf16 product, the FP8 weight-only product (W8A16: the e4m3 weight converted inside the
 product, a scale per output channel; and with 128-wide block scales) and FP8 x FP8 (W8A8: the
-activation quantized per token, XLA's FP8 GEMM; and ``w8a8-16bit-out``, the same with the GEMM's
-result in bf16 instead of float32, half the bytes written and read again). Each is checked against a
-float32 product of the same dequantized weight (W8A16 to 2% of the largest output, bf16's own
-rounding; W8A8 a cosine of 0.999 per row) and timed over ``--layers`` distinct weights in one program
-(more bytes than the L2 cache holds, so each product reads its weight from HBM; each weight a buffer
-of its own, as a model's are: timed over slices of one stacked array, XLA's FP8 gate_up product
-took 129 µs, where a decode step's profile shows 34 µs), as µs per product,
-TFLOP/s and the weight bytes' rate against the copy bandwidth. The compiled program says whether XLA
-ran the FP8 GEMM (``cublas$lt$matmul$f8``). The rows where W8A8 starts to beat W8A16 on every shape
-are what ``engine.DEFAULT_W8A8_MIN_ROWS`` should be.
+activation quantized per token, XLA's FP8 GEMM writing the activation's dtype, then both scales).
+Each is checked against a float32 product of the same dequantized weight (W8A16 to 2% of the largest
+output, bf16's own rounding; W8A8 a cosine of 0.999 per row) and timed over ``--layers`` distinct
+weights in one program (more bytes than the L2 cache holds, so each product reads its weight from
+HBM; each weight a buffer of its own, as a model's are: timed over slices of one stacked array,
+XLA's FP8 gate_up product took 129 µs, where a decode step's profile shows 34 µs), as µs per
+product, TFLOP/s and the weight bytes' rate against the copy bandwidth. The compiled program says
+whether XLA ran the FP8 GEMM (``cublas$lt$matmul$f8``). The rows where W8A8 starts to beat W8A16 on
+every shape are what ``engine.DEFAULT_W8A8_MIN_ROWS`` should be.
 
 KV: ``paged_decode_attention_packed`` over an FP8 pool (e4m3 with a scale per position and head; XLA's
 ops, which dequantize as they gather) against the bf16 pool (our CUDA kernel, and XLA's ops), at the
@@ -40,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from switchyard.kernels import attention, kv_cache
-from switchyard.kernels.fp8 import quantize_rows
 from switchyard.kernels.weights import Fp8Weight
 from switchyard.service.modelspec import preset
 
@@ -51,7 +49,6 @@ ROWS = (1, 8, 32, 64, 128, 256, 512, 1024, 4096)
 W8A16_BAR = 0.02  # of the largest output: bf16 operands and output round to 2^-9, summed over K
 COSINE_BAR = 0.999
 ATTENTION_BAR = 0.02
-W8A8_16BIT_OUT = "w8a8-16bit-out"
 
 
 def timed(fn: Any, *args: Any, repeats: int) -> float:
@@ -90,18 +87,9 @@ def layer_weights(key: jax.Array, layers: int, k: int, n: int,
     return list(dense), [Fp8Weight(*quantize(w), block_k) for w in dense]
 
 
-def w8a8_16bit_out(x: jax.Array, weight: Fp8Weight) -> jax.Array:
-    """FP8 x FP8 as the product runs it, but the GEMM writes its result in the activation's dtype
-    (half the bytes of float32) and the two scales are applied to that: the alternative this
-    benchmark times beside the product's float32 result."""
-    xq, x_scale = quantize_rows(x)
-    y = jax.lax.dot_general(xq, weight.w, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
-    return (y.astype(jnp.float32) * x_scale * weight.scale[:, 0]).astype(x.dtype)
-
-
 def product(kind: str, x: jax.Array, weight: Any) -> jax.Array:
     """x times ``weight`` (a dense matrix for bf16, else an FP8 weight) in ``kind``'s way."""
-    return w8a8_16bit_out(x, weight) if kind == W8A8_16BIT_OUT else x @ weight
+    return x @ weight
 
 
 def product_program(kind: str, block_k: int, min_rows: int) -> Any:
@@ -141,8 +129,7 @@ def products(args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], bo
             dense, fp8 = layer_weights(key, args.layers, k, n, block_k)
             for rows in args.rows:
                 x = (jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.float32)).astype(jnp.bfloat16)
-                kinds = {"w8a16": (fp8, 0)} if block_k else {"bf16": (dense, 0), "w8a16": (fp8, 0), "w8a8": (fp8, 1),
-                                                             W8A8_16BIT_OUT: (fp8, 1)}
+                kinds = {"w8a16": (fp8, 0)} if block_k else {"bf16": (dense, 0), "w8a16": (fp8, 0), "w8a8": (fp8, 1)}
                 for kind, (weights, min_rows) in kinds.items():
                     program = product_program(kind, block_k, min_rows)
                     seconds = timed(program, x, weights, repeats=args.repeats) / args.layers
