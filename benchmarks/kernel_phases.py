@@ -31,8 +31,9 @@ PHASES = {
     "oneshot": ["push", "reduce", "finish"],
     "fused": ["push", "take_reduce_residual", "block_sum", "normed", "finish"],
     "attention": ["q_to_smem", "scores", "chunks", "warp_merge", "cluster_sync", "cluster_merge", "cluster_exit"],
-    # csrc/paged_attention.cuh marks no second phase: its scores and chunks are one loop over the stages.
-    "paged_attention": ["prologue", "unmarked", "stages", "warp_merge", "cluster_sync", "cluster_merge",
+    # csrc/paged_attention.cuh: the block table read and the first stages' copies issued, then the rest of
+    # the prologue (the queries, FP8's scaling of them, the new K/V), then the stages (scores and chunks in one loop).
+    "paged_attention": ["copies_issued", "prologue", "stages", "warp_merge", "cluster_sync", "cluster_merge",
                         "cluster_exit"],
 }
 

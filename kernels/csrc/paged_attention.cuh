@@ -308,6 +308,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     issue(i, first_entries[i]);
     paged_cp_async_commit();
   }
+  clock.mark(1);
 
   // FP8 with bf16 queries: row g_row times 2^shift as fp16, its largest magnitude in [2^14, 2^15);
   // q_unscale undoes it in the scores. The four threads of a row hold all of its D values.
@@ -408,7 +409,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       }
     }
   }
-  clock.mark(1);
+  clock.mark(2);
 
   // ldmatrix addresses: lane supplies row 8 * warp + lane % 8 of matrix lane / 8.
   const int my_row = 8 * warp + (lane & 7), my_mat = lane >> 3;

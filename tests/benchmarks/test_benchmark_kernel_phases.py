@@ -27,15 +27,19 @@ def test_a_library_without_timers_gives_only_chain_times():
     assert scripts.load("kernel_phases").summarise("fused", None) == {}
 
 
-def test_paged_attention_phases_skip_the_slot_its_kernel_never_marks():
+def test_paged_attention_phases_are_named_by_slot_and_unmarked_slots_skipped():
     kp = scripts.load("kernel_phases")
     slots, blocks = native.PHASE_SLOTS, native.PHASE_BLOCKS
     cycles, ns = [0] * slots, [0] * slots
     cycles[0] = 2
-    cycles[1], ns[1] = 2 * 600, 2 * 300  # the prologue
-    cycles[3], ns[3] = 2 * 5000, 2 * 2500  # the stages (slot 2 is never marked)
+    cycles[1], ns[1] = 2 * 400, 2 * 200  # the first copies issued
+    cycles[3], ns[3] = 2 * 5000, 2 * 2500  # the stages (slot 2, the rest of the prologue, left unmarked)
     cycles[4], ns[4] = 2 * 5400, 2 * 2700
     got = kp.summarise("paged_attention", native.PhaseCounters(2, cycles, ns, [[0] * slots for _ in range(blocks)]))
-    assert list(got["phases"]) == ["prologue", "stages", "warp_merge"]
+    assert list(got["phases"]) == ["copies_issued", "stages", "warp_merge"]
     assert got["phases"]["stages"] == {"ns": 2500.0, "cycles": 5000.0}
+    cycles[2], ns[2] = 2 * 600, 2 * 300
+    got = kp.summarise("paged_attention", native.PhaseCounters(2, cycles, ns, [[0] * slots for _ in range(blocks)]))
+    assert list(got["phases"])[:3] == ["copies_issued", "prologue", "stages"]
+    assert got["phases"]["prologue"] == {"ns": 300.0, "cycles": 600.0}
     assert kp.pairs("1:1024,8:4096") == [(1, 1024), (8, 4096)] and kp.pairs("") == []
