@@ -239,8 +239,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const AttnRow<T, D, G> row(a, b, h);
   const T *q = row.q, *kn = row.kn, *vn = row.vn;
-  // The queries as the A operand (row g = lane / 4; rows past G are zero), loaded first: FP8 scales
-  // them before the stages, and their latency then overlaps the row's and the block table's. Step k's
+  // The queries as the A operand (row g = lane / 4; rows past G are zero), loaded before the block
+  // table (FP8 scales them in the prologue, so their loads should be on their way early). Step k's
   // columns 2 quad + {0, 1} and 2 quad + {8, 9} are those dimensions; FP8 permutes them (see the
   // top): dimensions 32 (k / 2) + 8 quad + 4 (k % 2) + {0, 1} and + {2, 3}.
   const int g_row = lane >> 2, quad = lane & 3;
