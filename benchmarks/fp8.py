@@ -69,6 +69,14 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * x.nbytes / timed(copy, x, repeats=10)
 
 
+def layer_matrices(model: str) -> dict[str, tuple[int, int]]:
+    """The preset's four layer matrices at TP=1, each as [K, N]."""
+    spec = preset(model)
+    return {"qkv": (spec.hidden_size, spec.q_size + 2 * spec.kv_size), "o": (spec.q_size, spec.hidden_size),
+            "gate_up": (spec.hidden_size, 2 * spec.intermediate_size),
+            "down": (spec.intermediate_size, spec.hidden_size)}
+
+
 def layer_weights(key: jax.Array, layers: int, k: int, n: int,
                   block_k: int) -> tuple[list[jax.Array], list[Fp8Weight]]:
     """``layers`` random bf16 matrices [K, N] and the same as FP8 weights (a scale per output channel,
@@ -87,11 +95,6 @@ def layer_weights(key: jax.Array, layers: int, k: int, n: int,
     return list(dense), [Fp8Weight(*quantize(w), block_k) for w in dense]
 
 
-def product(kind: str, x: jax.Array, weight: Any) -> jax.Array:
-    """x times ``weight`` (a dense matrix for bf16, else an FP8 weight) in ``kind``'s way."""
-    return x @ weight
-
-
 def product_program(kind: str, block_k: int, min_rows: int) -> Any:
     """One program: the activation times every weight in turn, the outputs summed so that none is
     dropped."""
@@ -99,7 +102,7 @@ def product_program(kind: str, block_k: int, min_rows: int) -> Any:
         total = None
         for w in weights:
             weight = w if kind == "bf16" else Fp8Weight(w.w, w.scale, block_k, min_rows)
-            y = product(kind, x, weight).astype(jnp.float32)
+            y = (x @ weight).astype(jnp.float32)
             total = y if total is None else total + y
         return total
 
@@ -118,13 +121,9 @@ def check_product(kind: str, x: jax.Array, weight: Fp8Weight, got: jax.Array) ->
 
 
 def products(args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], bool]:
-    spec = preset(args.model)
-    shapes = {"qkv": (spec.hidden_size, spec.q_size + 2 * spec.kv_size), "o": (spec.q_size, spec.hidden_size),
-              "gate_up": (spec.hidden_size, 2 * spec.intermediate_size),
-              "down": (spec.intermediate_size, spec.hidden_size)}
     rows_out, all_ok = [], True
     key = jax.random.PRNGKey(0)
-    for name, (k, n) in shapes.items():
+    for name, (k, n) in layer_matrices(args.model).items():
         for block_k in (0, 128):
             dense, fp8 = layer_weights(key, args.layers, k, n, block_k)
             for rows in args.rows:
@@ -143,7 +142,7 @@ def products(args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], bo
                            "fp8_gemm": "$f8" in text}
                     if kind != "bf16":
                         single = Fp8Weight(weights[0].w, weights[0].scale, block_k, min_rows)
-                        got = jax.jit(lambda a, w, kind=kind: product(kind, a, w))(x, single)
+                        got = jax.jit(lambda a, w: a @ w)(x, single)
                         row.update(check_product(kind, x, single, got))
                         all_ok &= row["ok"]
                     rows_out.append(row)

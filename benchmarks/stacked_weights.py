@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from switchyard.kernels.weights import Fp8Weight
-from switchyard.service.modelspec import preset
 
 # benchmarks/result_file.py (provenance and writing), by its path: PYTHONSAFEPATH=1 keeps benchmarks/ off sys.path.
 result_file = SimpleNamespace(**runpy.run_path(str(Path(__file__).with_name("result_file.py"))))
@@ -55,33 +54,28 @@ def stacked(kind: str, dense: list[jax.Array], fp8: list[Fp8Weight]) -> Any:
     return Fp8Weight(jnp.stack([w.w for w in fp8]), jnp.stack([w.scale for w in fp8]))
 
 
-def layer(kind: str, weights: Any, i: Any) -> Any:
-    """Layer ``i``'s matrix of a stacked array, as the product takes it (FP8: weight-only)."""
-    if kind == "bf16":
-        return weights[i]
-    return Fp8Weight(weights.w[i], weights.scale[i], 0, 0)
+def weight_only(kind: str, w: Any) -> Any:
+    """A layer's weight as the product takes it: the bf16 matrix, or the FP8 weight's weight-only product."""
+    return w if kind == "bf16" else Fp8Weight(w.w, w.scale, 0, 0)
 
 
 def program(layout: str, kind: str, layers: int) -> Any:
     """jit: the activation times every layer's weight, the float32 products summed (none dropped)."""
     def product(x: jax.Array, w: Any) -> jax.Array:
-        return (x @ w).astype(jnp.float32)
+        return (x @ weight_only(kind, w)).astype(jnp.float32)
 
     def buffers(x: jax.Array, weights: list[Any]) -> jax.Array:
-        total = product(x, weights[0] if kind == "bf16" else Fp8Weight(weights[0].w, weights[0].scale, 0, 0))
+        total = product(x, weights[0])
         for w in weights[1:]:
-            total = total + product(x, w if kind == "bf16" else Fp8Weight(w.w, w.scale, 0, 0))
+            total = total + product(x, w)
         return total
 
     def slices(x: jax.Array, weights: Any) -> jax.Array:
-        total = product(x, layer(kind, weights, 0))
-        for i in range(1, layers):
-            total = total + product(x, layer(kind, weights, i))
-        return total
+        return buffers(x, [jax.tree.map(lambda a, i=i: a[i], weights) for i in range(layers)])
 
     def scan(x: jax.Array, weights: Any) -> jax.Array:
         def body(total: jax.Array, w: Any) -> tuple[jax.Array, None]:
-            return total + product(x, w if kind == "bf16" else Fp8Weight(w.w, w.scale, 0, 0)), None
+            return total + product(x, w), None
 
         n = weights.shape[-1] if kind == "bf16" else weights.w.shape[-2]
         return jax.lax.scan(body, jnp.zeros((x.shape[0], n), jnp.float32), weights)[0]
@@ -109,13 +103,9 @@ def weight_copies(text: str, k: int, n: int) -> int:
 
 
 def measure(args: argparse.Namespace) -> tuple[list[dict], bool]:
-    spec = preset(args.model)
-    shapes = {"qkv": (spec.hidden_size, spec.q_size + 2 * spec.kv_size), "o": (spec.q_size, spec.hidden_size),
-              "gate_up": (spec.hidden_size, 2 * spec.intermediate_size),
-              "down": (spec.intermediate_size, spec.hidden_size)}
     rows_out, ok = [], True
     key = jax.random.PRNGKey(0)
-    for name, (k, n) in shapes.items():
+    for name, (k, n) in fp8_bench.layer_matrices(args.model).items():
         dense, fp8 = fp8_bench.layer_weights(key, args.layers, k, n, 0)
         for kind in KINDS:
             held = {"buffers": dense if kind == "bf16" else fp8}
