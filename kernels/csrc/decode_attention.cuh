@@ -105,12 +105,26 @@ __device__ __forceinline__ float attn_warp_sum(float v) {
   return v;
 }
 
-// The end of both decode-attention kernels. Each warp has left its (max, sum) per query head in
-// sm_m / sm_l [kAttnWarps][G] and its unnormalised output in sm_acc [kAttnWarps][G][D] (natural-log
-// scale); the block merges its warps, and with S > 1 the cluster (the S blocks of this row and
-// head) merges its blocks through distributed shared memory: blk_* [G] / [G][D] are the block's
+// Where dimension d of query head g lies in a warp's row of sm_acc: in place, or (SWIZZLED: the paged
+// kernel over FP8 pools, whose lanes store groups of four dimensions) with the 16-byte group's low
+// three bits XORed with the storing lane's (head parity, lane % 4), so that no two lanes of a quarter
+// warp store to the same banks; reads of 32 consecutive dimensions still take 32 banks (D >= 128).
+template <int D, bool SWIZZLED>
+__device__ __forceinline__ int attn_acc_index(int g, int d) {
+  if constexpr (!SWIZZLED) {
+    return d;
+  } else {
+    const int group = d >> 2, quad = group / (D / 16);
+    return ((group ^ ((((g & 1) << 2) | quad) & 7)) << 2) | (d & 3);
+  }
+}
+
+// The end of both decode-attention kernels. Each warp has left its (max, sum) per query head in sm_m / sm_l
+// [kAttnWarps][G] and its unnormalised output in sm_acc [kAttnWarps][G][D] (natural-log scale; each row laid
+// out as attn_acc_index says); the block merges its warps, and with S > 1 the cluster (the S blocks of this
+// row and head) merges its blocks through distributed shared memory: blk_* [G] / [G][D] are the block's
 // result that its peers read.
-template <typename T, int D, int G>
+template <typename T, int D, int G, bool SWIZZLED = false>
 __device__ __forceinline__ void attn_finish(const AttnArgs& a, int b, int h, const float* sm_m, const float* sm_l,
                                             const float* sm_acc, float* blk_m, float* blk_l, float* blk_acc,
                                             PhaseClock& clock) {
@@ -126,7 +140,7 @@ __device__ __forceinline__ void attn_finish(const AttnArgs& a, int b, int h, con
     for (int w = 0; w < kAttnWarps; ++w) {
       const float f = __expf(sm_m[w * G + g] - mx);
       sum += sm_l[w * G + g] * f;
-      val += sm_acc[(w * G + g) * D + d] * f;
+      val += sm_acc[(w * G + g) * D + attn_acc_index<D, SWIZZLED>(g, d)] * f;
     }
     if (a.S == 1) {
       T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.kv * G + h * G + g) * D;

@@ -583,30 +583,24 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
     }
     float* out = sm_acc + (warp * G + g_row) * D;
     if constexpr (kFp8) {
-      // Column c of every tile is NT consecutive dimensions, (2 quad + c) NT onwards: groups of four
-      // stored as float4, group t = c NT / 4 + tile / 4. Every lane of a quarter warp would hit the same
-      // banks in the same order, so each starts at its own group (t = u + lane % 8).
+      // Column c of every tile is NT consecutive dimensions, (2 quad + c) NT onwards: groups of four,
+      // each stored as one float4 where attn_acc_index puts it.
       const float back = exp2f(m_v - m);  // acc relative to the softmax's max
-      constexpr int T4 = NT / 2;  // groups of four per thread
 #pragma unroll
-      for (int u = 0; u < T4; ++u) {
-        const int t = (u + (lane & 7)) % T4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int c = 0; c < 2; ++c)
 #pragma unroll
-        for (int c = 0; c < 2; ++c)
-#pragma unroll
-          for (int j = 0; j < NT; j += 4)
-            if (t == c * (NT / 4) + j / 4)
-              v = make_float4(acc[j][c] * back, acc[j + 1][c] * back, acc[j + 2][c] * back, acc[j + 3][c] * back);
-        *reinterpret_cast<float4*>(out + (2 * quad) * NT + 4 * t) = v;
-      }
+        for (int j = 0; j < NT; j += 4) {
+          const int first = (2 * quad + c) * NT + j;
+          *reinterpret_cast<float4*>(out + attn_acc_index<D, true>(g_row, first)) =
+              make_float4(acc[j][c] * back, acc[j + 1][c] * back, acc[j + 2][c] * back, acc[j + 3][c] * back);
+        }
     } else {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
         *reinterpret_cast<float2*>(out + out_dim(j, 0)) = make_float2(acc[j][0], acc[j][1]);
     }
   }
-  attn_finish<T, D, G>(a, b, h, sm_m, sm_l, sm_acc, blk_m, blk_l, blk_acc, clock);
+  attn_finish<T, D, G, kFp8>(a, b, h, sm_m, sm_l, sm_acc, blk_m, blk_l, blk_acc, clock);
 }
 
 }  // namespace switchyard
