@@ -9,7 +9,10 @@ output, bf16's own rounding; W8A8 a cosine of 0.999 per row) and timed over ``--
 weights in one program (more bytes than the L2 cache holds, so each product reads its weight from
 HBM; each weight a buffer of its own, as a model's are: timed over slices of one stacked array,
 XLA's FP8 gate_up product took 129 µs, where a decode step's profile shows 34 µs), as µs per
-product, TFLOP/s and the weight bytes' rate against the copy bandwidth. The compiled program says
+product, TFLOP/s and the weight bytes' rate against the copy bandwidth. With ``--splits S ...`` the
+weight-only product is also timed as ``Fp8Weight.split_product`` over S slices of K, summed
+(``w8a16-split-S``): at a few rows, a product whose N gives too few output tiles to fill the GPU gets
+S times the tiles. The compiled program says
 whether XLA ran the FP8 GEMM (``cublas$lt$matmul$f8``). The rows where W8A8 starts to beat W8A16 on
 every shape are what ``engine.DEFAULT_W8A8_MIN_ROWS`` should be.
 
@@ -95,6 +98,17 @@ def layer_weights(key: jax.Array, layers: int, k: int, n: int,
     return list(dense), [Fp8Weight(*quantize(w), block_k) for w in dense]
 
 
+SPLIT_KIND = "w8a16-split-"
+
+
+def product(kind: str, x: jax.Array, weight: Any) -> jax.Array:
+    """``x`` times ``weight`` as ``kind`` runs it, in ``x``'s dtype (``w8a16-split-S``: the sum of
+    S partial products over slices of K)."""
+    if kind.startswith(SPLIT_KIND):
+        return weight.split_product(x, int(kind[len(SPLIT_KIND):])).sum(0).astype(x.dtype)
+    return x @ weight
+
+
 def product_program(kind: str, block_k: int, min_rows: int) -> Any:
     """One program: the activation times every weight in turn, the outputs summed so that none is
     dropped."""
@@ -102,7 +116,7 @@ def product_program(kind: str, block_k: int, min_rows: int) -> Any:
         total = None
         for w in weights:
             weight = w if kind == "bf16" else Fp8Weight(w.w, w.scale, block_k, min_rows)
-            y = (x @ weight).astype(jnp.float32)
+            y = product(kind, x, weight).astype(jnp.float32)
             total = y if total is None else total + y
         return total
 
@@ -129,6 +143,8 @@ def products(args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], bo
             for rows in args.rows:
                 x = (jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.float32)).astype(jnp.bfloat16)
                 kinds = {"w8a16": (fp8, 0)} if block_k else {"bf16": (dense, 0), "w8a16": (fp8, 0), "w8a8": (fp8, 1)}
+                if not block_k:
+                    kinds.update({f"{SPLIT_KIND}{s}": (fp8, 0) for s in args.splits if k % s == 0})
                 for kind, (weights, min_rows) in kinds.items():
                     program = product_program(kind, block_k, min_rows)
                     seconds = timed(program, x, weights, repeats=args.repeats) / args.layers
@@ -142,7 +158,7 @@ def products(args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], bo
                            "fp8_gemm": "$f8" in text}
                     if kind != "bf16":
                         single = Fp8Weight(weights[0].w, weights[0].scale, block_k, min_rows)
-                        got = jax.jit(lambda a, w: a @ w)(x, single)
+                        got = jax.jit(lambda a, w, kind=kind: product(kind, a, w))(x, single)
                         row.update(check_product(kind, x, single, got))
                         all_ok &= row["ok"]
                     rows_out.append(row)
@@ -235,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--layers", type=int, default=8, help="distinct weights (pools) per timed program")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--splits", type=int, nargs="*", default=[],
+                        help="also time the weight-only product split over this many slices of K")
     parser.add_argument("--skip", nargs="*", default=[], choices=["products", "kv"])
     parser.add_argument("--out", help="result JSON path")
     args = parser.parse_args(argv)

@@ -17,7 +17,7 @@ def test_fp8_benchmark_checks_and_times_every_product_and_pool(tmp_path):
     out = tmp_path / "fp8.json"
     env = dict(os.environ, PYTHONSAFEPATH="1", XLA_FLAGS=cpu_xla_flags(1))
     run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--rows", "1", "16", "--batch", "2",
-                          "--context", "128", "--layers", "2", "--repeats", "2", "--out", str(out)],
+                          "--context", "128", "--layers", "2", "--repeats", "2", "--splits", "2", "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -25,7 +25,7 @@ def test_fp8_benchmark_checks_and_times_every_product_and_pool(tmp_path):
     kinds = {(r["matrix"], r["rows"], r["kind"], r["block_k"]) for r in result["products"]}
     for matrix in ("qkv", "o", "gate_up", "down"):
         for rows in (1, 16):
-            kinds_at = {(matrix, rows, k, 0) for k in ("bf16", "w8a16", "w8a8")}
+            kinds_at = {(matrix, rows, k, 0) for k in ("bf16", "w8a16", "w8a8", "w8a16-split-2")}
             assert kinds_at | {(matrix, rows, "w8a16", 128)} <= kinds
     checked = [r for r in result["products"] if r["kind"] != "bf16"]
     assert all(r["ok"] and r["us_per_product"] > 0 for r in checked)
