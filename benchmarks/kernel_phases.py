@@ -5,8 +5,9 @@ into a temporary folder, loads it instead of the installed one, runs the same ch
 ``benchmarks/allreduce.py`` (all-reduces), a chain of decode-attention calls and ``benchmarks/attention.py``'s
 chains of paged decode attention over 16-bit and FP8 pools, and reports for every
 phase the mean time from a block's start to the phase's end (SM cycles and ns), plus, from the last
-launch, how far apart the blocks started and ended. Timers cost a few atomics per block: compare
-phases with each other, not the chain times with ``allreduce.py``'s.
+launch, how far apart the blocks started and ended (paged attention: also each phase per slice of the
+context). Timers cost a few atomics per block: compare phases with each other, not the chain times
+with ``allreduce.py``'s.
 
     python benchmarks/kernel_phases.py --tag h200x2 --out benchmarks/results/kernel-phases-h200x2.json
 """
@@ -64,6 +65,25 @@ def summarise(kernel: str, counters) -> dict:
         spread = {"blocks": len(last), "start_spread_ns": max(starts) - t0, "end_of_last_block_ns": max(ends) - t0,
                   "median_block_ns": statistics.median(e - s for s, e in zip(starts, ends, strict=True))}
     return {"block_launches": counters.block_launches, "phases": phases, "last_launch": spread}
+
+
+def by_slice(kernel: str, counters, blocks_per_slice: int) -> dict[str, dict[str, float]]:
+    """The last launch's blocks grouped by their slice of the context (paged attention's grid is
+    [rows x KV heads, slices], so block i is slice i // blocks_per_slice): per slice, the mean ns from a
+    block's start to each phase's end. Slice 0 also writes the new K/V and attends the new token, and
+    the cluster's barrier waits for its slowest block: this says whether that block is the late one."""
+    if counters is None or blocks_per_slice < 1:
+        return {}
+    spans: dict[int, dict[str, list[int]]] = {}
+    for i, stamps in enumerate(counters.last):
+        if not stamps[0]:
+            continue
+        phases = spans.setdefault(i // blocks_per_slice, {})
+        for slot, name in enumerate(PHASES[kernel], start=1):
+            if stamps[slot]:
+                phases.setdefault(name, []).append(stamps[slot] - stamps[0])
+    return {str(slice_): {name: round(statistics.fmean(ns), 1) for name, ns in phases.items()}
+            for slice_, phases in sorted(spans.items())}
 
 
 def allreduce_rows(ar, reps: int, sizes: list[int]) -> list[dict]:
@@ -163,7 +183,9 @@ def paged_attention_rows(reps: int, shapes: list[tuple[int, int]], min_calls: in
             row = {"kernel": "paged_attention", "pool": pool, "rows": n, "context": ctx,
                    "splits": bench.attention.splits_for(n, kv, p["m"] * block), "calls": p["calls"],
                    "chain_us_per_call": round(statistics.median(seconds) * 1e6, 2)}
-            row.update(summarise("paged_attention", native.phase_counters(int(dev.local_hardware_id))))
+            counters = native.phase_counters(int(dev.local_hardware_id))
+            row.update(summarise("paged_attention", counters))
+            row["last_launch_by_slice"] = by_slice("paged_attention", counters, n * kv)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del states

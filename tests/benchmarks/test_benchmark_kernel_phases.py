@@ -43,3 +43,21 @@ def test_paged_attention_phases_are_named_by_slot_and_unmarked_slots_skipped():
     assert list(got["phases"])[:3] == ["copies_issued", "prologue", "stages"]
     assert got["phases"]["prologue"] == {"ns": 300.0, "cycles": 600.0}
     assert kp.pairs("1:1024,8:4096") == [(1, 1024), (8, 4096)] and kp.pairs("") == []
+
+
+def test_paged_attention_blocks_grouped_by_slice_of_the_last_launch():
+    kp = scripts.load("kernel_phases")
+    slots, blocks = native.PHASE_SLOTS, native.PHASE_BLOCKS
+    last = [[0] * slots for _ in range(blocks)]
+    # 2 blocks a slice (rows x KV heads), 2 slices: slice 0's blocks reach the barrier later.
+    last[0][:6] = [1_000, 1_100, 1_300, 2_000, 2_200, 2_900]
+    last[1][:6] = [1_010, 1_110, 1_330, 2_050, 2_250, 2_910]
+    last[2][:6] = [1_005, 1_100, 1_200, 1_700, 1_800, 2_905]
+    last[3][:4] = [1_020, 1_120, 1_220, 1_720]  # this block's later phases not reached (0)
+    got = kp.by_slice("paged_attention", native.PhaseCounters(2, [0] * slots, [0] * slots, last), 2)
+    assert got["0"] == {"copies_issued": 100.0, "prologue": 310.0, "stages": 1_020.0, "warp_merge": 1_220.0,
+                        "cluster_sync": 1_900.0}
+    # A phase's mean is over the blocks that reached it.
+    assert got["1"] == {"copies_issued": 97.5, "prologue": 197.5, "stages": 697.5, "warp_merge": 795.0,
+                        "cluster_sync": 1_900.0}
+    assert kp.by_slice("paged_attention", None, 2) == {}
