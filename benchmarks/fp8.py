@@ -278,11 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         result["kv_tokens_fp8_over_bf16"] = round(ratio, 3)
         print(f"an FP8 pool holds {ratio:.2f}x the tokens of a bf16 one in the same memory", flush=True)
         ok &= kv_ok
-    result["checks_passed"] = bool(ok)
-    if args.out:
-        result_file.write_result(args.out, result)
-    print("all checks passed" if ok else "CHECKS FAILED", flush=True)
-    return 0 if ok else 1
+    return result_file.finish_checked(result, args.out, ok)
 
 
 if __name__ == "__main__":

@@ -59,3 +59,14 @@ def write_result(path: str | Path, result: dict[str, Any], indent: int = 2) -> N
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=indent) + "\n")
+
+
+def finish_checked(result: dict[str, Any], out: str | Path | None, ok: bool, failure: str = "CHECKS FAILED") -> int:
+    """The end of a benchmark whose measurements carry checks: ``checks_passed`` recorded, the file
+    written where asked, one line saying whether every check passed (``failure`` where not), and the
+    exit code (1 when a check failed)."""
+    result["checks_passed"] = bool(ok)
+    if out:
+        write_result(out, result)
+    print("all checks passed" if ok else failure, flush=True)
+    return 0 if ok else 1

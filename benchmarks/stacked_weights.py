@@ -147,11 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "jax": jax.__version__, "host": platform.node(), "model": args.model, "layers": args.layers,
     }
     result["products"], ok = measure(args)
-    result["checks_passed"] = bool(ok)
-    if args.out:
-        result_file.write_result(args.out, result)
-    print("all checks passed" if ok else "CHECKS FAILED: a layout's sum disagrees with the buffers'", flush=True)
-    return 0 if ok else 1
+    return result_file.finish_checked(result, args.out, ok, "CHECKS FAILED: a layout's sum disagrees with the buffers'")
 
 
 if __name__ == "__main__":
