@@ -180,7 +180,8 @@ def measure(args: argparse.Namespace, batch: int, context: int) -> dict:
     row["paged_over_contiguous"] = round(row["paged_us"] / row["contiguous_us"], 4)
     if args.fp8_pools:
         fp8_bytes = 2 * batch * (context + 1) * kv * (d + kv_cache.FP8_SCALE_BYTES)
-        row.update(fp8_kv_bytes_per_launch=fp8_bytes, fp8_rel_err_vs_paged=round(fp8_err, 5),
+        row.update(fp8_splits=attention.splits_for(batch, kv, p["m"] * block, fp8_pools=True),
+                   fp8_kv_bytes_per_launch=fp8_bytes, fp8_rel_err_vs_paged=round(fp8_err, 5),
                    paged_fp8_tb_per_s=round(fp8_bytes / row["paged_fp8_us"] / 1e6, 3),
                    paged_fp8_over_paged=round(row["paged_fp8_us"] / row["paged_us"], 4))
     del states, fns, first

@@ -180,8 +180,9 @@ def paged_attention_rows(reps: int, shapes: list[tuple[int, int]], min_calls: in
             bench.time_chain(fn, state, 2)  # compiled and warm
             native.phase_counters(int(dev.local_hardware_id))  # clear what compilation and warm-up left
             seconds = [bench.time_chain(fn, state, 1) / p["calls"] for _ in range(reps)]
-            row = {"kernel": "paged_attention", "pool": pool, "rows": n, "context": ctx,
-                   "splits": bench.attention.splits_for(n, kv, p["m"] * block), "calls": p["calls"],
+            splits = bench.attention.splits_for(n, kv, p["m"] * block, fp8_pools=pool == "fp8")
+            row = {"kernel": "paged_attention", "pool": pool, "rows": n, "context": ctx, "splits": splits,
+                   "calls": p["calls"],
                    "chain_us_per_call": round(statistics.median(seconds) * 1e6, 2)}
             counters = native.phase_counters(int(dev.local_hardware_id))
             row.update(summarise("paged_attention", counters))

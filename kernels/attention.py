@@ -27,6 +27,10 @@ KERNEL_GROUPS = (1, 2, 4, 8)  # up to kAttnMaxGroup in csrc/decode_attention.cuh
 # Blocks resident at once: two per SM of an H100/H200 (132 SMs; the kernel's registers allow two).
 # Splitting into more would start a second wave of blocks, which costs more than longer slices.
 TARGET_BLOCKS = 264
+# The FP8 pools' kernel (128 registers a thread, a 34 KB ring) fits four blocks per SM. With two, its
+# ring holds half the bytes of a 16-bit pool's in flight: at batch 32, one wave of 256 blocks moved
+# 1.85 TB/s of FP8 against 3.57 of bf16 in the same time (benchmarks/NOTES.md).
+TARGET_BLOCKS_FP8 = 528
 MIN_SLICE = 64  # positions per block below which splitting the sequence further does not pay
 PORTABLE_SPLITS = 8  # the portable cluster size
 # Beyond the portable 8 slices, only while each keeps this many positions: on an H200 at batch 1,
@@ -41,9 +45,10 @@ POOL_ROW_LIMIT = 0xFFFFFFFF  # kPagedRowLimit in csrc/paged_attention.cuh
 MAX_TABLE_POSITIONS = (1 << 31) - 1  # M x B: positions are int32
 
 
-def splits_for(n: int, kv_heads: int, cache_len: int) -> int:
-    """How many slices of the sequence each (row, KV head) is split into."""
-    fit = TARGET_BLOCKS // max(n * kv_heads, 1)
+def splits_for(n: int, kv_heads: int, cache_len: int, fp8_pools: bool = False) -> int:
+    """How many slices of the sequence each (row, KV head) is split into (the launch lowers it further
+    where the clusters would not fit in one wave)."""
+    fit = (TARGET_BLOCKS_FP8 if fp8_pools else TARGET_BLOCKS) // max(n * kv_heads, 1)
     portable = min(fit, math.ceil(cache_len / MIN_SLICE), PORTABLE_SPLITS)
     wide = min(fit, cache_len // WIDE_MIN_SLICE, MAX_SPLITS)
     return max(1, portable, wide)
@@ -229,7 +234,7 @@ def _paged_kernel(qkv, k_pool, v_pool, block_tables, positions, write_at):
 def _paged_fp8_kernel(qkv, k_pool, v_pool, block_tables, positions, write_at):
     n, total, d = qkv.shape
     kv, bs = k_pool.shape[1], k_pool.shape[2]
-    splits = splits_for(n, kv, block_tables.shape[1] * bs)
+    splits = splits_for(n, kv, block_tables.shape[1] * bs, fp8_pools=True)
     data, scales = jax.ShapeDtypeStruct(k_pool.data.shape, k_pool.data.dtype), jax.ShapeDtypeStruct(
         k_pool.scale.shape, k_pool.scale.dtype)
     out, k_data, k_scale, v_data, v_scale = jax.ffi.ffi_call(

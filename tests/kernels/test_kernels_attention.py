@@ -95,6 +95,11 @@ def test_split_and_support_rules():
     assert attention.splits_for(64, 8, 1152) == 1  # enough blocks already
     assert attention.splits_for(2, 8, 64) == 1  # never slices shorter than MIN_SLICE positions
     assert attention.splits_for(1, 1, 131072) == attention.MAX_SPLITS
+    # FP8 pools: twice the blocks at once, where the rows alone would leave half the room empty
+    assert attention.splits_for(32, 8, 1152, fp8_pools=True) == 2
+    assert attention.splits_for(8, 8, 1152, fp8_pools=True) == 8
+    assert attention.splits_for(64, 8, 1152, fp8_pools=True) == 1
+    assert attention.splits_for(1, 8, 1152, fp8_pools=True) == attention.splits_for(1, 8, 1152)
     assert attention.kernel_supports(jnp.bfloat16, 128, 4) and attention.kernel_supports(jnp.float16, 64, 8)
     assert not attention.kernel_supports(jnp.float32, 128, 4)
     assert not attention.kernel_supports(jnp.bfloat16, 96, 4) and not attention.kernel_supports(jnp.bfloat16, 128, 3)
