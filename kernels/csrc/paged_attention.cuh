@@ -255,6 +255,20 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       qa[k][1] = *reinterpret_cast<const uint32_t*>(qg + (kFp8 ? 2 : 8));
     }
   }
+  // Slice 0's warp 0 writes the new K/V and attends the new token; their values are loaded now,
+  // beside the queries, not after the first copies are issued (slice 0 finished last in its
+  // cluster: benchmarks/NOTES.md).
+  constexpr int E = D / 32;
+  float k_new[E], v_new[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) k_new[e] = v_new[e] = 0.f;
+  if (s == 0 && warp == 0) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      k_new[e] = to_f32(kn[lane * E + e]);
+      v_new[e] = to_f32(vn[lane * E + e]);
+    }
+  }
   const int wat = row.wat, cached = row.cached;
   const bool writes = row.writes, tail = row.tail;
   // Slices start on stage boundaries, so only a slice's last stage is partial.
@@ -340,7 +354,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
   using P = typename std::conditional<kFp8, __half, T>::type;  // the products' operand type
   // The output dimension of this thread's column c of tile j (FP8 permutes them, see the top).
   auto out_dim = [&](int j, int c) { return kFp8 ? (2 * quad + c) * NT + j : 8 * j + 2 * quad + c; };
-  constexpr int E = D / 32;
   // FP8: the new K/V's rounding (warp 0 of slice 0, which stores them and attends the tail).
   Fp8RowScale k_round(0.f), v_round(0.f);
   if (s == 0 && warp == 0 && writes) {  // the new K/V into the pool (read from qkv by this launch)
@@ -348,8 +361,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       float km = 0.f, vm = 0.f;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        km = fmaxf(km, fabsf(to_f32(kn[lane * E + e])));
-        vm = fmaxf(vm, fabsf(to_f32(vn[lane * E + e])));
+        km = fmaxf(km, fabsf(k_new[e]));
+        vm = fmaxf(vm, fabsf(v_new[e]));
       }
       k_round = Fp8RowScale(attn_warp_max(km));
       v_round = Fp8RowScale(attn_warp_max(vm));
@@ -360,8 +373,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       if constexpr (kFp8) {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          kc[at + e] = k_round.quantize(to_f32(kn[lane * E + e]));
-          vc[at + e] = v_round.quantize(to_f32(vn[lane * E + e]));
+          kc[at + e] = k_round.quantize(k_new[e]);
+          vc[at + e] = v_round.quantize(v_new[e]);
         }
         if (lane == 0) {
           a.k_scale[pool_row] = k_round.scale;
@@ -373,8 +386,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
       }
     }
   }
-  // The new K/V as the pool gives them back: qkv's own, or (FP8) their rounding.
-  auto new_k = [&](int i) { return kFp8 ? to_f32(k_round.stored<T>(to_f32(kn[i]))) : to_f32(kn[i]); };
   // The new V for the tail's accumulators: its own, or (FP8) its e4m3 values, whose scale goes into m_v.
   auto new_v = [&](int i) { return kFp8 ? static_cast<float>(v_round.quantize(to_f32(vn[i]))) : to_f32(vn[i]); };
 
@@ -387,12 +398,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32) paged_attn_kernel(AttnArgs a)
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   if (tail && s == 0 && warp == 0) {  // the new token alone: m = its score, l = 1, acc = its V
+    // The new K as the pool gives it back: qkv's own, or (FP8) its rounding.
+    float k_back[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) k_back[e] = kFp8 ? to_f32(k_round.stored<T>(k_new[e])) : k_new[e];
     float part[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       part[g] = 0.f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) part[g] += to_f32(q[g * D + lane * E + e]) * new_k(lane * E + e);
+      for (int e = 0; e < E; ++e) part[g] += to_f32(q[g * D + lane * E + e]) * k_back[e];
       part[g] = attn_warp_sum(part[g]);
     }
     if (g_row < G) {
