@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", nargs="+", default=["bf16"], choices=sorted(sibling("decode")["WEIGHTS"]),
                         help="layer matrices: bf16, or FP8 quantized at load (the engine's product policy); "
                              "each format on random weights of its own, one after the other")
+    parser.add_argument("--kv-cache", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                        help="KV cache: the model's dtype, or FP8 with a scale per position and head; each "
+                             "after the other on the same weights")
     parser.add_argument("--no-warmup", action="store_true",
                         help="compile each program on first use (the untimed first run of each measure) instead "
                              "of every program first; no warm-up row")
@@ -225,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     max_seq = -(-(longest + 64) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
     rows = []
     for weights_kind in args.weights:
-        weights = None  # this format's random weights, shared by its step budgets
-        for step_tokens in args.step_tokens:
-            at = {"weights": weights_kind, "step_tokens": step_tokens}  # every row's
+        weights = None  # this format's random weights, shared by its step budgets and KV formats
+        for kv_cache, step_tokens in ((k, s) for k in args.kv_cache for s in args.step_tokens):
+            at = {"weights": weights_kind, "kv_cache": kv_cache, "step_tokens": step_tokens}  # every row's
             config = EngineConfig(batch_slots=args.batch_slots, max_seq_len=max_seq, strategy="xla", dtype="bfloat16",
                                   kv_tokens=max(4, args.batch_slots // 2) * max_seq, step_tokens=step_tokens,
-                                  **sibling("decode")["WEIGHTS"][weights_kind])
+                                  kv_cache_dtype=kv_cache, **sibling("decode")["WEIGHTS"][weights_kind])
             if weights is None:
                 engine = drive()["random_engine"](spec, config)
                 weights = drive()["weights_of"](engine)
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine = drive()["engine_on"](weights, config)
             if not args.no_warmup:
                 warm = engine.warmup().seconds
-                print(f"{weights_kind}, step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
+                print(f"{weights_kind}, KV {kv_cache}, step tokens {step_tokens}: warm-up {warm:.1f} s", flush=True)
                 rows.append({"kind": "warm-up", **at, "programs": engine.compiled_count(),
                              "s": round(warm, 1)})
             kv = drive()["books"](engine)
@@ -273,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({100 * s_ms / f_ms:.1f}%)", flush=True)
             if args.profile_dir:
                 rows.append({"kind": "profile", **at,
-                             **profile(engine, kv, rng, args, f"{args.profile_dir}/{weights_kind}-{step_tokens}")})
+                             **profile(engine, kv, rng, args,
+                                       f"{args.profile_dir}/{weights_kind}-kv-{kv_cache}-{step_tokens}")})
             del engine, kv
             gc.collect()
     device = jax.devices()[0]
