@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import itertools
 import json
 import os
 import runpy
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for weights_kind in args.weights:
         weights = None  # this format's random weights, shared by its step budgets and KV formats
-        for kv_cache, step_tokens in ((k, s) for k in args.kv_cache for s in args.step_tokens):
+        for kv_cache, step_tokens in itertools.product(args.kv_cache, args.step_tokens):
             at = {"weights": weights_kind, "kv_cache": kv_cache, "step_tokens": step_tokens}  # every row's
             config = EngineConfig(batch_slots=args.batch_slots, max_seq_len=max_seq, strategy="xla", dtype="bfloat16",
                                   kv_tokens=max(4, args.batch_slots // 2) * max_seq, step_tokens=step_tokens,
